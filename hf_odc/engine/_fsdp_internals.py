@@ -1,0 +1,223 @@
+"""Every use of FSDP2's private state, in one place.
+
+FSDP2's public extension points (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) let ODC replace the two
+collectives, but a custom comm is told neither which parameters it serves nor how FSDP laid them out. ODC needs both
+to publish each shard where peers can read it and to route pushed gradient pieces back to the right ``.grad``. So this
+module reads, and nothing else does:
+
+* ``FSDPModule._get_fsdp_state()`` and the state's parameter group(s) (``_fsdp_param_groups`` in torch 2.13, a single
+  ``_fsdp_param_group`` in 2.11);
+* per group: ``fsdp_params``, ``mp_policy``, ``mesh_info``, ``post_forward_mesh_info``, ``gradient_divide_factor``
+  and ``force_sum_reduction_for_comms``;
+* per parameter: ``sharded_param``, ``sharded_size``, ``padded_sharded_param_size``, ``fsdp_placement``,
+  ``offload_to_cpu`` and whether its local shard has an all-gather extension (``fsdp_pre_all_gather``);
+* the comm interfaces ``AllGather`` / ``ReduceScatter``, which ``set_custom_*`` take but torch does not export;
+* ``_get_gradient_divide_factors``, so that ODC's gradients follow FSDP's own divide-factor rules exactly.
+
+Checked against torch 2.11 (CUDA) and 2.13 (the CI's CPU build). Other versions are refused unless
+``HF_ODC_ALLOW_UNTESTED_TORCH=1``: a silent layout change would mean silently wrong gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor import Shard
+
+__all__ = [
+    "AllGather",
+    "GroupSpec",
+    "ParamSpec",
+    "ReduceScatter",
+    "check_torch_version",
+    "describe_groups",
+    "gradient_divisor",
+    "install_comms",
+]
+
+CHECKED_TORCH_VERSIONS = ((2, 11), (2, 13))
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    major_minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    if major_minor in CHECKED_TORCH_VERSIONS:
+        return
+    if os.environ.get("HF_ODC_ALLOW_UNTESTED_TORCH") == "1":
+        return
+    checked = ", ".join(f"{a}.{b}" for a, b in CHECKED_TORCH_VERSIONS)
+    raise RuntimeError(
+        f"hf_odc reads FSDP2 internals that it has checked on torch {checked}, but this is torch {version}. "
+        "Install a checked version, or set HF_ODC_ALLOW_UNTESTED_TORCH=1 and run hf_odc's parity tests first."
+    )
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One FSDP-managed parameter, as laid out in its group's all-gather input and reduce-scatter chunks.
+
+    Attributes:
+        param: the sharded parameter (a DTensor ``nn.Parameter``, ``Shard(0)`` over the group).
+        fqn: its name in the model (the first name, for a tied parameter).
+        sharded_size: this rank's unpadded local shard shape.
+        padded_numel: the padded shard's numel; every rank's slot for this parameter has this size.
+    """
+
+    param: nn.Parameter
+    fqn: str
+    sharded_size: torch.Size
+    padded_numel: int
+
+    @property
+    def sharded_numel(self) -> int:
+        return math.prod(self.sharded_size)
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One FSDP parameter group (the parameters of one ``fully_shard`` call), with what ODC needs to know of it."""
+
+    fqn: str
+    params: tuple[ParamSpec, ...]
+    gather_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    process_group: dist.ProcessGroup
+    module: FSDPModule
+    handle: object  # the FSDPParamGroup, opaque outside this module
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements per rank in the all-gather (every parameter's padded shard)."""
+        return sum(p.padded_numel for p in self.params)
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements per rank in the reduce-scatter (the trainable parameters' padded shards)."""
+        return sum(p.padded_numel for p in self.params if p.trainable)
+
+
+def _param_groups(module: FSDPModule) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch 2.11: at most one group per module
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _gather_dtype(group, fqn: str) -> torch.dtype:
+    """The dtype FSDP all-gathers in: ``mp_policy.param_dtype`` for floating parameters, else their own dtype."""
+    param_dtype = group.mp_policy.param_dtype
+    dtypes = set()
+    for fsdp_param in group.fsdp_params:
+        orig = fsdp_param.sharded_param.dtype
+        dtypes.add(param_dtype if param_dtype is not None and orig.is_floating_point else orig)
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"hf_odc: the FSDP group {fqn!r} all-gathers parameters of several dtypes {sorted(map(str, dtypes))}; "
+            "ODC needs one dtype per fully_shard call. Cast the module's parameters to one dtype first."
+        )
+    return dtypes.pop()
+
+
+def _check_supported(group, fqn: str) -> None:
+    if group.post_forward_mesh_info is not None and group.post_forward_mesh_info != group.mesh_info:
+        raise ValueError(
+            f"hf_odc: {fqn!r} reshards to a smaller mesh after forward (reshard_after_forward=<int>); ODC supports "
+            "reshard_after_forward=True or False."
+        )
+    if getattr(group.mesh_info, "replicate_mesh_dim", None) is not None:
+        raise ValueError(f"hf_odc: {fqn!r} uses HSDP (a 2-D mesh); ODC supports a 1-D FSDP mesh.")
+    for fsdp_param in group.fsdp_params:
+        if fsdp_param.offload_to_cpu:
+            raise ValueError(f"hf_odc: {fqn!r} uses CPUOffloadPolicy, which ODC does not support.")
+        if fsdp_param.fsdp_placement != Shard(0):
+            raise ValueError(
+                f"hf_odc: {fqn!r} shards a parameter on {fsdp_param.fsdp_placement}; ODC supports Shard(0) only "
+                "(drop shard_placement_fn)."
+            )
+        if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+            raise ValueError(f"hf_odc: {fqn!r} has a parameter with an FSDP all-gather extension (e.g. float8).")
+
+
+def describe_groups(model: nn.Module) -> list[GroupSpec]:
+    """Every FSDP parameter group in ``model``, in module order, validated for ODC."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    specs = []
+    for module_fqn, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = _param_groups(module)
+        fqn = module_fqn or "<root>"
+        if len(groups) > 1:
+            raise ValueError(f"hf_odc: {fqn!r} has several FSDP parameter groups (per-parameter meshes); ODC needs 1.")
+        for group in groups:
+            _check_supported(group, fqn)
+            params = tuple(
+                ParamSpec(
+                    param=fp.sharded_param,
+                    fqn=names.get(id(fp.sharded_param), "?"),
+                    sharded_size=torch.Size(fp.sharded_size),
+                    padded_numel=math.prod(fp.padded_sharded_param_size),
+                )
+                for fp in group.fsdp_params
+            )
+            gather_dtype = _gather_dtype(group, fqn)
+            specs.append(
+                GroupSpec(
+                    fqn=fqn,
+                    params=params,
+                    gather_dtype=gather_dtype,
+                    # Gradients come out of autograd in the compute (= gather) dtype; FSDP reduces them in
+                    # mp_policy.reduce_dtype if one is set.
+                    reduce_dtype=group.mp_policy.reduce_dtype or gather_dtype,
+                    process_group=group.mesh_info.shard_process_group,
+                    module=module,
+                    handle=group,
+                )
+            )
+    return specs
+
+
+def install_comms(spec: GroupSpec, all_gather, reduce_scatter=None) -> None:
+    """Route ``spec``'s all-gather and reduce-scatter through ODC's comms, with FSDP2's public setters.
+
+    Unused trainable parameters are reduce-scattered as zeros, which keeps the reduce-scatter layout the same in
+    every backward. A group with no trainable parameter never reduce-scatters and gets no ``reduce_scatter``.
+    """
+    module = spec.module
+    module.set_custom_all_gather(all_gather)
+    if reduce_scatter is not None:
+        module.set_custom_reduce_scatter(reduce_scatter)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def gradient_divisor(spec: GroupSpec, device_type: str) -> float:
+    """What FSDP divides the *sum* of the ranks' reduce-scatter inputs by, minus what it already divided them by.
+
+    FSDP may pre-divide the reduce-scatter input (fp16 overflow guard) and divides the rest after the collective,
+    or lets the collective average. ODC sums raw pushes, so it divides by the remainder once, at the minibatch's end.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    group = spec.handle
+    pg = spec.process_group
+    pre, _post, _rs_op, _ar_op = _get_gradient_divide_factors(
+        pg, None, spec.reduce_dtype, device_type, group.gradient_divide_factor, group.force_sum_reduction_for_comms
+    )
+    factor = group.gradient_divide_factor
+    if factor is None:
+        factor = float(pg.size())
+    return factor / (pre or 1.0)

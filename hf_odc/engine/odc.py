@@ -1,0 +1,244 @@
+"""``hf_odc.enable``: On-Demand Communication on a model sharded with FSDP2.
+
+Inside ``with odc.minibatch():`` no collective and no barrier runs. A layer's forward/backward reads the parameter
+shards it needs from their owners' mirrors and pushes its gradient pieces into their owners' accumulators, so each
+rank may run a different number of microbatches (zero included). Entering and leaving ``minibatch()`` are the only
+synchronisation points:
+
+* enter: publish this rank's (freshly optimised) shards into its mirror, clear its accumulator, barrier;
+* exit: barrier (every push has landed), then install the accumulated gradients as ``.grad``.
+
+Gradient semantics (what a user scales the loss by)
+---------------------------------------------------
+On exit each trainable sharded parameter's ``.grad`` holds what FSDP2 produces for one backward per rank, with the
+same DTensor placement and FSDP's divide factor ``F`` (the data-parallel world size ``W`` by default, or what
+``set_gradient_divide_factor`` set)::
+
+    grad = (1 / F) * sum over ranks r, sum over r's microbatches m of d(loss_m) / d(param)
+
+and it is *added* to a ``.grad`` that was not cleared, as FSDP accumulates. With FSDP's default ``F = W`` and
+``loss_m`` the *sum* of the per-token losses of microbatch ``m``, the update equals full-minibatch training on the
+mean token loss when every rank scales by the global count of target tokens ``N`` of the minibatch::
+
+    (model(**mb).loss_sum * W / N).backward()     # W = world size, N = target tokens over all ranks' microbatches
+
+``N`` is one all-reduce per minibatch, outside ``minibatch()`` (or the trainer's job). The ranks' splits of the
+minibatch, including empty ones, do not change the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ..kernels import Transport, make_transport
+from ._fsdp_internals import GroupSpec, check_torch_version, describe_groups, gradient_divisor, install_comms
+from .buffers import GroupSlots, allocate_slots
+from .comms import ODCAllGather, ODCReduceScatter
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class MinibatchStats:
+    """Timings of the last minibatch on this rank, in seconds.
+
+    ``busy`` is the time between the end of the entry barrier and the arrival at the exit barrier (this rank's own
+    work); ``wait`` is the time spent in the exit barrier waiting for slower peers.
+    """
+
+    busy: float = 0.0
+    wait: float = 0.0
+
+
+class ODC:
+    """The handle :func:`enable` returns. Use :meth:`minibatch` around each rank's share of a minibatch."""
+
+    def __init__(self, model: nn.Module, specs: list[GroupSpec], transport: Transport):
+        self.model = model
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self._slots: list[GroupSlots] = allocate_slots(specs, transport)
+        self._in_minibatch = False
+        self._closed = False
+        self._requires_grad = [tuple(p.trainable for p in s.params) for s in specs]
+        self.last = MinibatchStats()
+        self._sinks = self._make_sinks()
+        for slots in self._slots:
+            spec = slots.spec
+            sink = self._sinks.get(spec.reduce_dtype)
+            install_comms(
+                spec,
+                ODCAllGather(slots, transport, self._is_in_minibatch),
+                ODCReduceScatter(slots, transport, self._is_in_minibatch, sink) if sink is not None else None,
+            )
+
+    def _make_sinks(self) -> dict[torch.dtype, torch.Tensor]:
+        sizes: dict[torch.dtype, int] = {}
+        device = None
+        for slots in self._slots:
+            spec = slots.spec
+            if spec.grad_numel:
+                sizes[spec.reduce_dtype] = max(sizes.get(spec.reduce_dtype, 0), spec.grad_numel)
+                device = spec.params[0].param.device
+        return {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+
+    def _is_in_minibatch(self) -> bool:
+        return self._in_minibatch
+
+    # -- minibatch boundaries -------------------------------------------------------------------------------------
+
+    def _check_frozen_set_unchanged(self) -> None:
+        for slots, flags in zip(self._slots, self._requires_grad, strict=True):
+            now = tuple(p.trainable for p in slots.spec.params)
+            if now != flags:
+                changed = [p.fqn for p, a, b in zip(slots.spec.params, flags, now, strict=True) if a != b]
+                raise RuntimeError(
+                    f"hf_odc: requires_grad changed after hf_odc.enable() for {changed}; freeze or unfreeze "
+                    "parameters before enabling ODC (the gradient buffers are laid out for the frozen set)."
+                )
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Copy this rank's shards into its mirror and clear its accumulator, for the minibatch about to start."""
+        for slots in self._slots:
+            mirror = slots.mirror_slot()
+            offset = 0
+            for p in slots.spec.params:
+                local = p.param.to_local()
+                mirror[offset : offset + p.sharded_numel].copy_(local.reshape(-1))
+                offset += p.padded_numel
+            if slots.accum is not None:
+                self._detach_grads_from_accumulator(slots)
+                slots.accum_slot().zero_()
+
+    def _detach_grads_from_accumulator(self, slots: GroupSlots) -> None:
+        """A ``.grad`` kept from the last minibatch (no ``zero_grad``) still views the accumulator: copy it out."""
+        acc = slots.accum_slot()
+        lo, hi = acc.data_ptr(), acc.data_ptr() + acc.numel() * acc.element_size()
+        for p in slots.spec.params:
+            grad = p.param.grad
+            if grad is not None and lo <= grad.to_local().data_ptr() < hi:
+                p.param.grad = grad.clone()
+
+    @torch.no_grad()
+    def _install_grads(self) -> None:
+        sink_ptrs = {t.untyped_storage().data_ptr() for t in self._sinks.values()}
+        device_type = self.transport_device_type
+        for slots in self._slots:
+            if slots.accum is None:
+                continue
+            spec = slots.spec
+            divisor = gradient_divisor(spec, device_type)
+            acc = slots.accum_slot()
+            if divisor != 1.0:
+                acc.div_(divisor)
+            offset = 0
+            for p in spec.params:
+                if not p.trainable:
+                    continue
+                local = acc[offset : offset + p.sharded_numel].view(p.sharded_size)
+                offset += p.padded_numel
+                param = p.param
+                grad = param.grad
+                if grad is not None and grad.to_local().untyped_storage().data_ptr() not in sink_ptrs:
+                    grad.to_local().add_(local)  # FSDP accumulates into a .grad that was not cleared
+                    continue
+                if local.dtype != param.dtype:
+                    local = local.to(param.dtype)
+                param.grad = DTensor.from_local(
+                    local,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+
+    @property
+    def transport_device_type(self) -> str:
+        return self._slots[0].spec.params[0].param.device.type if self._slots else "cpu"
+
+    @contextlib.contextmanager
+    def minibatch(self) -> Iterator[ODC]:
+        """Run this rank's share of one minibatch (any number of microbatches, zero included).
+
+        On entry the parameters of the last optimizer step become visible to every peer; on exit every peer's pushes
+        have landed and the trainable parameters' ``.grad`` hold the minibatch's gradients (see the module docstring).
+        Update parameters only outside this block. If the block raises, the peers' next barrier fails at once with
+        this rank's error instead of waiting for it.
+        """
+        if self._closed:
+            raise RuntimeError("hf_odc: this ODC handle was closed.")
+        if self._in_minibatch:
+            raise RuntimeError("hf_odc: minibatch() blocks do not nest.")
+        self._check_frozen_set_unchanged()
+        self._publish()
+        self.transport.barrier()
+        self._in_minibatch = True
+        start = time.perf_counter()
+        try:
+            yield self
+        except BaseException as e:
+            self._in_minibatch = False
+            self.transport.abort(f"{type(e).__name__}: {e}")
+            raise
+        self._in_minibatch = False
+        arrived = time.perf_counter()
+        self.transport.barrier()
+        self.last = MinibatchStats(busy=arrived - start, wait=time.perf_counter() - arrived)
+        self._install_grads()
+
+    def close(self) -> None:
+        """Release ODC's transport. The model must not run forward/backward afterwards: its comms are ODC's."""
+        if not self._closed:
+            self._closed = True
+            self.transport.close()
+
+
+def enable(
+    model: nn.Module,
+    *,
+    timeout: float | None = None,
+    transport: Transport | None = None,
+) -> ODC:
+    """Install On-Demand Communication on ``model``, already sharded with FSDP2's ``fully_shard``.
+
+    Call it after every ``fully_shard`` (and after freezing parameters, e.g. PEFT), before the first forward. It is
+    collective over the FSDP mesh's ranks.
+
+    Args:
+        model: the root module; every :class:`~torch.distributed.fsdp.FSDPModule` in it is switched to ODC.
+        timeout: seconds a minibatch barrier waits for a live peer before raising
+            :class:`~hf_odc.kernels.PeerFailureError` (a dead peer is reported at once). Default: ``HF_ODC_TIMEOUT``
+            or 600.
+        transport: a transport to use instead of the device's default (tests, new hardware).
+
+    Returns:
+        The :class:`ODC` handle; run each rank's microbatches inside ``with odc.minibatch():``.
+    """
+    check_torch_version()
+    if not isinstance(model, FSDPModule):
+        raise ValueError(
+            "hf_odc.enable(model) expects the root module after `fully_shard(model)` (an FSDPModule); got "
+            f"{type(model).__name__}. Shard it with torch.distributed.fsdp.fully_shard first."
+        )
+    specs = describe_groups(model)
+    groups = {tuple(dist.get_process_group_ranks(s.process_group)) for s in specs}
+    if len(groups) != 1:
+        raise ValueError(f"hf_odc: every fully_shard call must use the same mesh; got rank groups {sorted(groups)}.")
+    if timeout is None:
+        timeout = float(os.environ.get("HF_ODC_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if transport is None:
+        device = specs[0].params[0].param.device
+        transport = make_transport(device, specs[0].process_group, timeout=timeout)
+    return ODC(model, specs, transport)

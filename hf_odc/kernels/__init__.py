@@ -1,0 +1,24 @@
+"""Transports: memory every rank can reach, one-sided gather, one-sided scatter-accumulate, a barrier that cannot hang.
+
+:func:`make_transport` picks the implementation for a device: shared memory among the processes of one host on CPU
+(:class:`CpuShmTransport`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .cpu import CpuShmTransport
+from .transport import PeerFailureError, SymmetricTensor, Transport
+
+__all__ = ["CpuShmTransport", "PeerFailureError", "SymmetricTensor", "Transport", "make_transport"]
+
+
+def make_transport(device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = 600.0) -> Transport:
+    """Collective: the transport for parameters living on ``device``, over the ranks of ``group``."""
+    if device.type == "cpu":
+        return CpuShmTransport(group, timeout=timeout)
+    raise NotImplementedError(
+        f"hf_odc has no transport for {device.type!r} devices yet; ODC runs on CPU (shared memory) for now."
+    )

@@ -1,0 +1,85 @@
+"""The CPU transport: shared memory among the processes of one host.
+
+It makes ODC testable anywhere, without a GPU. Every symmetric tensor is one ``/dev/shm`` segment per rank, mapped by
+every rank (see :mod:`hf_odc.kernels._dev_shm`), so a read of a peer's shard is a plain copy from its mapping.
+Concurrent ``add_`` from several processes into one owner would lose updates, so an accumulate holds a POSIX
+byte-range lock on exactly the range it adds to: ranks pushing into different owners or layers never wait for each
+other, and a lock held by a process that dies is released by the kernel, so a crash cannot wedge the survivors.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import torch
+import torch.distributed as dist
+
+from ._dev_shm import ShmJob
+from .host_barrier import HostBarrier
+from .transport import SymmetricTensor, Transport
+
+# Lock ranges are keyed by (buffer, owner) blocks of this many elements; buffers are far smaller than 2**40 elements.
+_LOCK_BLOCK = 1 << 40
+
+
+class CpuShmTransport(Transport):
+    """:class:`~hf_odc.kernels.transport.Transport` over ``/dev/shm``; collective to construct.
+
+    Args:
+        group: the process group whose ranks communicate (all on one host); ``None`` is the default group.
+        timeout: seconds a barrier waits for a live peer before it raises.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = 600.0):
+        self._job = ShmJob(group)
+        self.rank, self.world_size = self._job.rank, self._job.world_size
+        self._maps: list = []
+        self._lock_fd = self._job.open_shared_file()
+        self._num_buffers = 0
+        control = self._map(HostBarrier.block_numel(), torch.int64)
+        self._barrier = HostBarrier(control, self.rank, self._job.pids, timeout)
+        dist.barrier(group=group)  # every control block is initialised before anyone polls it
+
+    def _map(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        nbytes = numel * dtype.itemsize
+        maps = self._job.map_symmetric(nbytes)
+        self._maps.extend(maps)
+        return tuple(torch.frombuffer(m, dtype=torch.uint8)[:nbytes].view(dtype) for m in maps)
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
+        buf = SymmetricTensor(self.rank, self._map(numel, dtype), self._num_buffers)
+        self._num_buffers += 1
+        return buf
+
+    def gather(self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor) -> None:
+        rows = out.view(self.world_size, numel)
+        for r, peer in enumerate(buf.peers):
+            rows[r].copy_(peer[offset : offset + numel])
+
+    def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
+        rows = src.view(self.world_size, numel)
+        base = buf.index * self.world_size
+        # Start with the next rank so that ranks pushing at the same moment visit owners in different orders.
+        for i in range(1, self.world_size + 1):
+            r = (self.rank + i) % self.world_size
+            start = (base + r) * _LOCK_BLOCK + offset
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX, numel, start, os.SEEK_SET)
+            try:
+                buf.peers[r][offset : offset + numel].add_(rows[r])
+            finally:
+                fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, numel, start, os.SEEK_SET)
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+    def abort(self, reason: str) -> None:
+        self._barrier.abort(reason)
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        # Unmapping is left to the garbage collector: tensors that users still hold (a ``.grad`` that views an
+        # accumulation buffer) keep their mapping alive. The names were unlinked at setup, so nothing is left behind.
+        self._maps.clear()

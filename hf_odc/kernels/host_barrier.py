@@ -1,0 +1,127 @@
+"""A barrier among the processes of one host that cannot hang: it names the peer that died, aborted or stalled.
+
+ODC meets its peers only twice per minibatch, so a barrier is cheap in count but must be robust: a peer killed in the
+middle of a minibatch must end the others with a clear error in bounded time, not leave them waiting forever as a
+collective would. Each rank owns a small control block in shared memory (its arrival count, its pid, an abort flag
+and reason); waiting ranks poll their peers' blocks and check that the peers' processes are still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from .transport import PeerFailureError
+
+_ARRIVALS, _PID, _ABORTED = 0, 1, 2
+_REASON_OFFSET = 8  # int64 slots; the reason is stored as bytes from here on
+_BLOCK_SLOTS = 64
+_REASON_BYTES = (_BLOCK_SLOTS - _REASON_OFFSET) * 8
+
+
+def _process_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a killed child that its parent has not reaped yet (a zombie) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # unreadable but present: not ours to judge
+    return state not in ("Z", "X", "x")
+
+
+class HostBarrier:
+    """Barrier over control blocks ``blocks[r]`` (int64, one per rank, in memory every rank maps).
+
+    Args:
+        blocks: every rank's control block, indexed by rank (``blocks[rank]`` is this rank's).
+        rank: this rank.
+        pids: every rank's process id, to detect a dead peer; liveness is only checked when every pid is visible
+            from this process (one pid namespace), otherwise the timeout alone bounds the wait.
+        timeout: seconds a barrier waits for a live peer before it raises :class:`PeerFailureError`.
+    """
+
+    def __init__(self, blocks: tuple[torch.Tensor, ...], rank: int, pids: tuple[int, ...], timeout: float):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        self._blocks = blocks
+        self._rank = rank
+        self._pids = pids
+        self._check_pids = all(os.path.exists(f"/proc/{p}") for p in pids)
+        self.timeout = timeout
+        self._arrivals = 0
+        own = blocks[rank]
+        own.zero_()
+        own[_PID] = os.getpid()
+
+    @staticmethod
+    def block_numel() -> int:
+        return _BLOCK_SLOTS
+
+    def _reason(self, r: int) -> str:
+        raw = self._blocks[r][_REASON_OFFSET:].numpy().tobytes()
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+    def abort(self, reason: str) -> None:
+        own = self._blocks[self._rank]
+        data = reason.encode("utf-8", "replace")[: _REASON_BYTES - 1]
+        reason_bytes = own[_REASON_OFFSET:].numpy().view(np.uint8)
+        reason_bytes[:] = 0
+        reason_bytes[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        own[_ABORTED] = 1
+
+    def _check_aborts(self) -> None:
+        for r, block in enumerate(self._blocks):
+            if r != self._rank and int(block[_ABORTED]):
+                raise PeerFailureError(f"hf_odc: rank {r} aborted: {self._reason(r)}")
+
+    def _check_alive(self, waiting_for: list[int]) -> None:
+        if not self._check_pids:
+            return
+        for r in waiting_for:
+            if not _process_alive(self._pids[r]):
+                raise PeerFailureError(
+                    f"hf_odc: rank {r} (pid {self._pids[r]}) died before reaching the minibatch barrier; "
+                    "its error, if any, is in its own log."
+                )
+
+    def wait(self) -> None:
+        """Arrive, then return once every rank has arrived at least as many times as this one.
+
+        A rank that gives up (a dead, aborted or late peer) marks itself aborted, so that peers arriving later fail
+        too instead of going on with a minibatch that did not complete everywhere.
+        """
+        try:
+            self._wait()
+        except PeerFailureError as e:
+            self.abort(f"gave up at the barrier: {e}")
+            raise
+
+    def _wait(self) -> None:
+        self._arrivals += 1
+        target = self._arrivals
+        self._blocks[self._rank][_ARRIVALS] = target
+        start = time.monotonic()
+        next_liveness_check = start
+        delay = 0.0
+        while True:
+            self._check_aborts()
+            waiting_for = [r for r, b in enumerate(self._blocks) if int(b[_ARRIVALS]) < target]
+            if not waiting_for:
+                return
+            now = time.monotonic()
+            if now >= next_liveness_check:
+                self._check_alive(waiting_for)
+                next_liveness_check = now + 0.05
+            if now - start > self.timeout:
+                raise PeerFailureError(
+                    f"hf_odc: ranks {waiting_for} did not reach the minibatch barrier within {self.timeout:g} s "
+                    "(set a longer `timeout` in hf_odc.enable(...) or HF_ODC_TIMEOUT if their minibatches are that "
+                    "slow)."
+                )
+            time.sleep(delay)
+            delay = min(1e-3, delay * 2 + 2e-5)

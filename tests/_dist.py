@@ -1,0 +1,88 @@
+"""Run a function on N CPU processes (gloo) and collect what each returns, without ever hanging the test suite."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(tmp, f"out{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+class WorkersTimedOut(RuntimeError):
+    """The workers did not finish in time; they were killed."""
+
+
+def launch(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    may_fail: frozenset[int] = frozenset(),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return their results by rank.
+
+    Raises :class:`WorkersTimedOut` (after killing them) if they outlive ``timeout``, or ``RuntimeError`` with the
+    failing ranks' tracebacks. Ranks in ``may_fail`` may die instead: their result is ``None``.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if alive:
+            raise WorkersTimedOut(f"ranks {alive} still running after {timeout:g} s")
+        errors = []
+        for r, p in enumerate(procs):
+            if p.exitcode != 0 and r not in may_fail:
+                path = os.path.join(tmp, f"err{r}.txt")
+                text = f"exit code {p.exitcode}"
+                if os.path.exists(path):
+                    with open(path) as f:
+                        text = f.read()
+                errors.append(f"--- rank {r} ---\n{text}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [
+            torch.load(path, weights_only=False) if os.path.exists(path := os.path.join(tmp, f"out{r}.pt")) else None
+            for r in range(world_size)
+        ]

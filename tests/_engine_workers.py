@@ -1,0 +1,227 @@
+"""Worker functions for the engine tests (run in spawned processes by ``_dist.launch``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+VOCAB = 128
+
+
+def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False):
+    """A 2-layer, hidden-64 Qwen2 from a config (tied embeddings), identical on every rank for one seed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    model = Qwen2ForCausalLM(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed + 1)
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+    return model
+
+
+def minibatch(step: int, n_micro: int) -> list[torch.Tensor]:
+    """``n_micro`` microbatches of token ids with different shapes (variable-length workload)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(n_micro):
+        rows = int(torch.randint(1, 3, (1,), generator=g))
+        length = int(torch.randint(5, 24, (1,), generator=g))
+        out.append(torch.randint(0, VOCAB, (rows, length), generator=g))
+    return out
+
+
+def target_tokens(ids: torch.Tensor) -> int:
+    return ids.shape[0] * (ids.shape[1] - 1)
+
+
+def loss_sum(model, ids: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the next-token losses of one microbatch."""
+    logits = model(input_ids=ids).logits.float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum")
+
+
+def trainable(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class Case:
+    """One parity scenario: per-step splits of each step's microbatches across ranks."""
+
+    splits: list[list[int]]  # rank -> microbatch indices (same for every step)
+    steps: int = 1
+    odc: bool = True
+    mixed_precision: bool = False
+    checkpointing: bool = False
+    lora: bool = False
+    reshard_after_forward: bool = True
+    lr: float = 1e-2
+    sleep_rank: int | None = None  # this rank sleeps `sleep_s` in every microbatch
+    sleep_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_micro(self) -> int:
+        return sum(len(s) for s in self.splits)
+
+
+def reference_grads(case: Case, step: int) -> dict[str, torch.Tensor]:
+    """Single process: the gradients of step ``step``'s whole minibatch on the freshly built model."""
+    model = tiny_model(lora=case.lora, checkpointing=case.checkpointing)
+    mbs = minibatch(step, case.n_micro)
+    n = sum(target_tokens(m) for m in mbs)
+    for ids in mbs:
+        (loss_sum(model, ids) / n).backward()
+    return {k: p.grad for k, p in trainable(model).items()}
+
+
+def reference(case: Case) -> dict:
+    """Single process, whole minibatch: gradients of step 0 and parameters after ``case.steps`` AdamW steps."""
+    model = tiny_model(lora=case.lora, checkpointing=case.checkpointing)
+    params = trainable(model)
+    opt = torch.optim.AdamW(params.values(), lr=case.lr)
+    grads0 = None
+    for step in range(case.steps):
+        mbs = minibatch(step, case.n_micro)
+        n = sum(target_tokens(m) for m in mbs)
+        for ids in mbs:
+            (loss_sum(model, ids) / n).backward()
+        if grads0 is None:
+            grads0 = {k: p.grad.detach().clone() for k, p in params.items()}
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads0, "params": {k: p.detach().clone() for k, p in params.items()}}
+
+
+def shard(model, case: Case):
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if case.mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    layers = model.base_model.model.model.layers if case.lora else model.model.layers
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
+    return model
+
+
+def distributed(rank: int, world_size: int, case: Case) -> dict:
+    """Sharded training on ``world_size`` ranks (ODC or plain FSDP2); returns full gradients/params on rank 0."""
+    import hf_odc
+
+    model = shard(tiny_model(lora=case.lora, checkpointing=case.checkpointing), case)
+    params = trainable(model)
+    opt = torch.optim.AdamW(params.values(), lr=case.lr)
+    odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60))) if case.odc else None
+    grads0 = None
+    times = []
+    for step in range(case.steps):
+        mbs = minibatch(step, case.n_micro)
+        n = sum(target_tokens(m) for m in mbs)
+        mine = [mbs[i] for i in case.splits[rank]]
+        with odc.minibatch() if odc is not None else contextlib.nullcontext():
+            for ids in mine:
+                if case.sleep_rank == rank:
+                    time.sleep(case.sleep_s)
+                (loss_sum(model, ids) * world_size / n).backward()
+                times.append(time.monotonic())
+        if grads0 is None:
+            grads0 = {k: p.grad.full_tensor().float() for k, p in params.items()}
+        opt.step()
+        opt.zero_grad()
+    final = {k: p.detach().full_tensor().float() for k, p in params.items()}
+    prefix = None
+    if odc is not None:
+        prefix = odc.transport._job.prefix
+        odc.close()
+    return {"grads": grads0, "params": final, "times": times, "prefix": prefix}
+
+
+def faulty(rank: int, world_size: int, case: Case) -> dict:
+    """Rank 1 misbehaves inside the first minibatch (``case.extra["fault"]``); the others report what they saw.
+
+    ``kill``: SIGKILL itself; ``raise``: raise an exception out of ``minibatch()``; ``stall``: sleep past the timeout.
+    """
+    import signal
+
+    import hf_odc
+
+    model = shard(tiny_model(), case)
+    odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60)))
+    prefix = odc.transport._job.prefix
+    mbs = minibatch(0, case.n_micro)
+    n = sum(target_tokens(m) for m in mbs)
+    start = time.monotonic()
+    fault = case.extra["fault"]
+    try:
+        with odc.minibatch():
+            for i in case.splits[rank]:
+                (loss_sum(model, mbs[i]) * world_size / n).backward()
+            if rank == 1 and fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == 1 and fault == "raise":
+                raise ValueError("bad batch on purpose")
+            if rank == 1 and fault == "stall":
+                time.sleep(float(case.extra["stall_s"]))
+    except (hf_odc.PeerFailureError, ValueError) as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    odc.close()
+    return {"error": error, "elapsed": time.monotonic() - start, "prefix": prefix}
+
+
+def accumulation_and_divide_factor(rank: int, world_size: int, case: Case) -> dict:
+    """Two minibatches without ``zero_grad`` accumulate (as FSDP does); ``set_gradient_divide_factor(1)`` sums."""
+    import hf_odc
+
+    model = shard(tiny_model(), case)
+    params = trainable(model)
+    odc = hf_odc.enable(model)
+    out = {}
+    for label in ("first", "both"):
+        step = 0 if label == "first" else 1
+        mbs = minibatch(step, case.n_micro)
+        n = sum(target_tokens(m) for m in mbs)
+        with odc.minibatch():
+            for i in case.splits[rank]:
+                (loss_sum(model, mbs[i]) * world_size / n).backward()
+        out[label] = {k: p.grad.full_tensor() for k, p in params.items()}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    for p in params.values():
+        p.grad = None
+    mbs = minibatch(0, case.n_micro)
+    n = sum(target_tokens(m) for m in mbs)
+    with odc.minibatch():
+        for i in case.splits[rank]:
+            (loss_sum(model, mbs[i]) * world_size / n).backward()
+    out["sum"] = {k: p.grad.full_tensor() for k, p in params.items()}
+    odc.close()
+    return out

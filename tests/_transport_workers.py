@@ -1,0 +1,26 @@
+"""Worker functions for the CPU transport tests."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_odc.kernels import CpuShmTransport
+
+
+def hammer(rank: int, world_size: int, numel: int, rounds: int) -> dict:
+    """Every rank pushes into every owner ``rounds`` times at once; returns what each owner ends up holding."""
+    t = CpuShmTransport(timeout=30)
+    acc = t.allocate(numel, torch.float32)
+    params = t.allocate(numel, torch.bfloat16)
+    params.local.copy_(torch.arange(numel) + 1000 * rank)
+    t.barrier()
+    gathered = torch.empty(world_size * numel, dtype=torch.bfloat16)
+    t.gather(params, 0, numel, gathered)
+    # Small integers in fp32 add exactly in any order, so a lost update shows as a wrong sum.
+    src = torch.stack([torch.full((numel,), float(rank + 1 + owner)) for owner in range(world_size)])
+    for _ in range(rounds):
+        t.scatter_accumulate(acc, 0, numel, src.to(torch.bfloat16))
+    t.barrier()
+    out = {"acc": acc.local.clone(), "gathered": gathered.float(), "prefix": t._job.prefix}
+    t.close()
+    return out

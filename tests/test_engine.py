@@ -1,0 +1,152 @@
+"""The ODC engine on FSDP2 (CPU transport, gloo): parity with single-process training and with plain FSDP2 for any
+split of the minibatch, decoupling of the ranks, and faults that end in a clear error with nothing left behind."""
+
+from __future__ import annotations
+
+import glob
+import re
+
+import pytest
+import torch
+from _dist import WorkersTimedOut, launch
+from _engine_workers import Case, accumulation_and_divide_factor, distributed, faulty, reference, reference_grads
+
+import hf_odc
+from hf_odc.engine._fsdp_internals import check_torch_version
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def assert_all_close(actual: dict, expected: dict, **tol) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **tol)
+
+
+def assert_no_segments(prefix: str) -> None:
+    assert prefix and prefix.startswith("hf_odc_")
+    assert glob.glob(f"/dev/shm/{prefix}*") == []
+
+
+@pytest.mark.parametrize(
+    "splits",
+    [
+        pytest.param([[0], [1, 2, 3]], id="1-vs-3"),
+        pytest.param([[], [0, 1, 2, 3]], id="rank-without-microbatches"),
+    ],
+)
+def test_fp32_parity_with_single_process_for_uneven_splits(splits):
+    case = Case(splits=splits, steps=5, lr=1e-3)
+    ref = reference(case)
+    out = launch(distributed, 2, case)
+    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(out[0]["params"], ref["params"], **FP32)  # after 5 AdamW steps
+    assert_no_segments(out[0]["prefix"])
+
+
+def test_plain_fsdp2_matches_the_same_reference():
+    """The same reference that ODC matches is what plain FSDP2 computes on an even split."""
+    case = Case(splits=[[0, 1], [2, 3]], steps=5, lr=1e-3, odc=False)
+    out = launch(distributed, 2, case)
+    ref = reference(case)
+    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(out[0]["params"], ref["params"], **FP32)
+
+
+def test_fp32_parity_on_four_ranks():
+    case = Case(splits=[[0], [1, 2, 3], [], [4, 5]], steps=2, lr=1e-3)
+    out = launch(distributed, 4, case, timeout=180)
+    ref = reference(case)
+    for r in range(4):  # every rank sees the same full gradients and parameters
+        assert_all_close(out[r]["grads"], ref["grads"], **FP32)
+    assert_all_close(out[0]["params"], ref["params"], **FP32)
+
+
+def test_bf16_mixed_precision_matches_fsdp2():
+    """bf16 parameters, fp32 reduction. ODC (uneven split) and FSDP2 (even split) run the same bf16 microbatches;
+    only the fp32 summation order differs, so they agree to 1e-4. Against the fp32 reference, bf16 compute is only
+    accurate to a few percent of the largest gradient."""
+    odc_case = Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, mixed_precision=True)
+    fsdp_case = Case(splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
+    odc = launch(distributed, 2, odc_case)[0]
+    fsdp = launch(distributed, 2, fsdp_case)[0]
+    assert_all_close(odc["grads"], fsdp["grads"], rtol=1e-4, atol=1e-5)
+    assert_all_close(odc["params"], fsdp["params"], rtol=1e-4, atol=1e-5)
+    ref = reference(odc_case)
+    for name, g in ref["grads"].items():
+        assert (odc["grads"][name] - g).abs().max() <= 0.05 * g.abs().max() + 1e-6, name
+
+
+def test_activation_checkpointing_without_reshard_after_forward():
+    case = Case(splits=[[2, 0], [1, 3]], steps=2, lr=1e-3, checkpointing=True, reshard_after_forward=False)
+    out = launch(distributed, 2, case)
+    ref = reference(case)
+    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(out[0]["params"], ref["params"], **FP32)
+
+
+def test_lora_frozen_weights_are_gathered_never_pushed():
+    case = Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, lora=True)
+    out = launch(distributed, 2, case)
+    ref = reference(case)
+    assert out[0]["grads"] and all("lora_" in name for name in out[0]["grads"])
+    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(out[0]["params"], ref["params"], **FP32)
+
+
+def test_grads_accumulate_across_minibatches_and_honour_the_divide_factor():
+    case = Case(splits=[[0], [1, 2, 3]])
+    out = launch(accumulation_and_divide_factor, 2, case)[0]
+    first, second = reference_grads(case, 0), reference_grads(case, 1)
+    assert_all_close(out["first"], first, **FP32)
+    assert_all_close(out["both"], {k: first[k] + second[k] for k in first}, **FP32)  # no zero_grad in between
+    assert_all_close(out["sum"], {k: 2 * v for k, v in first.items()}, **FP32)  # F=1 instead of W=2
+
+
+def test_plain_fsdp2_cannot_run_uneven_microbatch_counts():
+    """The reason ODC exists: with 1 vs 3 microbatches, FSDP2's per-layer collectives wait for a rank that never
+    comes (bounded here by a 5 s process-group timeout), while ODC finishes (the parity tests above)."""
+    case = Case(splits=[[0], [1, 2, 3]], odc=False)
+    with pytest.raises((RuntimeError, WorkersTimedOut)):
+        launch(distributed, 2, case, timeout=60, pg_timeout=5)
+
+
+def test_a_slow_rank_does_not_slow_the_others():
+    """Rank 1 sleeps 200 ms in each of its 4 microbatches; rank 0 finishes all of its 4 before rank 1 is half done."""
+    case = Case(splits=[[0, 1, 2, 3], [4, 5, 6, 7]], sleep_rank=1, sleep_s=0.2)
+    out = launch(distributed, 2, case)
+    fast, slow = out[0]["times"], out[1]["times"]
+    assert len(fast) == len(slow) == 4
+    assert fast[-1] < slow[1], (fast, slow)
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("kill", r"rank 1 \(pid \d+\) died"),
+        ("raise", "rank 1 aborted: ValueError: bad batch on purpose"),
+        ("stall", r"ranks \[1\] did not reach the minibatch barrier within 3 s"),
+    ],
+)
+def test_a_failing_peer_ends_the_others_with_an_error_naming_it(fault, expected):
+    case = Case(splits=[[0], [1, 2, 3]], extra={"fault": fault, "timeout": 3, "stall_s": 6})
+    out = launch(faulty, 2, case, timeout=90, may_fail=frozenset({1}))
+    survivor = out[0]
+    assert survivor["error"] is not None and re.search(expected, survivor["error"]), survivor["error"]
+    assert survivor["elapsed"] < 10  # bounded: the timeout is 3 s, a death is seen within ~50 ms
+    assert_no_segments(survivor["prefix"])
+
+
+def test_enable_refuses_a_model_that_is_not_sharded():
+    with pytest.raises(ValueError, match="fully_shard"):
+        hf_odc.enable(torch.nn.Linear(2, 2))
+
+
+def test_unchecked_torch_versions_are_refused(monkeypatch):
+    monkeypatch.delenv("HF_ODC_ALLOW_UNTESTED_TORCH", raising=False)
+    check_torch_version("2.13.0+cpu")
+    check_torch_version("2.11.0+cu130")
+    with pytest.raises(RuntimeError, match="HF_ODC_ALLOW_UNTESTED_TORCH=1"):
+        check_torch_version("2.14.0")
+    monkeypatch.setenv("HF_ODC_ALLOW_UNTESTED_TORCH", "1")
+    check_torch_version("2.14.0")

@@ -1,0 +1,21 @@
+"""The CPU shared-memory transport: one-sided reads, lossless concurrent accumulation, no leftovers."""
+
+from __future__ import annotations
+
+import glob
+
+import torch
+from _dist import launch
+from _transport_workers import hammer
+
+
+def test_concurrent_pushes_into_every_owner_lose_no_update():
+    world_size, numel, rounds = 4, 1 << 15, 40
+    out = launch(hammer, world_size, numel, rounds, timeout=180)
+    for owner, result in enumerate(out):
+        expected = rounds * sum(src + 1 + owner for src in range(world_size))
+        assert torch.equal(result["acc"], torch.full((numel,), float(expected))), owner
+        rows = result["gathered"].view(world_size, numel)
+        for peer in range(world_size):
+            assert torch.equal(rows[peer], (torch.arange(numel) + 1000 * peer).to(torch.bfloat16).float())
+    assert glob.glob(f"/dev/shm/{out[0]['prefix']}*") == []
