@@ -14,14 +14,16 @@ from typing import Any
 import torch
 
 
-def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float, cuda: bool) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if cuda:
+        torch.cuda.set_device(rank)
     try:
         dist.init_process_group(
-            "gloo",
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
             init_method=f"file://{tmp}/store",
             rank=rank,
             world_size=world_size,
@@ -29,11 +31,12 @@ def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_t
         )
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"out{rank}.pt"))
-        dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    # No destroy_process_group: after a peer died, tearing down a communicator can block; the result is saved.
+    os._exit(0)
 
 
 class WorkersTimedOut(RuntimeError):
@@ -47,16 +50,18 @@ def launch(
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
     may_fail: frozenset[int] = frozenset(),
+    cuda: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return their results by rank.
 
     Raises :class:`WorkersTimedOut` (after killing them) if they outlive ``timeout``, or ``RuntimeError`` with the
-    failing ranks' tracebacks. Ranks in ``may_fail`` may die instead: their result is ``None``.
+    failing ranks' tracebacks. Ranks in ``may_fail`` may die instead: their result is ``None``. With ``cuda``, rank
+    ``r`` uses GPU ``r`` and NCCL.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout, cuda), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 VOCAB = 128
 
 
-def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False):
+def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, device: str = "cpu"):
     """A 2-layer, hidden-64 Qwen2 from a config (tied embeddings), identical on every rank for one seed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -40,17 +40,17 @@ def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False):
         model = get_peft_model(
             model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         )
-    return model
+    return model.to(device)
 
 
-def minibatch(step: int, n_micro: int) -> list[torch.Tensor]:
+def minibatch(step: int, n_micro: int, device: str = "cpu") -> list[torch.Tensor]:
     """``n_micro`` microbatches of token ids with different shapes (variable-length workload)."""
     g = torch.Generator().manual_seed(1000 + step)
     out = []
     for _ in range(n_micro):
         rows = int(torch.randint(1, 3, (1,), generator=g))
         length = int(torch.randint(5, 24, (1,), generator=g))
-        out.append(torch.randint(0, VOCAB, (rows, length), generator=g))
+        out.append(torch.randint(0, VOCAB, (rows, length), generator=g).to(device))
     return out
 
 
@@ -80,6 +80,7 @@ class Case:
     lora: bool = False
     reshard_after_forward: bool = True
     lr: float = 1e-2
+    device: str = "cpu"  # "cuda": rank r on GPU r, NCCL
     sleep_rank: int | None = None  # this rank sleeps `sleep_s` in every microbatch
     sleep_s: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -91,30 +92,30 @@ class Case:
 
 def reference_grads(case: Case, step: int) -> dict[str, torch.Tensor]:
     """Single process: the gradients of step ``step``'s whole minibatch on the freshly built model."""
-    model = tiny_model(lora=case.lora, checkpointing=case.checkpointing)
-    mbs = minibatch(step, case.n_micro)
+    model = tiny_model(lora=case.lora, checkpointing=case.checkpointing, device=case.device)
+    mbs = minibatch(step, case.n_micro, case.device)
     n = sum(target_tokens(m) for m in mbs)
     for ids in mbs:
         (loss_sum(model, ids) / n).backward()
-    return {k: p.grad for k, p in trainable(model).items()}
+    return {k: p.grad.cpu() for k, p in trainable(model).items()}
 
 
 def reference(case: Case) -> dict:
     """Single process, whole minibatch: gradients of step 0 and parameters after ``case.steps`` AdamW steps."""
-    model = tiny_model(lora=case.lora, checkpointing=case.checkpointing)
+    model = tiny_model(lora=case.lora, checkpointing=case.checkpointing, device=case.device)
     params = trainable(model)
     opt = torch.optim.AdamW(params.values(), lr=case.lr)
     grads0 = None
     for step in range(case.steps):
-        mbs = minibatch(step, case.n_micro)
+        mbs = minibatch(step, case.n_micro, case.device)
         n = sum(target_tokens(m) for m in mbs)
         for ids in mbs:
             (loss_sum(model, ids) / n).backward()
         if grads0 is None:
-            grads0 = {k: p.grad.detach().clone() for k, p in params.items()}
+            grads0 = {k: p.grad.detach().cpu() for k, p in params.items()}
         opt.step()
         opt.zero_grad()
-    return {"grads": grads0, "params": {k: p.detach().clone() for k, p in params.items()}}
+    return {"grads": grads0, "params": {k: p.detach().cpu() for k, p in params.items()}}
 
 
 def shard(model, case: Case):
@@ -134,14 +135,14 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
     """Sharded training on ``world_size`` ranks (ODC or plain FSDP2); returns full gradients/params on rank 0."""
     import hf_odc
 
-    model = shard(tiny_model(lora=case.lora, checkpointing=case.checkpointing), case)
+    model = shard(tiny_model(lora=case.lora, checkpointing=case.checkpointing, device=case.device), case)
     params = trainable(model)
     opt = torch.optim.AdamW(params.values(), lr=case.lr)
     odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60))) if case.odc else None
     grads0 = None
     times = []
     for step in range(case.steps):
-        mbs = minibatch(step, case.n_micro)
+        mbs = minibatch(step, case.n_micro, case.device)
         n = sum(target_tokens(m) for m in mbs)
         mine = [mbs[i] for i in case.splits[rank]]
         with odc.minibatch() if odc is not None else contextlib.nullcontext():
@@ -149,12 +150,14 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
                 if case.sleep_rank == rank:
                     time.sleep(case.sleep_s)
                 (loss_sum(model, ids) * world_size / n).backward()
+                if case.device == "cuda":
+                    torch.cuda.synchronize()
                 times.append(time.monotonic())
         if grads0 is None:
-            grads0 = {k: p.grad.full_tensor().float() for k, p in params.items()}
+            grads0 = {k: p.grad.full_tensor().float().cpu() for k, p in params.items()}
         opt.step()
         opt.zero_grad()
-    final = {k: p.detach().full_tensor().float() for k, p in params.items()}
+    final = {k: p.detach().full_tensor().float().cpu() for k, p in params.items()}
     prefix = None
     if odc is not None:
         prefix = odc.transport._job.prefix
@@ -171,10 +174,10 @@ def faulty(rank: int, world_size: int, case: Case) -> dict:
 
     import hf_odc
 
-    model = shard(tiny_model(), case)
+    model = shard(tiny_model(device=case.device), case)
     odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60)))
     prefix = odc.transport._job.prefix
-    mbs = minibatch(0, case.n_micro)
+    mbs = minibatch(0, case.n_micro, case.device)
     n = sum(target_tokens(m) for m in mbs)
     start = time.monotonic()
     fault = case.extra["fault"]
@@ -200,28 +203,28 @@ def accumulation_and_divide_factor(rank: int, world_size: int, case: Case) -> di
     """Two minibatches without ``zero_grad`` accumulate (as FSDP does); ``set_gradient_divide_factor(1)`` sums."""
     import hf_odc
 
-    model = shard(tiny_model(), case)
+    model = shard(tiny_model(device=case.device), case)
     params = trainable(model)
     odc = hf_odc.enable(model)
     out = {}
     for label in ("first", "both"):
         step = 0 if label == "first" else 1
-        mbs = minibatch(step, case.n_micro)
+        mbs = minibatch(step, case.n_micro, case.device)
         n = sum(target_tokens(m) for m in mbs)
         with odc.minibatch():
             for i in case.splits[rank]:
                 (loss_sum(model, mbs[i]) * world_size / n).backward()
-        out[label] = {k: p.grad.full_tensor() for k, p in params.items()}
+        out[label] = {k: p.grad.full_tensor().cpu() for k, p in params.items()}
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
     for p in params.values():
         p.grad = None
-    mbs = minibatch(0, case.n_micro)
+    mbs = minibatch(0, case.n_micro, case.device)
     n = sum(target_tokens(m) for m in mbs)
     with odc.minibatch():
         for i in case.splits[rank]:
             (loss_sum(model, mbs[i]) * world_size / n).backward()
-    out["sum"] = {k: p.grad.full_tensor() for k, p in params.items()}
+    out["sum"] = {k: p.grad.full_tensor().cpu() for k, p in params.items()}
     odc.close()
     return out

@@ -17,6 +17,22 @@ from hf_odc.engine._fsdp_internals import check_torch_version
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs"))])
+def device(request) -> str:
+    """Every engine test runs on CPU (shared memory, gloo) and, where 2 GPUs exist, on CUDA (symmetric memory)."""
+    return request.param
+
+
+def run(fn, case: Case, world_size: int = 2, **kwargs) -> list:
+    if case.device == "cuda" and _gpus() < world_size:
+        pytest.skip(f"needs {world_size} CUDA GPUs")
+    return launch(fn, world_size, case, cuda=case.device == "cuda", **kwargs)
+
+
 def assert_all_close(actual: dict, expected: dict, **tol) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -35,41 +51,41 @@ def assert_no_segments(prefix: str) -> None:
         pytest.param([[], [0, 1, 2, 3]], id="rank-without-microbatches"),
     ],
 )
-def test_fp32_parity_with_single_process_for_uneven_splits(splits):
-    case = Case(splits=splits, steps=5, lr=1e-3)
+def test_fp32_parity_with_single_process_for_uneven_splits(splits, device):
+    case = Case(device=device, splits=splits, steps=5, lr=1e-3)
     ref = reference(case)
-    out = launch(distributed, 2, case)
+    out = run(distributed, case)
     assert_all_close(out[0]["grads"], ref["grads"], **FP32)
     assert_all_close(out[0]["params"], ref["params"], **FP32)  # after 5 AdamW steps
     assert_no_segments(out[0]["prefix"])
 
 
-def test_plain_fsdp2_matches_the_same_reference():
+def test_plain_fsdp2_matches_the_same_reference(device):
     """The same reference that ODC matches is what plain FSDP2 computes on an even split."""
-    case = Case(splits=[[0, 1], [2, 3]], steps=5, lr=1e-3, odc=False)
-    out = launch(distributed, 2, case)
+    case = Case(device=device, splits=[[0, 1], [2, 3]], steps=5, lr=1e-3, odc=False)
+    out = run(distributed, case)
     ref = reference(case)
     assert_all_close(out[0]["grads"], ref["grads"], **FP32)
     assert_all_close(out[0]["params"], ref["params"], **FP32)
 
 
-def test_fp32_parity_on_four_ranks():
-    case = Case(splits=[[0], [1, 2, 3], [], [4, 5]], steps=2, lr=1e-3)
-    out = launch(distributed, 4, case, timeout=180)
+def test_fp32_parity_on_four_ranks(device):
+    case = Case(device=device, splits=[[0], [1, 2, 3], [], [4, 5]], steps=2, lr=1e-3)
+    out = run(distributed, case, 4, timeout=180)
     ref = reference(case)
     for r in range(4):  # every rank sees the same full gradients and parameters
         assert_all_close(out[r]["grads"], ref["grads"], **FP32)
     assert_all_close(out[0]["params"], ref["params"], **FP32)
 
 
-def test_bf16_mixed_precision_matches_fsdp2():
+def test_bf16_mixed_precision_matches_fsdp2(device):
     """bf16 parameters, fp32 reduction. ODC (uneven split) and FSDP2 (even split) run the same bf16 microbatches;
     only the fp32 summation order differs, so they agree to 1e-4. Against the fp32 reference, bf16 compute is only
     accurate to a few percent of the largest gradient."""
-    odc_case = Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, mixed_precision=True)
-    fsdp_case = Case(splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
-    odc = launch(distributed, 2, odc_case)[0]
-    fsdp = launch(distributed, 2, fsdp_case)[0]
+    odc_case = Case(device=device, splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, mixed_precision=True)
+    fsdp_case = Case(device=device, splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
+    odc = run(distributed, odc_case)[0]
+    fsdp = run(distributed, fsdp_case)[0]
     assert_all_close(odc["grads"], fsdp["grads"], rtol=1e-4, atol=1e-5)
     assert_all_close(odc["params"], fsdp["params"], rtol=1e-4, atol=1e-5)
     ref = reference(odc_case)
@@ -77,44 +93,46 @@ def test_bf16_mixed_precision_matches_fsdp2():
         assert (odc["grads"][name] - g).abs().max() <= 0.05 * g.abs().max() + 1e-6, name
 
 
-def test_activation_checkpointing_without_reshard_after_forward():
-    case = Case(splits=[[2, 0], [1, 3]], steps=2, lr=1e-3, checkpointing=True, reshard_after_forward=False)
-    out = launch(distributed, 2, case)
+def test_activation_checkpointing_without_reshard_after_forward(device):
+    case = Case(
+        device=device, splits=[[2, 0], [1, 3]], steps=2, lr=1e-3, checkpointing=True, reshard_after_forward=False
+    )
+    out = run(distributed, case)
     ref = reference(case)
     assert_all_close(out[0]["grads"], ref["grads"], **FP32)
     assert_all_close(out[0]["params"], ref["params"], **FP32)
 
 
-def test_lora_frozen_weights_are_gathered_never_pushed():
-    case = Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, lora=True)
-    out = launch(distributed, 2, case)
+def test_lora_frozen_weights_are_gathered_never_pushed(device):
+    case = Case(device=device, splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, lora=True)
+    out = run(distributed, case)
     ref = reference(case)
     assert out[0]["grads"] and all("lora_" in name for name in out[0]["grads"])
     assert_all_close(out[0]["grads"], ref["grads"], **FP32)
     assert_all_close(out[0]["params"], ref["params"], **FP32)
 
 
-def test_grads_accumulate_across_minibatches_and_honour_the_divide_factor():
-    case = Case(splits=[[0], [1, 2, 3]])
-    out = launch(accumulation_and_divide_factor, 2, case)[0]
+def test_grads_accumulate_across_minibatches_and_honour_the_divide_factor(device):
+    case = Case(device=device, splits=[[0], [1, 2, 3]])
+    out = run(accumulation_and_divide_factor, case)[0]
     first, second = reference_grads(case, 0), reference_grads(case, 1)
     assert_all_close(out["first"], first, **FP32)
     assert_all_close(out["both"], {k: first[k] + second[k] for k in first}, **FP32)  # no zero_grad in between
     assert_all_close(out["sum"], {k: 2 * v for k, v in first.items()}, **FP32)  # F=1 instead of W=2
 
 
-def test_plain_fsdp2_cannot_run_uneven_microbatch_counts():
+def test_plain_fsdp2_cannot_run_uneven_microbatch_counts(device):
     """The reason ODC exists: with 1 vs 3 microbatches, FSDP2's per-layer collectives wait for a rank that never
     comes (bounded here by a 5 s process-group timeout), while ODC finishes (the parity tests above)."""
-    case = Case(splits=[[0], [1, 2, 3]], odc=False)
+    case = Case(device=device, splits=[[0], [1, 2, 3]], odc=False)
     with pytest.raises((RuntimeError, WorkersTimedOut)):
-        launch(distributed, 2, case, timeout=60, pg_timeout=5)
+        run(distributed, case, timeout=60, pg_timeout=5)
 
 
-def test_a_slow_rank_does_not_slow_the_others():
+def test_a_slow_rank_does_not_slow_the_others(device):
     """Rank 1 sleeps 200 ms in each of its 4 microbatches; rank 0 finishes all of its 4 before rank 1 is half done."""
-    case = Case(splits=[[0, 1, 2, 3], [4, 5, 6, 7]], sleep_rank=1, sleep_s=0.2)
-    out = launch(distributed, 2, case)
+    case = Case(device=device, splits=[[0, 1, 2, 3], [4, 5, 6, 7]], sleep_rank=1, sleep_s=0.2)
+    out = run(distributed, case)
     fast, slow = out[0]["times"], out[1]["times"]
     assert len(fast) == len(slow) == 4
     assert fast[-1] < slow[1], (fast, slow)
@@ -128,9 +146,9 @@ def test_a_slow_rank_does_not_slow_the_others():
         ("stall", r"ranks \[1\] did not reach the minibatch barrier within 3 s"),
     ],
 )
-def test_a_failing_peer_ends_the_others_with_an_error_naming_it(fault, expected):
-    case = Case(splits=[[0], [1, 2, 3]], extra={"fault": fault, "timeout": 3, "stall_s": 6})
-    out = launch(faulty, 2, case, timeout=90, may_fail=frozenset({1}))
+def test_a_failing_peer_ends_the_others_with_an_error_naming_it(fault, expected, device):
+    case = Case(device=device, splits=[[0], [1, 2, 3]], extra={"fault": fault, "timeout": 3, "stall_s": 6})
+    out = run(faulty, case, timeout=90, may_fail=frozenset({1}))
     survivor = out[0]
     assert survivor["error"] is not None and re.search(expected, survivor["error"]), survivor["error"]
     assert survivor["elapsed"] < 10  # bounded: the timeout is 3 s, a death is seen within ~50 ms

@@ -59,7 +59,11 @@ class ODCAllGather(AllGather):
         if not self._layout_checked:
             self._check_layout(input_tensor)
         slots = self.slots
-        self.transport.gather(slots.mirror, slots.gather_offset, slots.spec.gather_numel, output_tensor)
+        numel = slots.spec.gather_numel
+        # FSDP copies the local shard into its row of the output before calling the comm: skip that row then.
+        own_row = output_tensor.view(self.transport.world_size, numel)[self.transport.rank]
+        in_place = input_tensor.data_ptr() == own_row.data_ptr()
+        self.transport.gather(slots.mirror, slots.gather_offset, numel, output_tensor, include_self=not in_place)
         return None
 
 

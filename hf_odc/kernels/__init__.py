@@ -1,7 +1,8 @@
 """Transports: memory every rank can reach, one-sided gather, one-sided scatter-accumulate, a barrier that cannot hang.
 
 :func:`make_transport` picks the implementation for a device: shared memory among the processes of one host on CPU
-(:class:`CpuShmTransport`).
+(:class:`CpuShmTransport`), CUDA symmetric memory with Triton kernels on NVIDIA GPUs
+(:class:`~hf_odc.kernels.cuda.CudaSymmMemTransport`, imported only there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def make_transport(device: torch.device, group: dist.ProcessGroup | None = None,
     """Collective: the transport for parameters living on ``device``, over the ranks of ``group``."""
     if device.type == "cpu":
         return CpuShmTransport(group, timeout=timeout)
-    raise NotImplementedError(
-        f"hf_odc has no transport for {device.type!r} devices yet; ODC runs on CPU (shared memory) for now."
-    )
+    if device.type == "cuda":
+        from .cuda import CudaSymmMemTransport
+
+        return CudaSymmMemTransport(device, group, timeout=timeout)
+    raise NotImplementedError(f"hf_odc has no transport for {device.type!r} devices; it supports cpu and cuda.")

@@ -16,6 +16,7 @@ import os
 import socket
 import uuid
 
+import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
@@ -61,8 +62,9 @@ class ShmJob:
         if len(hosts) > 1:
             by_host = {h: [r for r, e in enumerate(everyone) if e[0] == h] for h, _ in hosts}
             raise RuntimeError(
-                "hf_odc's host transport needs every rank of the group on one host, but the ranks span "
-                f"{len(hosts)} hosts ({by_host}). Run ODC within one host, or use a multi-host transport."
+                "hf_odc's transports (CPU shared memory, CUDA symmetric memory) reach peers within one host, but "
+                f"the ranks span {len(hosts)} hosts ({by_host}). Run ODC within one host; docs/multi_host.md says "
+                "how a multi-host (NVSHMEM) transport would plug in."
             )
         self.pids: tuple[int, ...] = tuple(e[2] for e in everyone)
         self.prefix = f"{SHM_PREFIX}{everyone[0][3][:16]}"
@@ -112,6 +114,11 @@ class ShmJob:
             os.unlink(own)
             _pending_unlink.discard(own)
         return tuple(maps)
+
+    def map_tensors(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Collective: :meth:`map_symmetric` viewed as one flat ``dtype`` tensor per rank (each keeps its mapping)."""
+        nbytes = numel * dtype.itemsize
+        return tuple(torch.frombuffer(m, dtype=torch.uint8)[:nbytes].view(dtype) for m in self.map_symmetric(nbytes))
 
     def open_shared_file(self) -> int:
         """Collective: a file descriptor, on every rank, of one file shared by the group (rank 0's), already unlinked.

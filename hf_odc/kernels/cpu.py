@@ -34,27 +34,22 @@ class CpuShmTransport(Transport):
     def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = 600.0):
         self._job = ShmJob(group)
         self.rank, self.world_size = self._job.rank, self._job.world_size
-        self._maps: list = []
         self._lock_fd = self._job.open_shared_file()
         self._num_buffers = 0
-        control = self._map(HostBarrier.block_numel(), torch.int64)
-        self._barrier = HostBarrier(control, self.rank, self._job.pids, timeout)
-        dist.barrier(group=group)  # every control block is initialised before anyone polls it
-
-    def _map(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        nbytes = numel * dtype.itemsize
-        maps = self._job.map_symmetric(nbytes)
-        self._maps.extend(maps)
-        return tuple(torch.frombuffer(m, dtype=torch.uint8)[:nbytes].view(dtype) for m in maps)
+        self._barrier = HostBarrier.create(self._job, timeout)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
-        buf = SymmetricTensor(self.rank, self._map(numel, dtype), self._num_buffers)
+        buf = SymmetricTensor(self.rank, self._job.map_tensors(numel, dtype), self._num_buffers)
         self._num_buffers += 1
         return buf
 
-    def gather(self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor) -> None:
+    def gather(
+        self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor, include_self: bool = True
+    ) -> None:
         rows = out.view(self.world_size, numel)
         for r, peer in enumerate(buf.peers):
+            if r == self.rank and not include_self:
+                continue
             rows[r].copy_(peer[offset : offset + numel])
 
     def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
@@ -82,4 +77,3 @@ class CpuShmTransport(Transport):
             self._lock_fd = -1
         # Unmapping is left to the garbage collector: tensors that users still hold (a ``.grad`` that views an
         # accumulation buffer) keep their mapping alive. The names were unlinked at setup, so nothing is left behind.
-        self._maps.clear()

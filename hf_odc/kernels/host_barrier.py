@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from ._dev_shm import ShmJob
 from .transport import PeerFailureError
 
 _ARRIVALS, _PID, _ABORTED = 0, 1, 2
@@ -58,9 +59,10 @@ class HostBarrier:
         own.zero_()
         own[_PID] = os.getpid()
 
-    @staticmethod
-    def block_numel() -> int:
-        return _BLOCK_SLOTS
+    @classmethod
+    def create(cls, job: ShmJob, timeout: float) -> HostBarrier:
+        """Collective: a barrier among ``job``'s ranks, its control blocks in ``job``'s shared memory."""
+        return cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout)
 
     def _reason(self, r: int) -> str:
         raw = self._blocks[r][_REASON_OFFSET:].numpy().tobytes()

@@ -61,10 +61,13 @@ class Transport(ABC):
         """Collective: every rank calls it with the same arguments and gets a zero-filled symmetric tensor."""
 
     @abstractmethod
-    def gather(self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor) -> None:
+    def gather(
+        self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor, include_self: bool = True
+    ) -> None:
         """``out.view(world_size, numel)[r] = buf.peers[r][offset:offset + numel]`` for every rank ``r``.
 
-        ``out`` may have another dtype only if it equals ``buf``'s; the owners are not involved.
+        ``out`` has ``buf``'s dtype; the owners are not involved. With ``include_self=False`` this rank's own row
+        is left as it is (FSDP already copied the local shard there).
         """
 
     @abstractmethod

@@ -1,0 +1,146 @@
+"""Step time and peak memory of ODC vs plain FSDP2 on a balanced workload, side by side in one run.
+
+A Qwen2-shaped model (random weights, built from a config) is trained with bf16 mixed precision; every rank runs the
+same number of equal-length microbatches, so FSDP2 loses nothing to imbalance and ODC's own overhead shows::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc_per_node 2 benchmarks/e2e_step.py --model qwen2-0.5b --json e2e.json
+
+The two modes alternate (FSDP2, ODC, FSDP2, ODC, ...) over ``--rounds`` so that clock or thermal drift hits both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import hf_odc
+
+MODELS = {
+    # Qwen2-0.5B's shape (tied embeddings).
+    "qwen2-0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    # Qwen2-1.5B's shape.
+    "qwen2-1.5b": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def build(name: str, odc: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**MODELS[name], max_position_embeddings=32768, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    handle = hf_odc.enable(model) if odc else None
+    return model, opt, handle
+
+
+def step(model, opt, handle, batches) -> None:
+    with handle.minibatch() if handle is not None else contextlib.nullcontext():
+        for ids in batches:
+            model(input_ids=ids, labels=ids).loss.div(len(batches)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def measure(name: str, odc: bool, batches, warmup: int, steps: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model, opt, handle = build(name, odc)
+    for _ in range(warmup):
+        step(model, opt, handle, batches)
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(model, opt, handle, batches)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if handle is not None:
+        handle.close()
+    del model, opt, handle
+    return {"step_s": statistics.median(times), "peak_gib": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
+    g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    vocab = MODELS[args.model]["vocab_size"]
+    batches = [torch.randint(0, vocab, (1, args.seq_len), device="cuda", generator=g) for _ in range(args.microbatches)]
+    results: dict[str, list[dict]] = {"fsdp2": [], "odc": []}
+    for _ in range(args.rounds):
+        for mode in ("fsdp2", "odc"):
+            results[mode].append(measure(args.model, mode == "odc", batches, args.warmup, args.steps))
+    summary = {
+        mode: {
+            "step_s": statistics.median(r["step_s"] for r in rows),
+            "peak_gib": max(r["peak_gib"] for r in rows),
+        }
+        for mode, rows in results.items()
+    }
+    peaks = torch.tensor([summary["fsdp2"]["peak_gib"], summary["odc"]["peak_gib"]], device="cuda")
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    summary["fsdp2"]["peak_gib"], summary["odc"]["peak_gib"] = peaks.tolist()
+    if dist.get_rank() == 0:
+        f, o = summary["fsdp2"], summary["odc"]
+        print(f"model {args.model}, {dist.get_world_size()} GPUs, {args.microbatches} x {args.seq_len} tokens per rank")
+        print(f"{'mode':>6} | {'step s':>8} | {'peak GiB':>8}")
+        for mode in ("fsdp2", "odc"):
+            print(f"{mode:>6} | {summary[mode]['step_s']:8.4f} | {summary[mode]['peak_gib']:8.2f}")
+        print(f"ODC/FSDP2 step time {o['step_s'] / f['step_s']:.3f}x, peak memory {o['peak_gib'] / f['peak_gib']:.3f}x")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(
+                    {"args": vars(args), "device": torch.cuda.get_device_name(), "summary": summary, "rounds": results},
+                    fh,
+                    indent=2,
+                )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

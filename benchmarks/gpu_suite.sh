@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything that needs GPUs, in one lease: environment facts, the engine tests on CUDA, the comm and end-to-end
+# benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host): bash benchmarks/gpu_suite.sh
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-env,tests,comm,e2e}
+nproc=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [[ $STEPS == *env* ]]; then
+  nvidia-smi topo -m 2>&1 | head -5
+  python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
+fi
+if [[ $STEPS == *tests* ]]; then
+  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py -k cuda 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+fi
+if [[ $STEPS == *comm* ]]; then
+  timeout 180 torchrun --nproc_per_node "$nproc" benchmarks/comm.py --json "$OUT/comm.json" 2>&1 | tee "$OUT/comm.log" | grep -v Warning | tail -12
+fi
+if [[ $STEPS == *e2e* ]]; then
+  timeout 300 torchrun --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8
+fi

@@ -1,0 +1,83 @@
+"""The GPU transport: PyTorch symmetric memory (CUDA backend) within one host, Triton for the accumulate.
+
+* ``allocate``: ``symm_mem.empty`` + ``rendezvous``; every peer's block is mapped into this process, so a peer's
+  shard is an ordinary CUDA tensor here (``get_buffer``).
+* ``gather``: one device-to-device copy per peer out of its mapped block. The copy engines move the bytes over
+  NVLink, leaving the SMs to the layer being computed meanwhile (FSDP issues it on its all-gather stream).
+* ``scatter_accumulate``: one Triton launch of relaxed ``atomic_add`` s into every owner's fp32 block through the
+  peer pointers (:mod:`hf_odc.kernels._triton_scatter`): no staging copy, no owner involvement, no extra memory.
+* ``barrier``: wait for this device's work, then the host barrier of :mod:`hf_odc.kernels.host_barrier` (every rank
+  is on this host), which names a dead or stalled peer instead of hanging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from ._dev_shm import ShmJob
+from .host_barrier import HostBarrier
+from .transport import SymmetricTensor, Transport
+
+
+class CudaSymmMemTransport(Transport):
+    """:class:`~hf_odc.kernels.transport.Transport` over CUDA symmetric memory; collective to construct.
+
+    Args:
+        device: this rank's GPU.
+        group: the process group whose ranks communicate (all on one host); ``None`` is the default group.
+        timeout: seconds a barrier waits for a live peer before it raises.
+    """
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = 600.0):
+        self.device = torch.device(device)
+        self._group = group if group is not None else dist.group.WORLD
+        self._job = ShmJob(group)
+        self.rank, self.world_size = self._job.rank, self._job.world_size
+        self._barrier = HostBarrier.create(self._job, timeout)
+        if symm_mem.get_backend(self.device) is None:
+            symm_mem.set_backend("CUDA")
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous by older torch
+            symm_mem.enable_symm_mem_for_group(self._group.group_name)
+        self._handles: list = []
+        self._peer_ptrs: dict[int, torch.Tensor] = {}
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
+        local = symm_mem.empty(max(numel, 1), dtype=dtype, device=self.device)
+        handle = symm_mem.rendezvous(local, self._group)
+        peers = tuple(
+            local if r == self.rank else handle.get_buffer(r, (max(numel, 1),), dtype) for r in range(self.world_size)
+        )
+        local.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self._group)
+        buf = SymmetricTensor(self.rank, peers, len(self._handles))
+        self._handles.append(handle)
+        self._peer_ptrs[buf.index] = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
+        return buf
+
+    def gather(
+        self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor, include_self: bool = True
+    ) -> None:
+        rows = out.view(self.world_size, numel)
+        for r, peer in enumerate(buf.peers):
+            if r == self.rank and not include_self:
+                continue
+            rows[r].copy_(peer[offset : offset + numel], non_blocking=True)
+
+    def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
+        from ._triton_scatter import scatter_add
+
+        scatter_add(src, self._peer_ptrs[buf.index], buf.dtype, offset, numel)
+
+    def barrier(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._barrier.wait()
+
+    def abort(self, reason: str) -> None:
+        self._barrier.abort(reason)
+
+    def close(self) -> None:
+        self._peer_ptrs.clear()
+        self._handles.clear()
