@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="4,16,64,256,512")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    parser.add_argument("--label", default="", help="a name for this configuration in the table and the JSON")
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
@@ -105,6 +106,8 @@ def main() -> None:
     transport = make_transport(torch.device("cuda", local_rank))
     rows = [bench_size(transport, int(mb) * MB, args.iters) for mb in args.sizes_mb.split(",")]
     if dist.get_rank() == 0:
+        knobs = {k: v for k, v in os.environ.items() if k.startswith("HF_ODC_SCATTER_")}
+        print(f"configuration {args.label or 'default'} {knobs}")
         print(
             f"{'size MB':>8} | {'gather GB/s':>11} {'NCCL AG GB/s':>12} {'x':>5} | {'scatter GB/s':>12} "
             f"{'NCCL RS GB/s':>12} {'x':>5}"
@@ -118,7 +121,13 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(
-                    {"device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(), "rows": rows},
+                    {
+                        "label": args.label,
+                        "env": knobs,
+                        "device": torch.cuda.get_device_name(),
+                        "world_size": dist.get_world_size(),
+                        "rows": rows,
+                    },
                     f,
                     indent=2,
                 )

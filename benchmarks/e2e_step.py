@@ -6,7 +6,9 @@ same number of equal-length microbatches, so FSDP2 loses nothing to imbalance an
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --nproc_per_node 2 benchmarks/e2e_step.py --model qwen2-0.5b --json e2e.json
 
-The two modes alternate (FSDP2, ODC, FSDP2, ODC, ...) over ``--rounds`` so that clock or thermal drift hits both.
+The modes alternate (FSDP2, ODC, FSDP2, ODC, ...) over ``--rounds`` so that clock or thermal drift hits all of them.
+``--odc-variants`` adds ODC rows with other caps on the GPU accumulate kernel's programs: ``p64`` is 64 programs,
+``p0`` uncapped (``HF_ODC_SCATTER_PROGRAMS``; the default is 32).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def step(model, opt, handle, batches) -> None:
     opt.zero_grad()
 
 
+def _variant_env(variant: str) -> dict[str, str]:
+    """``"p64"`` -> at most 64 programs in the accumulate kernel; ``"p0"`` -> uncapped."""
+    return {"HF_ODC_SCATTER_PROGRAMS": variant[1:]}
+
+
 def measure(name: str, odc: bool, batches, warmup: int, steps: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
@@ -103,6 +110,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--odc-variants", default="p32", help="comma list, e.g. p0,p32 (see the docstring)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -111,10 +119,13 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
     vocab = MODELS[args.model]["vocab_size"]
     batches = [torch.randint(0, vocab, (1, args.seq_len), device="cuda", generator=g) for _ in range(args.microbatches)]
-    results: dict[str, list[dict]] = {"fsdp2": [], "odc": []}
+    modes = ["fsdp2"] + [f"odc-{v}" for v in args.odc_variants.split(",")]
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
-        for mode in ("fsdp2", "odc"):
-            results[mode].append(measure(args.model, mode == "odc", batches, args.warmup, args.steps))
+        for mode in modes:
+            if mode != "fsdp2":
+                os.environ.update(_variant_env(mode.split("-", 1)[1]))
+            results[mode].append(measure(args.model, mode != "fsdp2", batches, args.warmup, args.steps))
     summary = {
         mode: {
             "step_s": statistics.median(r["step_s"] for r in rows),
@@ -122,16 +133,21 @@ def main() -> None:
         }
         for mode, rows in results.items()
     }
-    peaks = torch.tensor([summary["fsdp2"]["peak_gib"], summary["odc"]["peak_gib"]], device="cuda")
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    summary["fsdp2"]["peak_gib"], summary["odc"]["peak_gib"] = peaks.tolist()
+    for key in ("step_s", "peak_gib"):  # the slowest rank's step, the largest rank's peak
+        values = torch.tensor([summary[m][key] for m in modes], device="cuda")
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        for m, v in zip(modes, values.tolist(), strict=True):
+            summary[m][key] = v
     if dist.get_rank() == 0:
-        f, o = summary["fsdp2"], summary["odc"]
+        f = summary["fsdp2"]
         print(f"model {args.model}, {dist.get_world_size()} GPUs, {args.microbatches} x {args.seq_len} tokens per rank")
-        print(f"{'mode':>6} | {'step s':>8} | {'peak GiB':>8}")
-        for mode in ("fsdp2", "odc"):
-            print(f"{mode:>6} | {summary[mode]['step_s']:8.4f} | {summary[mode]['peak_gib']:8.2f}")
-        print(f"ODC/FSDP2 step time {o['step_s'] / f['step_s']:.3f}x, peak memory {o['peak_gib'] / f['peak_gib']:.3f}x")
+        print(f"{'mode':>9} | {'step s':>8} | {'peak GiB':>8} | {'time x':>6} | {'mem x':>6}")
+        for m in modes:
+            s = summary[m]
+            print(
+                f"{m:>9} | {s['step_s']:8.4f} | {s['peak_gib']:8.2f} | {s['step_s'] / f['step_s']:6.3f} | "
+                f"{s['peak_gib'] / f['peak_gib']:6.3f}"
+            )
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(

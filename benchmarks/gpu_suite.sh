@@ -16,7 +16,10 @@ if [[ $STEPS == *tests* ]]; then
   timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py -k cuda 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 fi
 if [[ $STEPS == *comm* ]]; then
-  timeout 180 torchrun --nproc_per_node "$nproc" benchmarks/comm.py --json "$OUT/comm.json" 2>&1 | tee "$OUT/comm.log" | grep -v Warning | tail -12
+  for cfg in ${COMM_CONFIGS:-p0 p32}; do  # p<N>: the accumulate kernel with at most N programs (0: uncapped)
+    HF_ODC_SCATTER_PROGRAMS=${cfg:1} timeout 120 torchrun --nproc_per_node "$nproc" \
+      benchmarks/comm.py --label "$cfg" --json "$OUT/comm_$cfg.json" 2>&1 | tee "$OUT/comm_$cfg.log" | grep -v Warning | tail -7
+  done
 fi
 if [[ $STEPS == *e2e* ]]; then
   timeout 300 torchrun --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8

@@ -194,14 +194,16 @@ def describe_groups(model: nn.Module) -> list[GroupSpec]:
 def install_comms(spec: GroupSpec, all_gather, reduce_scatter=None) -> None:
     """Route ``spec``'s all-gather and reduce-scatter through ODC's comms, with FSDP2's public setters.
 
-    Unused trainable parameters are reduce-scattered as zeros, which keeps the reduce-scatter layout the same in
-    every backward. A group with no trainable parameter never reduce-scatters and gets no ``reduce_scatter``.
+    From torch 2.13, unused trainable parameters are reduce-scattered as zeros, which keeps the reduce-scatter layout
+    the same in every backward; torch 2.11 cannot, so there every trainable parameter must get a gradient. A group
+    with no trainable parameter never reduce-scatters and gets no ``reduce_scatter``.
     """
     module = spec.module
     module.set_custom_all_gather(all_gather)
     if reduce_scatter is not None:
         module.set_custom_reduce_scatter(reduce_scatter)
-        module.set_reduce_scatter_unused_params(True, recurse=False)
+        if hasattr(module, "set_reduce_scatter_unused_params"):  # torch >= 2.13; before, see ODCReduceScatter
+            module.set_reduce_scatter_unused_params(True, recurse=False)
 
 
 def gradient_divisor(spec: GroupSpec, device_type: str) -> float:

@@ -111,8 +111,9 @@ class ODCReduceScatter(ReduceScatter):
         if input_tensor.numel() != numel * self.transport.world_size:
             raise RuntimeError(
                 f"hf_odc: FSDP reduce-scatters {input_tensor.numel()} elements for {slots.spec.fqn!r}, expected "
-                f"{numel} x {self.transport.world_size} (every trainable parameter's padded shard). Did requires_grad "
-                "change after hf_odc.enable()? Freeze parameters before enabling ODC."
+                f"{numel} x {self.transport.world_size} (every trainable parameter's padded shard). Either a trainable "
+                "parameter got no gradient in this backward (torch < 2.13 cannot reduce-scatter it as zeros: freeze "
+                "it or upgrade torch), or requires_grad changed after hf_odc.enable()."
             )
         self.transport.scatter_accumulate(slots.accum, slots.grad_offset, numel, input_tensor)
         output_tensor.zero_()

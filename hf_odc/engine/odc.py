@@ -72,6 +72,7 @@ class ODC:
         self._closed = False
         self._requires_grad = [tuple(p.trainable for p in s.params) for s in specs]
         self.last = MinibatchStats()
+        self._grads: dict[int, DTensor] = {}  # param id -> its .grad as a DTensor over the accumulator (built once)
         self._sinks = self._make_sinks()
         for slots in self._slots:
             spec = slots.spec
@@ -153,16 +154,22 @@ class ODC:
                 if grad is not None and grad.to_local().untyped_storage().data_ptr() not in sink_ptrs:
                     grad.to_local().add_(local)  # FSDP accumulates into a .grad that was not cleared
                     continue
-                if local.dtype != param.dtype:
-                    local = local.to(param.dtype)
-                param.grad = DTensor.from_local(
-                    local,
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
+                param.grad = self._grad_over(param, local)
+
+    def _grad_over(self, param: nn.Parameter, local: torch.Tensor) -> DTensor:
+        """``param``'s gradient DTensor over ``local``; reused across minibatches when it can view the accumulator."""
+        if local.dtype != param.dtype:  # e.g. bf16 parameters: a cast copy, made anew each time
+            return self._as_dtensor(param, local.to(param.dtype))
+        grad = self._grads.get(id(param))
+        if grad is None:
+            grad = self._grads[id(param)] = self._as_dtensor(param, local)
+        return grad
+
+    @staticmethod
+    def _as_dtensor(param: nn.Parameter, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
 
     @property
     def transport_device_type(self) -> str:

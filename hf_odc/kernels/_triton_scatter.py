@@ -1,9 +1,17 @@
 """Triton kernel: add one rank's gradient pieces into every owner's accumulator, straight over NVLink.
 
-One launch covers every owner: program ``(i, r)`` loads block ``i`` of row ``r`` of the source (this rank's piece for
-owner ``r``), upcasts it, and atomically adds it into owner ``r``'s buffer through the peer pointer that symmetric
-memory mapped into this process. Relaxed atomics suffice: nothing reads the accumulators until the minibatch barrier,
-which first waits for this kernel to complete.
+One launch covers every owner. Task ``t`` adds block ``t // W`` of the source row for owner ``(t + first_owner) % W``
+(this rank's piece for that owner, upcast) into the owner's buffer, through the peer pointer that symmetric memory
+mapped into this process. Owners alternate between neighbouring tasks, so a rank pushes into its own memory and over
+NVLink at once, and two ranks never start on the same owner (each starts with its next rank): both NVLink directions
+stay busy. Pushing into owner 0 first and owner 1 next, as a plain 2-D grid would, measured 25% slower at 512 MB.
+
+The kernel runs while the backward pass computes the next layer, so it is capped at ``max_programs`` programs that
+loop over the tasks: uncapped, its thousands of short blocks take SMs from the backward's matmuls. On 2xH200 a cap of
+32 programs made a balanced 0.5B-model step 12% faster than uncapped, though in isolation it moves fewer bytes
+per second (benchmarks/RESULTS.md). Atomics are relaxed (nothing reads an accumulator before the minibatch barrier,
+which first waits for this kernel) at system scope (ranks on other GPUs add into the same words). Hopper's 16-byte
+``red.global.add.v4.f32`` was tried and measured no faster in isolation and slower end to end.
 """
 
 from __future__ import annotations
@@ -13,27 +21,59 @@ import triton
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+_BLOCK = 4096
 
 
 @triton.jit
-def _scatter_add_kernel(src_ptr, dst_ptrs_ptr, dst_offset, numel, DST_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    block = tl.program_id(0)
-    owner = tl.program_id(1)
-    dst = tl.load(dst_ptrs_ptr + owner).to(tl.pointer_type(DST_DTYPE))
-    idx = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < numel
-    vals = tl.load(src_ptr + owner.to(tl.int64) * numel + idx, mask=mask).to(DST_DTYPE)
-    tl.atomic_add(dst + dst_offset + idx, vals, mask=mask, sem="relaxed")
+def _scatter_add_kernel(
+    src_ptr,
+    dst_ptrs_ptr,
+    dst_offset,
+    numel,
+    first_owner,
+    n_tasks,
+    WS: tl.constexpr,
+    DST_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+        owner = (task % WS + first_owner) % WS
+        idx = (task // WS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < numel
+        dst = tl.load(dst_ptrs_ptr + owner).to(tl.pointer_type(DST_DTYPE)) + dst_offset + idx
+        vals = tl.load(src_ptr + owner.to(tl.int64) * numel + idx, mask=mask).to(DST_DTYPE)
+        tl.atomic_add(dst, vals, mask=mask, sem="relaxed", scope="sys")
 
 
-def scatter_add(src: torch.Tensor, dst_ptrs: torch.Tensor, dst_dtype: torch.dtype, offset: int, numel: int) -> None:
-    """``owner_buffer[r][offset:offset + numel] += src.view(-1, numel)[r]`` for every ``r`` of ``dst_ptrs``."""
+def scatter_add(
+    src: torch.Tensor,
+    dst_ptrs: torch.Tensor,
+    dst_dtype: torch.dtype,
+    offset: int,
+    numel: int,
+    first_owner: int,
+    max_programs: int = 0,
+) -> None:
+    """``owner_buffer[r][offset:offset + numel] += src.view(-1, numel)[r]`` for every owner ``r`` of ``dst_ptrs``.
+
+    ``dst_ptrs`` holds each owner's buffer address (int64, on the device); ``first_owner`` is the owner this rank's
+    first task pushes into (its next rank); ``max_programs`` caps the programs (0: one per task).
+    """
     if dst_dtype not in _TL_DTYPES:
         raise TypeError(f"hf_odc: GPU accumulators must be float32 or float64, not {dst_dtype}")
     if numel == 0:
         return
-    block = 4096
-    grid = (triton.cdiv(numel, block), dst_ptrs.numel())
+    n_tasks = triton.cdiv(numel, _BLOCK) * dst_ptrs.numel()
+    grid = (min(n_tasks, max_programs) if max_programs > 0 else n_tasks,)
     _scatter_add_kernel[grid](
-        src.contiguous(), dst_ptrs, offset, numel, DST_DTYPE=_TL_DTYPES[dst_dtype], BLOCK=block, num_warps=8
+        src.contiguous(),
+        dst_ptrs,
+        offset,
+        numel,
+        first_owner,
+        n_tasks,
+        WS=dst_ptrs.numel(),
+        DST_DTYPE=_TL_DTYPES[dst_dtype],
+        BLOCK=_BLOCK,
+        num_warps=8,
     )

@@ -4,13 +4,15 @@
   shard is an ordinary CUDA tensor here (``get_buffer``).
 * ``gather``: one device-to-device copy per peer out of its mapped block. The copy engines move the bytes over
   NVLink, leaving the SMs to the layer being computed meanwhile (FSDP issues it on its all-gather stream).
-* ``scatter_accumulate``: one Triton launch of relaxed ``atomic_add`` s into every owner's fp32 block through the
-  peer pointers (:mod:`hf_odc.kernels._triton_scatter`): no staging copy, no owner involvement, no extra memory.
+* ``scatter_accumulate``: one Triton launch of relaxed atomic adds into every owner's fp32 block through the peer
+  pointers (:mod:`hf_odc.kernels._triton_scatter`): no staging copy, no owner involvement, no extra memory.
 * ``barrier``: wait for this device's work, then the host barrier of :mod:`hf_odc.kernels.host_barrier` (every rank
   is on this host), which names a dead or stalled peer instead of hanging.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,8 @@ import torch.distributed._symmetric_memory as symm_mem
 from ._dev_shm import ShmJob
 from .host_barrier import HostBarrier
 from .transport import SymmetricTensor, Transport
+
+DEFAULT_SCATTER_PROGRAMS = 32
 
 
 class CudaSymmMemTransport(Transport):
@@ -38,8 +42,8 @@ class CudaSymmMemTransport(Transport):
         self._barrier = HostBarrier.create(self._job, timeout)
         if symm_mem.get_backend(self.device) is None:
             symm_mem.set_backend("CUDA")
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous by older torch
-            symm_mem.enable_symm_mem_for_group(self._group.group_name)
+        # Programs of the accumulate kernel (0: uncapped); see _triton_scatter for why 32 and benchmarks/RESULTS.md.
+        self.max_programs = int(os.environ.get("HF_ODC_SCATTER_PROGRAMS", DEFAULT_SCATTER_PROGRAMS))
         self._handles: list = []
         self._peer_ptrs: dict[int, torch.Tensor] = {}
 
@@ -69,7 +73,16 @@ class CudaSymmMemTransport(Transport):
     def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
         from ._triton_scatter import scatter_add
 
-        scatter_add(src, self._peer_ptrs[buf.index], buf.dtype, offset, numel)
+        first_owner = (self.rank + 1) % self.world_size
+        scatter_add(
+            src,
+            self._peer_ptrs[buf.index],
+            buf.dtype,
+            offset,
+            numel,
+            first_owner,
+            self.max_programs,
+        )
 
     def barrier(self) -> None:
         torch.cuda.synchronize(self.device)
