@@ -24,3 +24,16 @@ def hammer(rank: int, world_size: int, numel: int, rounds: int) -> dict:
     out = {"acc": acc.local.clone(), "gathered": gathered.float(), "prefix": t._job.prefix}
     t.close()
     return out
+
+
+def two_hosts(rank: int, world_size: int) -> str:
+    """Rank 1 pretends to be on another host; building a transport must refuse, on every rank."""
+    import socket
+
+    if rank == 1:
+        socket.gethostname = lambda: "another-host"
+    try:
+        CpuShmTransport(timeout=5)
+    except RuntimeError as e:
+        return str(e)
+    return ""

@@ -6,7 +6,7 @@ import glob
 
 import torch
 from _dist import launch
-from _transport_workers import hammer
+from _transport_workers import hammer, two_hosts
 
 
 def test_concurrent_pushes_into_every_owner_lose_no_update():
@@ -19,3 +19,8 @@ def test_concurrent_pushes_into_every_owner_lose_no_update():
         for peer in range(world_size):
             assert torch.equal(rows[peer], (torch.arange(numel) + 1000 * peer).to(torch.bfloat16).float())
     assert glob.glob(f"/dev/shm/{out[0]['prefix']}*") == []
+
+
+def test_ranks_on_several_hosts_are_refused_with_a_clear_error():
+    for message in launch(two_hosts, 2):
+        assert "span 2 hosts" in message and "docs/multi_host.md" in message, message
