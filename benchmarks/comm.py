@@ -24,8 +24,10 @@ from hf_odc.kernels import make_transport
 MB = 1 << 20
 
 
-def _time_ms(fn, iters: int) -> float:
-    """Median over ``iters`` timed calls (CUDA events), ranks released together before each call."""
+def _time_ms(fn, iters: int, warmup: int = 5) -> float:
+    """Median over ``iters`` timed calls (CUDA events) after ``warmup`` untimed ones; ranks start each call together."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(iters):
         dist.barrier()
@@ -96,7 +98,7 @@ def bench_size(transport, size: int, iters: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="4,16,64,256,512")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     parser.add_argument("--label", default="", help="a name for this configuration in the table and the JSON")
     args = parser.parse_args()
