@@ -74,7 +74,11 @@ def bench_size(transport, size: int, iters: int) -> dict:
     transport.barrier()
     transport.scatter_accumulate(acc, 0, numel, src)
     transport.barrier()
-    assert torch.equal(acc.local, torch.full_like(acc.local, float(ws * (ws + 1) // 2))), "accumulate lost updates"
+    expected_sum = float(ws * (ws + 1) // 2)
+    assert torch.equal(acc.local, torch.full_like(acc.local, expected_sum)), (
+        f"accumulate lost updates: expected {expected_sum} everywhere, found {acc.local.unique()[:8].tolist()}"
+    )
+    transport.barrier()  # every rank has checked its sums before any rank pushes again (the timing's warm-up)
     rs_out = torch.empty(numel, device="cuda")
     t_scatter = _time_ms(lambda: transport.scatter_accumulate(acc, 0, numel, src), iters)
     t_rs = _time_ms(lambda: dist.reduce_scatter_tensor(rs_out, src.view(-1)), iters)

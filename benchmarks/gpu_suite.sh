@@ -13,7 +13,7 @@ if [[ $STEPS == *env* ]]; then
   python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 fi
 if [[ $STEPS == *tests* ]]; then
-  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py -k cuda 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py -k "cuda${TESTS_K:+ and ($TESTS_K)}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 fi
 if [[ $STEPS == *comm* ]]; then
   for cfg in ${COMM_CONFIGS:-p0 p32}; do  # p<N>: the accumulate kernel with at most N programs (0: uncapped)
@@ -23,4 +23,15 @@ if [[ $STEPS == *comm* ]]; then
 fi
 if [[ $STEPS == *e2e* ]]; then
   timeout 300 torchrun --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8
+fi
+if [[ $STEPS == *sft* ]]; then
+  # ODCSFTTrainer, 20 steps of a Qwen2-0.5B-shaped model (random weights) on long-tailed synthetic chats, bf16.
+  # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+  timeout 300 accelerate launch --config_file examples/odc.yaml --num_processes "$nproc" examples/sft.py \
+    --model_config qwen2-0.5b --dataset synthetic-longtail --num_samples 1024 --max_length 16384 \
+    --per_device_train_batch_size 16 --max_steps 20 --logging_steps 1 --save_strategy no --report_to none \
+    --disable_tqdm true --output_dir /tmp/sft ${SFT_ARGS:-} 2>&1 | tee "$OUT/sft.log" | grep -E "tokens_per_second|Error|error" | tail -4
 fi

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..kernels import Transport, make_transport
+from ..kernels import PeerFailureError, Transport, make_transport
 from ._fsdp_internals import GroupSpec, check_torch_version, describe_groups, gradient_divisor, install_comms
 from .buffers import GroupSlots, allocate_slots
 from .comms import ODCAllGather, ODCReduceScatter
@@ -70,6 +70,7 @@ class ODC:
         self._slots: list[GroupSlots] = allocate_slots(specs, transport)
         self._in_minibatch = False
         self._closed = False
+        self._failed = False  # this rank saw a peer fail, or failed itself: close() then waits for nobody
         self._requires_grad = [tuple(p.trainable for p in s.params) for s in specs]
         self.last = MinibatchStats()
         self._grads: dict[int, DTensor] = {}  # param id -> its .grad as a DTensor over the accumulator (built once)
@@ -190,26 +191,44 @@ class ODC:
             raise RuntimeError("hf_odc: minibatch() blocks do not nest.")
         self._check_frozen_set_unchanged()
         self._publish()
-        self.transport.barrier()
+        self._barrier()
         self._in_minibatch = True
         start = time.perf_counter()
         try:
             yield self
         except BaseException as e:
             self._in_minibatch = False
+            self._failed = True
             self.transport.abort(f"{type(e).__name__}: {e}")
             raise
         self._in_minibatch = False
         arrived = time.perf_counter()
-        self.transport.barrier()
+        self._barrier()
         self.last = MinibatchStats(busy=arrived - start, wait=time.perf_counter() - arrived)
         self._install_grads()
 
+    def _barrier(self) -> None:
+        try:
+            self.transport.barrier()
+        except PeerFailureError:
+            self._failed = True
+            raise
+
     def close(self) -> None:
-        """Release ODC's transport. The model must not run forward/backward afterwards: its comms are ODC's."""
-        if not self._closed:
-            self._closed = True
-            self.transport.close()
+        """Collective: wait for every rank, then release ODC's transport. Afterwards the model runs as plain FSDP2
+        (collectives) outside ``minibatch()``, and ``minibatch()`` refuses to start.
+
+        Waiting first means no rank tears its buffers down while a peer still uses them (tearing down unevenly
+        was seen to crash gloo at interpreter exit). After a peer failure there is nobody to wait for: it just
+        releases.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if not self._failed:
+            with contextlib.suppress(PeerFailureError):
+                self.transport.barrier()
+        self.transport.close()
 
 
 def enable(

@@ -48,10 +48,17 @@ class CudaSymmMemTransport(Transport):
         self._peer_ptrs: dict[int, torch.Tensor] = {}
 
     def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
-        local = symm_mem.empty(max(numel, 1), dtype=dtype, device=self.device)
+        numel = max(numel, 1)
+        local = symm_mem.empty(numel, dtype=dtype, device=self.device)
         handle = symm_mem.rendezvous(local, self._group)
+        # symm_mem.empty may carve the tensor out of a larger symmetric segment (torch's implicit memory pool), and
+        # get_buffer counts from the segment's start: exchange every rank's offset instead of assuming it is 0.
+        offset = (local.data_ptr() - handle.buffer_ptrs[self.rank]) // local.element_size()
+        offsets: list = [None] * self.world_size
+        dist.all_gather_object(offsets, offset, group=self._group)
         peers = tuple(
-            local if r == self.rank else handle.get_buffer(r, (max(numel, 1),), dtype) for r in range(self.world_size)
+            local if r == self.rank else handle.get_buffer(r, (numel,), dtype, storage_offset=offsets[r])
+            for r in range(self.world_size)
         )
         local.zero_()
         torch.cuda.synchronize(self.device)

@@ -1,0 +1,142 @@
+"""The ``hf-odc`` command line. Each subcommand parses its arguments and hands over to a library function."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from .packing.distributions import DISTRIBUTIONS
+
+_PLAN_EXAMPLES = """examples:
+  hf-odc plan                                         # LongAlign-like lengths, world sizes 2-128
+  hf-odc plan --distribution swe-smith --packing-ratio 2 --plot plan.png
+  hf-odc plan --dataset ./my_sft --column input_ids --world-sizes 8,64 --max-tokens 32768 --json plan.json
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except (ValueError, ImportError, OSError) as error:
+        parser.exit(2, f"hf-odc {args.command}: error: {error}\n")
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-odc", description="On-Demand Communication for FSDP2: tools.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan(commands)
+    return parser
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="predict bubble rates and speedups of ODC + LB-Mini against collective FSDP",
+        description=(
+            "Draw minibatches of sequence lengths, plan them with Collective+LocalSort, Collective+LB-Micro, "
+            "ODC+LB-Micro and ODC+LB-Mini, and print each scheme's predicted idle fraction (bubble) and speedup "
+            "over Collective+LB-Micro for each world size."
+        ),
+        epilog=_PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = plan.add_argument_group("lengths (default: --distribution longalign)")
+    exclusive = source.add_mutually_exclusive_group()
+    exclusive.add_argument(
+        "--distribution",
+        default="longalign",
+        choices=sorted(DISTRIBUTIONS),
+        help="a built-in synthetic distribution: "
+        + "; ".join(f"{name}: {dist.description}" for name, dist in DISTRIBUTIONS.items()),
+    )
+    exclusive.add_argument("--lengths", metavar="FILE", help="a JSON list, CSV column or text file of integers")
+    exclusive.add_argument("--dataset", metavar="DIR", help="a datasets dataset saved with save_to_disk")
+    source.add_argument("--column", help="the dataset's (or CSV's) column: integers, or lists/strings to take len() of")
+    source.add_argument("--split", default="train", help="the split, if the dataset is a DatasetDict (default: train)")
+
+    shape = plan.add_argument_group("minibatch")
+    shape.add_argument(
+        "--world-sizes",
+        type=_positive_ints,
+        default=[2, 8, 32, 128],
+        metavar="N,N,...",
+        help="numbers of ranks to simulate (default: 2,8,32,128)",
+    )
+    shape.add_argument(
+        "--samples-per-rank",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="samples per rank per minibatch (default: 8)",
+    )
+    cap = shape.add_mutually_exclusive_group()
+    cap.add_argument("--max-tokens", type=_positive_int, metavar="N", help="token cap of one microbatch")
+    cap.add_argument(
+        "--packing-ratio",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="token cap as a multiple of the longest possible sample (default: 1.0)",
+    )
+
+    cost = plan.add_argument_group("cost model (default: --cost attention)")
+    exclusive = cost.add_mutually_exclusive_group()
+    exclusive.add_argument(
+        "--cost",
+        choices=["tokens", "attention"],
+        default="attention",
+        help="tokens: linear; attention: FLOPs of a Qwen2-0.5B-like model (default)",
+    )
+    exclusive.add_argument("--model-config", metavar="PATH", help="FLOPs of this model (config.json or its directory)")
+    exclusive.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="fit to measured microbatches: JSON list of [tokens, sum_sq_lengths, seconds]",
+    )
+
+    run = plan.add_argument_group("simulation and output")
+    run.add_argument(
+        "--minibatches",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="minibatches per world size to average over (default: 10)",
+    )
+    run.add_argument("--seed", type=int, default=0, help="seed of the minibatch draws (default: 0)")
+    run.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
+    run.add_argument("--plot", metavar="FILE", help="also draw timelines and speedups (needs hf-odc[plot])")
+    plan.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    from .packing.report import render_table, write_json
+    from .packing.simulate import simulate
+    from .packing.sources import choose_cost, choose_source
+
+    source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split)
+    max_tokens = args.max_tokens or int(args.packing_ratio * source.max_length)
+    cost = choose_cost(args.cost, args.model_config, args.calibration)
+    simulation = simulate(
+        source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed
+    )
+    render_table(simulation)
+    if args.json:
+        write_json(simulation, args.json)
+    if args.plot:
+        from .packing.plot import plot_simulation
+
+        plot_simulation(simulation, args.plot)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",")]

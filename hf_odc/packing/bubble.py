@@ -1,0 +1,58 @@
+"""Predicted step time and idle fraction ("bubble") of a plan, under per-layer or per-minibatch synchronisation.
+
+With collectives (``sync="layer"``), every layer of every microbatch is an all-gather/reduce-scatter that all
+ranks join, so each microbatch *step* lasts as long as its slowest rank. With ODC (``sync="minibatch"``), ranks
+only meet at the end of the minibatch, so the minibatch lasts as long as the rank with the most total work.
+A microbatch's time is the sum of its samples' costs; communication is assumed hidden behind compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from .cost import CostLike, evaluate_costs
+from .planners import Plan
+
+__all__ = ["Sync", "bubble_rate", "plan_costs", "predicted_time", "step_times", "sync_time"]
+
+Sync = Literal["layer", "minibatch"]
+
+
+def predicted_time(plan: Plan, lengths: Sequence[int], cost: CostLike = "tokens", sync: Sync = "layer") -> float:
+    """Wall time of one minibatch, in cost units (see :func:`sync_time`)."""
+    return sync_time(plan_costs(plan, lengths, cost), sync)
+
+
+def bubble_rate(plan: Plan, lengths: Sequence[int], cost: CostLike = "tokens", sync: Sync = "layer") -> float:
+    """Predicted idle fraction: ``1 - total cost / (world_size * predicted_time)``; 0 for a plan with no work."""
+    per_rank = plan_costs(plan, lengths, cost)
+    time = sync_time(per_rank, sync)
+    if time == 0:
+        return 0.0
+    return 1.0 - sum(map(sum, per_rank)) / (len(per_rank) * time)
+
+
+def plan_costs(plan: Plan, lengths: Sequence[int], cost: CostLike = "tokens") -> list[list[float]]:
+    """``[rank][microbatch]`` -> cost of that microbatch (the sum of its samples' costs)."""
+    costs = evaluate_costs(lengths, cost)
+    return [[float(costs[microbatch].sum()) for microbatch in rank] for rank in plan]
+
+
+def sync_time(per_rank: list[list[float]], sync: Sync) -> float:
+    """Minibatch time given each rank's microbatch costs.
+
+    ``layer``: the sum over microbatch steps of the slowest rank's microbatch (a rank with fewer microbatches adds
+    nothing to the later steps). ``minibatch``: the largest per-rank total.
+    """
+    if sync == "layer":
+        return sum(step_times(per_rank))
+    if sync == "minibatch":
+        return max(map(sum, per_rank), default=0.0)
+    raise ValueError(f"sync must be 'layer' (collective FSDP) or 'minibatch' (ODC), got {sync!r}.")
+
+
+def step_times(per_rank: list[list[float]]) -> list[float]:
+    """Under layer sync, the duration of each microbatch step: its slowest rank's microbatch."""
+    steps = max(map(len, per_rank), default=0)
+    return [max(rank[step] if step < len(rank) else 0.0 for rank in per_rank) for step in range(steps)]

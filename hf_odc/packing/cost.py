@@ -1,0 +1,193 @@
+"""Per-sample cost models: how long one sample keeps a rank busy, in arbitrary but consistent units.
+
+Balancing only needs *relative* costs, so every model here is a per-sample function ``list[int] -> list[float]``
+whose sum over a microbatch predicts that microbatch's compute time. Token count is the classic proxy; it is wrong
+for long sequences, where attention's quadratic term dominates, so two quadratic models are provided: one derived
+from a model's shape (FLOP counting) and one fitted to measured step times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_ATTENTION_SHAPE",
+    "AttentionCost",
+    "CalibratedCost",
+    "CostLike",
+    "CostModel",
+    "QuadraticCost",
+    "TokenCost",
+    "evaluate_costs",
+    "resolve_cost",
+]
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Anything that maps sample lengths to per-sample costs (one non-negative float per length)."""
+
+    def __call__(self, lengths: Sequence[int]) -> list[float]: ...
+
+
+CostLike = str | CostModel | Callable[[Sequence[int]], Sequence[float]]
+"""What planners accept as ``cost``: ``"tokens"``, ``"attention"``, a cost model, or any such callable."""
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """Cost = number of tokens. Right when per-token work (the matmuls) dominates, i.e. for short sequences."""
+
+    def __call__(self, lengths: Sequence[int]) -> list[float]:
+        return [float(length) for length in lengths]
+
+
+@dataclass(frozen=True)
+class QuadraticCost:
+    """Cost = ``linear * L + quadratic * L**2`` for a sample of ``L`` tokens.
+
+    The linear term is the per-token work (projections, MLP, LM head); the quadratic term is causal attention,
+    whose work grows with the number of token pairs. Both subclasses below only differ in where the two
+    coefficients come from.
+    """
+
+    linear: float
+    quadratic: float
+
+    def __post_init__(self) -> None:
+        if not (self.linear >= 0 and self.quadratic >= 0 and self.linear + self.quadratic > 0):
+            raise ValueError(
+                f"{type(self).__name__} needs non-negative coefficients, not both zero; got "
+                f"linear={self.linear}, quadratic={self.quadratic}."
+            )
+
+    def __call__(self, lengths: Sequence[int]) -> list[float]:
+        return [self.linear * length + self.quadratic * length * length for length in lengths]
+
+
+# A Qwen2-0.5B-like shape: small enough that attention overtakes the matmuls at about 23K tokens, which is the
+# regime (8K-64K samples) where cost-aware balancing matters. Pass your own config for another model.
+DEFAULT_ATTENTION_SHAPE: dict[str, int] = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+}
+
+
+class AttentionCost(QuadraticCost):
+    """Forward FLOPs of a decoder-only transformer (the backward is a constant multiple, which balancing ignores)."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> AttentionCost:
+        """Derive the coefficients from a model shape.
+
+        ``config`` is a ``transformers.PretrainedConfig`` or a plain mapping (e.g. a parsed ``config.json``) with
+        ``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ``num_attention_heads``, ``vocab_size`` and
+        optionally ``num_key_value_heads`` (GQA) and ``head_dim``.
+
+        Per token and layer, the q/k/v/o projections and the gated MLP (three ``hidden x intermediate`` matrices)
+        cost 2 FLOPs per weight; the LM head adds ``2 * hidden * vocab`` once. Per causal token pair (``L**2 / 2``
+        of them) and layer, ``QK^T`` and ``AV`` cost ``2 * 2 * heads * head_dim`` FLOPs.
+        """
+        hidden = _config_int(config, "hidden_size")
+        layers = _config_int(config, "num_hidden_layers")
+        intermediate = _config_int(config, "intermediate_size")
+        heads = _config_int(config, "num_attention_heads")
+        vocab = _config_int(config, "vocab_size")
+        kv_heads = _config_int(config, "num_key_value_heads", default=heads)
+        head_dim = _config_int(config, "head_dim", default=hidden // heads)
+        projection_weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        mlp_weights = 3 * hidden * intermediate
+        linear = 2.0 * (layers * (projection_weights + mlp_weights) + hidden * vocab)
+        quadratic = 0.5 * layers * 4.0 * heads * head_dim
+        return cls(linear=linear, quadratic=quadratic)
+
+
+class CalibratedCost(QuadraticCost):
+    """Coefficients fitted to measured microbatch times, so the model matches the actual kernels and hardware."""
+
+    @classmethod
+    def fit(cls, samples: Sequence[Sequence[float]]) -> CalibratedCost:
+        """Least-squares fit of ``time ~ linear * tokens + quadratic * sum_sq`` with non-negative coefficients.
+
+        ``samples`` are measured microbatches ``(tokens, sum of squared sample lengths, seconds)``. There is no
+        intercept: a per-microbatch constant cannot be attributed to samples, and planners only need per-sample
+        costs. A negative unconstrained coefficient (noise) is clamped by refitting on the other term alone.
+        """
+        data = np.asarray(samples, dtype=np.float64)
+        if data.ndim != 2 or data.shape[1] != 3 or data.shape[0] < 2:
+            raise ValueError(
+                "CalibratedCost.fit needs at least 2 measured samples, each (tokens, sum_of_squared_lengths, time); "
+                f"got an array of shape {data.shape}."
+            )
+        if not np.isfinite(data).all() or (data < 0).any():
+            raise ValueError("CalibratedCost.fit needs finite, non-negative (tokens, sum_sq, time) measurements.")
+        features, times = data[:, :2], data[:, 2]
+        coefficients, *_ = np.linalg.lstsq(features, times, rcond=None)
+        if (coefficients < 0).any():
+            coefficients = min(
+                (_fit_single(features, times, column) for column in (0, 1)),
+                key=lambda fitted: float(np.sum((features @ fitted - times) ** 2)),
+            )
+        return cls(linear=float(coefficients[0]), quadratic=float(coefficients[1]))
+
+
+def _fit_single(features: np.ndarray, times: np.ndarray, column: int) -> np.ndarray:
+    """Non-negative least squares on one feature alone (the other coefficient pinned to zero)."""
+    x = features[:, column]
+    denominator = float(x @ x)
+    fitted = np.zeros(2)
+    fitted[column] = max(float(x @ times) / denominator, 0.0) if denominator > 0 else 0.0
+    return fitted
+
+
+def _config_int(config: Any, key: str, default: int | None = None) -> int:
+    value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+    if value is None:
+        if default is None:
+            raise ValueError(
+                f"AttentionCost.from_config: the model config has no {key!r}; pass a transformers config or a "
+                f"dict with the keys of DEFAULT_ATTENTION_SHAPE."
+            )
+        return default
+    return int(value)
+
+
+_NAMED_COSTS: dict[str, Callable[[], CostModel]] = {
+    "tokens": TokenCost,
+    "attention": lambda: AttentionCost.from_config(DEFAULT_ATTENTION_SHAPE),
+}
+
+
+def resolve_cost(cost: CostLike) -> Callable[[Sequence[int]], Sequence[float]]:
+    """Turn a cost argument into a callable: ``"tokens"``, ``"attention"`` (default shape), or a callable as is."""
+    if isinstance(cost, str):
+        if cost not in _NAMED_COSTS:
+            raise ValueError(
+                f"Unknown cost model {cost!r}: use one of {sorted(_NAMED_COSTS)}, a CostModel such as "
+                f"AttentionCost.from_config(config) or CalibratedCost.fit(samples), or a callable list[int] -> "
+                f"list[float]."
+            )
+        return _NAMED_COSTS[cost]()
+    if not callable(cost):
+        raise TypeError(f"cost must be a string or a callable list[int] -> list[float], got {type(cost).__name__}.")
+    return cost
+
+
+def evaluate_costs(lengths: Sequence[int], cost: CostLike) -> np.ndarray:
+    """Per-sample costs as a float64 array, checked: one finite, non-negative value per sample."""
+    values = np.asarray(list(resolve_cost(cost)(list(lengths))), dtype=np.float64)
+    if values.shape != (len(lengths),):
+        raise ValueError(
+            f"The cost model returned {values.size} values for {len(lengths)} lengths; it must return one each."
+        )
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError("The cost model returned a negative or non-finite cost; costs must be finite and >= 0.")
+    return values

@@ -1,0 +1,158 @@
+"""Minibatch planners: which rank runs which samples, grouped into which microbatches.
+
+A plan is ``plan[rank][microbatch] -> sample indices``. Every planner is a pure function of its arguments (no
+communication, no unseeded randomness, ties broken by index), so all ranks compute the same plan independently.
+
+* :func:`local_sort`: the usual baseline. Samples are dealt round-robin, each rank runs its own one per microbatch,
+  longest first. Nothing is balanced across ranks.
+* :func:`lb_micro`: what collective FSDP allows. Every rank must run the same number of microbatches (each one a
+  round of per-layer collectives), so the best one can do is balance each microbatch *step* across ranks.
+* :func:`lb_mini`: what ODC allows. Ranks meet once per minibatch, so only each rank's *total* has to be balanced;
+  ranks may run different numbers of samples and microbatches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .cost import CostLike, evaluate_costs
+from .partition import karmarkar_karp
+
+__all__ = ["Plan", "lb_micro", "lb_mini", "local_sort"]
+
+Plan = list[list[list[int]]]
+"""``plan[rank][microbatch]`` is the list of sample indices that rank runs in that microbatch."""
+
+
+def local_sort(lengths: Sequence[int], world_size: int) -> Plan:
+    """Rank ``r`` gets samples ``r, r + world_size, ...``, one per microbatch, longest first."""
+    lengths = _checked_lengths(lengths)
+    _check_world_size(world_size)
+    return [
+        [[i] for i in sorted(range(rank, len(lengths), world_size), key=lambda i: (-lengths[i], i))]
+        for rank in range(world_size)
+    ]
+
+
+def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, cost: CostLike = "tokens") -> Plan:
+    """LB-Mini: balance the whole minibatch's cost across ranks, then pack each rank's share into microbatches.
+
+    Each rank's share is split into as few microbatches as ``max_tokens`` allows (by LPT, see
+    :func:`_pack_share`), balanced by tokens among themselves and ordered by descending cost. Balancing tokens
+    rather than cost is deliberate: with ODC a rank's time is the sum of its samples' costs however they are
+    grouped, so within a rank only memory, i.e. tokens, is worth evening out, and that is also what lets the
+    fewest microbatches fit the cap. Ranks may get different
+    numbers of samples and of microbatches; with fewer samples than ranks, some ranks get none.
+    """
+    lengths = _checked_lengths(lengths)
+    _check_world_size(world_size)
+    _check_token_cap(lengths, max_tokens)
+    costs = evaluate_costs(lengths, cost)
+    shares = karmarkar_karp(costs, world_size)
+    return [_pack_share(share, lengths, costs, max_tokens) for share in shares]
+
+
+def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: CostLike = "tokens") -> Plan:
+    """LB-Micro: the same number of microbatches on every rank, each microbatch step balanced across ranks.
+
+    The number of steps is the smallest, starting from the token lower bound, for which a cost-balanced split of
+    the minibatch into ``steps * world_size`` non-empty microbatches respects ``max_tokens``. The microbatches are
+    then grouped into steps by descending cost, so each step holds ``world_size`` near-equal ones, and within a
+    step the heaviest goes to the rank with the least work so far, which also evens out the ranks' totals.
+    """
+    lengths = _checked_lengths(lengths)
+    _check_world_size(world_size)
+    _check_token_cap(lengths, max_tokens)
+    if len(lengths) < world_size:
+        raise ValueError(
+            f"lb_micro needs at least one sample per rank, got {len(lengths)} samples for world_size={world_size}; "
+            "pass more samples per minibatch, or use lb_mini, which leaves ranks without samples idle."
+        )
+    costs = evaluate_costs(lengths, cost)
+    max_steps = len(lengths) // world_size
+    fewest_steps = max(1, math.ceil(sum(lengths) / (world_size * max_tokens)))
+    for steps in range(fewest_steps, max_steps + 1):
+        microbatches = karmarkar_karp(costs, steps * world_size)
+        if _fits(microbatches, lengths, max_tokens):
+            return _deal_steps(microbatches, costs, world_size)
+    raise ValueError(
+        f"lb_micro cannot keep every microbatch under max_tokens={max_tokens} with at most {max_steps} non-empty "
+        f"microbatches per rank ({len(lengths)} samples, world_size={world_size}); raise max_tokens, use a multiple "
+        "of world_size samples per minibatch, or use lb_mini."
+    )
+
+
+def _pack_share(share: list[int], lengths: list[int], costs: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """Fewest token-balanced microbatches under the cap, by descending cost.
+
+    Longest-processing-time-first: samples, longest first, each go to the microbatch with the fewest tokens; if
+    even that one would overflow the cap, retry with one more microbatch (one sample each always fits, so the
+    search ends). With tens of samples per rank LPT is within a few percent of the best balance and costs
+    microseconds, which matters because every rank is packed on every rank.
+    """
+    if not share:
+        return []
+    longest_first = sorted(share, key=lambda i: (-lengths[i], i))
+    for count in range(math.ceil(sum(lengths[i] for i in share) / max_tokens), len(share) + 1):
+        loads = [(0, slot) for slot in range(count)]  # a heap of (tokens, microbatch), lightest first
+        microbatches: list[list[int]] = [[] for _ in range(count)]
+        for i in longest_first:
+            tokens, slot = loads[0]
+            if tokens + lengths[i] > max_tokens:
+                break
+            heapq.heapreplace(loads, (tokens + lengths[i], slot))
+            microbatches[slot].append(i)
+        else:
+            return sorted((sorted(microbatch) for microbatch in microbatches), key=lambda mb: -costs[mb].sum())
+    raise AssertionError("unreachable: one sample per microbatch always fits the cap")
+
+
+def _fits(microbatches: list[list[int]], lengths: list[int], max_tokens: int) -> bool:
+    return all(sum(lengths[i] for i in microbatch) <= max_tokens for microbatch in microbatches)
+
+
+def _deal_steps(microbatches: list[list[int]], costs: np.ndarray, world_size: int) -> Plan:
+    """Cut microbatches (sorted by descending cost) into steps of ``world_size``; in each step, heaviest first to
+    the rank with the least total so far (ties to the lower rank)."""
+    plan: Plan = [[] for _ in range(world_size)]
+    totals = [0.0] * world_size
+    for start in range(0, len(microbatches), world_size):
+        lightest_first = sorted(range(world_size), key=lambda rank: (totals[rank], rank))
+        for rank, microbatch in zip(lightest_first, microbatches[start : start + world_size], strict=True):
+            plan[rank].append(microbatch)
+            totals[rank] += float(costs[microbatch].sum())
+    return plan
+
+
+def _checked_lengths(lengths: Sequence[int]) -> list[int]:
+    checked = []
+    for index, length in enumerate(lengths):
+        if isinstance(length, bool) or not float(length).is_integer() or length <= 0:
+            raise ValueError(
+                f"Sample {index} has length {length!r}; lengths must be positive integers (token counts). "
+                "Drop empty samples before planning."
+            )
+        checked.append(int(length))
+    return checked
+
+
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int | np.integer) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer (the number of ranks), got {world_size!r}.")
+
+
+def _check_token_cap(lengths: list[int], max_tokens: int) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer (tokens per microbatch), got {max_tokens!r}.")
+    too_long = [index for index, length in enumerate(lengths) if length > max_tokens]
+    if too_long:
+        index = too_long[0]
+        raise ValueError(
+            f"Sample {index} has {lengths[index]} tokens, more than max_tokens={max_tokens} "
+            f"({len(too_long)} sample(s) exceed it, the longest has {max(lengths)}); raise max_tokens to at least "
+            f"{max(lengths)} or truncate or drop those samples first: the planner never truncates."
+        )

@@ -1,0 +1,113 @@
+"""The ODC trainer's data path: the same global minibatch on every rank, planned and packed locally.
+
+No rank ever needs another rank's data or a collective to build its share: every rank draws the same global minibatch
+(a permutation seeded by the seed and the epoch), runs the same deterministic planner on the same lengths, and keeps
+its own row of the plan. The same holds for the loss normaliser: every rank sees every sample's labels, so it counts
+the minibatch's target tokens itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from ..packing import bubble_rate, lb_micro, lb_mini, local_sort
+
+__all__ = ["GlobalMinibatchSampler", "MinibatchDataLoader", "PlannedMinibatchCollator", "count_target_tokens"]
+
+
+class GlobalMinibatchSampler(Sampler[list[int]]):
+    """Yields global minibatches of dataset indices, identical on every rank.
+
+    Each epoch is a permutation of ``range(num_samples)`` seeded by ``(seed, epoch)`` (or the identity without
+    shuffling), cut into minibatches of ``minibatch_size``; an incomplete last minibatch is dropped, so every optimizer
+    step sees exactly ``minibatch_size`` samples.
+    """
+
+    def __init__(self, num_samples: int, minibatch_size: int, seed: int, shuffle: bool = True):
+        if minibatch_size < 1:
+            raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}.")
+        if num_samples < minibatch_size:
+            raise ValueError(
+                f"The dataset has {num_samples} samples, fewer than one global minibatch ({minibatch_size} = "
+                "per_device_train_batch_size x world size)."
+            )
+        self.num_samples, self.minibatch_size, self.seed, self.shuffle = num_samples, minibatch_size, seed, shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples // self.minibatch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.num_samples)
+        for start in range(0, len(self) * self.minibatch_size, self.minibatch_size):
+            yield order[start : start + self.minibatch_size].tolist()
+
+
+class MinibatchDataLoader(DataLoader):
+    """A ``DataLoader`` over :class:`GlobalMinibatchSampler` that forwards ``set_epoch`` (the Trainer calls it)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def count_target_tokens(example: dict[str, Any]) -> int:
+    """Tokens of one sample that carry a loss: next-token labels other than -100 (the first label is never one)."""
+    labels = example.get("labels", example["input_ids"])
+    return sum(1 for label in labels[1:] if label != -100)
+
+
+_PLANNERS: dict[str, Callable[..., list]] = {
+    "lb-mini": lb_mini,
+    "lb-micro": lb_micro,
+    "local-sort": lambda lengths, world_size, max_tokens, cost: local_sort(lengths, world_size),
+}
+
+
+@dataclass
+class PlannedMinibatchCollator:
+    """Turns one global minibatch (a list of tokenized samples) into this rank's packed microbatches.
+
+    Returns a dict with ``microbatches`` (a list, possibly empty, of padding-free batches from TRL's
+    ``DataCollatorForLanguageModeling``: one row, ``position_ids`` restarting at 0 for each sample, the label at each
+    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels), ``num_target_tokens`` and
+    ``num_tokens`` of the whole global minibatch, and the plan's ``predicted_bubble_rate`` under the synchronisation
+    the run uses (``"minibatch"`` with ODC, ``"layer"`` with collective FSDP).
+    """
+
+    rank: int
+    world_size: int
+    balance: str
+    max_tokens: int
+    cost: Any
+    sync: str
+    pad_token_id: int
+
+    def __post_init__(self) -> None:
+        if self.balance not in _PLANNERS:
+            raise ValueError(f"balance must be one of {sorted(_PLANNERS)}, got {self.balance!r}.")
+        self._pack = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
+
+    def plan(self, lengths: Sequence[int]) -> list[list[list[int]]]:
+        return _PLANNERS[self.balance](lengths, self.world_size, self.max_tokens, self.cost)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        lengths = [len(example["input_ids"]) for example in examples]
+        plan = self.plan(lengths)
+        return {
+            "microbatches": [self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
+            "num_target_tokens": sum(count_target_tokens(example) for example in examples),
+            "num_tokens": sum(lengths),
+            "predicted_bubble_rate": bubble_rate(plan, lengths, self.cost, sync=self.sync),
+        }

@@ -1,0 +1,51 @@
+"""Run the example scripts the way a user does (``accelerate launch`` or plain ``python``), never hanging a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def run(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0) -> str:
+    """Run ``examples/<script>`` on one process (``python``) or ``processes`` CPU processes (``accelerate launch``
+    with ``examples/odc_cpu.yaml``); return its output, or fail with it."""
+    if processes == 1:
+        command = [sys.executable, str(EXAMPLES / script), *args]
+    else:
+        config = str(EXAMPLES / "odc_cpu.yaml")
+        command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes)]
+        command += [str(EXAMPLES / script), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **(env or {})}
+    # A session of its own, so that a timeout kills the launcher and every rank it started, not only the launcher.
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{output[-8000:]}") from None
+    if process.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited with {process.returncode}:\n{output[-8000:]}")
+    return output
+
+
+def logged_steps(output_dir: str | Path) -> dict[int, dict]:
+    """The per-step logs the Trainer saved in ``trainer_state.json``, by global step."""
+    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry for entry in history if "loss" in entry}

@@ -1,0 +1,136 @@
+"""``karmarkar_karp``: every index once, equal-size counts, balance within 1% of the lower bound, input checks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from hf_odc.packing import karmarkar_karp, sample_lengths
+
+
+def _part_sums(costs, parts) -> list[float]:
+    return [math.fsum(costs[i] for i in part) for part in parts]
+
+
+def _lower_bound(costs, k: int) -> float:
+    """No k-partition has a smaller largest part: the mean part, and the part holding the largest item."""
+    return max(math.fsum(costs) / k, max(costs))
+
+
+def _assert_partition(parts, n: int, k: int) -> None:
+    assert len(parts) == k
+    flat = [i for part in parts for i in part]
+    assert sorted(flat) == list(range(n)), "every index exactly once"
+
+
+@pytest.mark.parametrize(("n", "k"), [(0, 3), (1, 1), (2, 5), (7, 3), (64, 8), (300, 64)])
+def test_every_index_exactly_once_and_parts_ordered(n, k):
+    costs = np.random.default_rng([n, k]).lognormal(0.0, 1.0, n).tolist()
+    parts = karmarkar_karp(costs, k)
+    _assert_partition(parts, n, k)
+    assert all(part == sorted(part) for part in parts), "indices ascending within a part"
+    sums = _part_sums(costs, parts)
+    assert sums == sorted(sums, reverse=True), "parts by descending cost"
+    if n >= k:
+        assert all(parts), "with at least k items no part is left empty"
+    else:
+        assert sum(1 for part in parts if part) == n
+
+
+def test_brute_force_optimum_on_tiny_sets():
+    """On sets small enough to enumerate, the result is the optimal 2-way and 3-way split."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        costs = rng.integers(1, 50, size=8).tolist()
+        for k in (2, 3):
+            best = min(
+                max(math.fsum(c for c, label in zip(costs, labels, strict=True) if label == part) for part in range(k))
+                for labels in itertools.product(range(k), repeat=len(costs))
+            )
+            got = max(_part_sums(costs, karmarkar_karp(costs, k)))
+            assert got <= best * 1.15, (costs, k, got, best)  # a heuristic: near, not always at, the optimum
+            assert got >= best
+
+
+@pytest.mark.parametrize(("n", "k"), [(12, 3), (64, 8), (256, 64), (512, 16)])
+def test_equal_size_gives_every_part_the_same_count(n, k):
+    costs = np.random.default_rng([n, k, 1]).lognormal(0.0, 1.5, n).tolist()
+    parts = karmarkar_karp(costs, k, equal_size=True)
+    _assert_partition(parts, n, k)
+    assert {len(part) for part in parts} == {n // k}
+    # Still balanced: at most 2% above the bound that equal sizes allow (largest item + the n/k - 1 cheapest).
+    order = sorted(costs)
+    bound = max(math.fsum(costs) / k, order[-1] + math.fsum(order[: n // k - 1]))
+    assert max(_part_sums(costs, parts)) <= bound * 1.02
+
+
+# The spec's quality target: on random long-tailed sets of >= 64 items, the largest part is within 1% of
+# max(sum / k, largest item). Log-normal costs with a heavy tail (sigma 1 and 1.5), several seeds, several k.
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("n", [64, 256, 1024])
+@pytest.mark.parametrize("sigma", [1.0, 1.5])
+def test_within_one_percent_of_the_lower_bound_on_lognormal_sets(n, k, sigma):
+    for seed in range(5):
+        costs = np.random.default_rng([seed, n, k, int(10 * sigma)]).lognormal(0.0, sigma, n).tolist()
+        worst = max(_part_sums(costs, karmarkar_karp(costs, k)))
+        assert worst <= 1.01 * _lower_bound(costs, k), (seed, worst / _lower_bound(costs, k))
+
+
+@pytest.mark.parametrize(("name", "k"), [("longalign", 8), ("swe-smith", 16), ("uniform", 64)])
+def test_within_one_percent_on_the_synthetic_length_sets(name, k):
+    """16 samples per part, as in a minibatch of 16 samples per rank."""
+    for seed in range(3):
+        costs = sample_lengths(name, 16 * k, seed=[seed, k])
+        worst = max(_part_sums(costs, karmarkar_karp(costs, k)))
+        assert worst <= 1.01 * _lower_bound(costs, k)
+
+
+# Known shortfall (reported with this suite): with about four items per part, the largest-differencing result can
+# be several percent above a bound that is attainable. 128 LongAlign-like lengths over 32 parts: one sample of 64141
+# tokens, about 0.94 of the mean part, gets a companion, and single exchanges cannot undo it.
+_SHORTFALL = ("longalign", 128, [4, 32], 32)
+
+
+def test_the_shortfall_instance_has_a_partition_within_one_percent():
+    """The bound is attainable there: put the longest sample alone and split the rest over k - 1 parts."""
+    name, n, seed, k = _SHORTFALL
+    lengths = sample_lengths(name, n, seed=seed)
+    longest = max(range(n), key=lengths.__getitem__)
+    rest = [i for i in range(n) if i != longest]
+    parts = [[longest]] + [[rest[j] for j in part] for part in karmarkar_karp([lengths[i] for i in rest], k - 1)]
+    _assert_partition(sorted(parts, key=lambda part: -math.fsum(lengths[i] for i in part)), n, k)
+    assert max(_part_sums(lengths, parts)) <= 1.01 * _lower_bound(lengths, k)
+
+
+@pytest.mark.xfail(strict=True, reason="LDM + single exchanges miss the 1% target with ~4 items per part")
+def test_within_one_percent_with_few_items_per_part():
+    name, n, seed, k = _SHORTFALL
+    lengths = sample_lengths(name, n, seed=seed)
+    assert max(_part_sums(lengths, karmarkar_karp(lengths, k))) <= 1.01 * _lower_bound(lengths, k)
+
+
+def test_ties_are_broken_by_index():
+    assert karmarkar_karp([5, 5, 5, 5], 2) == karmarkar_karp([5.0, 5.0, 5.0, 5.0], 2)
+    parts = karmarkar_karp([1.0] * 6, 3)
+    _assert_partition(parts, 6, 3)
+    assert {len(part) for part in parts} == {2}
+
+
+@pytest.mark.parametrize("k", [0, -2, 1.5, True, "3"])
+def test_rejects_a_bad_number_of_parts(k):
+    with pytest.raises(ValueError, match="positive integer number of parts k"):
+        karmarkar_karp([1.0, 2.0], k)
+
+
+@pytest.mark.parametrize("costs", [[1.0, -1.0], [1.0, math.nan], [math.inf]])
+def test_rejects_negative_or_non_finite_costs(costs):
+    with pytest.raises(ValueError, match="finite, non-negative costs"):
+        karmarkar_karp(costs, 2)
+
+
+def test_equal_size_needs_a_multiple_of_k():
+    with pytest.raises(ValueError, match=r"number of items \(10\) to be a multiple of k=3"):
+        karmarkar_karp(list(range(1, 11)), 3, equal_size=True)

@@ -1,0 +1,75 @@
+"""``ODCSFTConfig`` validation and defaults, and what ``ODCSFTTrainer`` refuses at construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+
+
+def config(tmp_path, **kwargs) -> ODCSFTConfig:
+    return ODCSFTConfig(str(tmp_path), report_to="none", **kwargs)
+
+
+def test_defaults(tmp_path, monkeypatch):
+    monkeypatch.delenv("ODC_ENABLED", raising=False)
+    args = config(tmp_path)
+    assert args.odc is True and args.balance == "lb-mini"
+    assert args.microbatch_token_cap == args.max_length == 1024
+    if not torch.cuda.is_available():  # CPU processes must know it, whatever the launcher told them
+        assert args.use_cpu and args.bf16 is False
+
+
+def test_odc_follows_the_environment_and_the_baseline_uses_lb_micro(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODC_ENABLED", "0")
+    args = config(tmp_path)
+    assert args.odc is False and args.balance == "lb-micro"
+    assert config(tmp_path, odc=True).odc is True
+
+
+def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
+    assert config(tmp_path, max_length=100, packing_ratio=2.5).microbatch_token_cap == 250
+    assert config(tmp_path, max_tokens_per_microbatch=777).microbatch_token_cap == 777
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"odc": False, "balance": "lb-mini"}, "deadlock"),
+        ({"balance": "greedy"}, "balance must be one of"),
+        ({"cost_model": "flops"}, "cost_model must be one of"),
+        ({"max_tokens_per_microbatch": 10, "packing_ratio": 1.0}, "not both"),
+        ({"max_tokens_per_microbatch": 0}, ">= 1"),
+        ({"packing_ratio": 0.0}, "> 0"),
+        ({"max_length": None}, "max_tokens_per_microbatch when max_length is None"),
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=1"),
+        ({"packing": True}, "packs each microbatch itself"),
+        ({"padding_free": True}, "packs each microbatch itself"),
+        ({"odc_timeout": -5}, "positive"),
+    ],
+)
+def test_invalid_configs_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"data_collator": lambda batch: batch}, ValueError, "data_collator"),
+        ({"compute_loss_func": lambda *a, **k: 0}, ValueError, "compute_loss_func"),
+        ({"train_dataset": Dataset.from_dict({"input_ids": [[1, 2]]}).to_iterable_dataset()}, TypeError, "map-style"),
+    ],
+)
+def test_trainer_refuses_what_it_cannot_honour(tmp_path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ODCSFTTrainer(model="unused", args=config(tmp_path), **kwargs)
+
+
+def test_trainer_needs_its_own_config(tmp_path):
+    from trl import SFTConfig
+
+    with pytest.raises(TypeError, match="ODCSFTConfig"):
+        ODCSFTTrainer(model="unused", args=SFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False))

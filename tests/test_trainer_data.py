@@ -1,0 +1,105 @@
+"""The ODC trainer's data path: global minibatches, per-rank plans, padding-free packing, the loss normaliser."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hf_odc.trainer import GlobalMinibatchSampler, PlannedMinibatchCollator, count_target_tokens
+
+
+def _examples(n: int, seed: int = 0) -> list[dict]:
+    """Tokenized samples with long-tailed lengths; the first third of each sample is masked (a prompt)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = min(64, int(rng.paretovariate(1.2) * 4))
+        ids = [rng.randrange(10, 100) for _ in range(max(length, 2))]
+        prompt = len(ids) // 3
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+def _collator(rank: int, world_size: int, balance: str = "lb-mini", max_tokens: int = 64) -> PlannedMinibatchCollator:
+    sync = "minibatch" if balance == "lb-mini" else "layer"
+    return PlannedMinibatchCollator(rank, world_size, balance, max_tokens, "tokens", sync, pad_token_id=0)
+
+
+def test_sampler_is_identical_across_ranks_and_reshuffles_per_epoch():
+    a, b = GlobalMinibatchSampler(50, 8, seed=3), GlobalMinibatchSampler(50, 8, seed=3)
+    first = list(a)
+    assert first == list(b)  # every rank draws the same global minibatches
+    assert len(first) == len(a) == 6 and all(len(mb) == 8 for mb in first)  # the incomplete 7th is dropped
+    assert len({i for mb in first for i in mb}) == 48
+    a.set_epoch(1)
+    assert list(a) != first
+    a.set_epoch(0)
+    assert list(a) == first
+    assert list(GlobalMinibatchSampler(16, 8, seed=3, shuffle=False)) == [list(range(8)), list(range(8, 16))]
+
+
+def test_sampler_rejects_a_dataset_smaller_than_one_minibatch():
+    with pytest.raises(ValueError, match="fewer than one global minibatch"):
+        GlobalMinibatchSampler(5, 8, seed=0)
+
+
+def test_count_target_tokens_skips_the_first_label_and_masked_ones():
+    assert count_target_tokens({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}) == 2
+    assert count_target_tokens({"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}) == 3
+    assert count_target_tokens({"input_ids": [5, 6, 7]}) == 2
+
+
+@pytest.mark.parametrize("balance", ["lb-mini", "lb-micro", "local-sort"])
+def test_every_sample_is_packed_once_across_ranks(balance):
+    examples, world_size = _examples(24), 4
+    items = [_collator(rank, world_size, balance)(examples) for rank in range(world_size)]
+    seen = []
+    for item in items:
+        assert item["num_target_tokens"] == sum(count_target_tokens(e) for e in examples)
+        assert item["num_tokens"] == sum(len(e["input_ids"]) for e in examples)
+        for mb in item["microbatches"]:
+            assert mb["input_ids"].shape[0] == 1 and mb["input_ids"].shape[1] <= 64
+            starts = [*(mb["position_ids"][0] == 0).nonzero().flatten().tolist(), mb["input_ids"].shape[1]]
+            for begin, end in itertools.pairwise(starts):
+                seen.append(tuple(mb["input_ids"][0, begin:end].tolist()))
+                assert mb["position_ids"][0, begin:end].tolist() == list(range(end - begin))
+                assert mb["labels"][0, begin] == -100  # no target across the boundary with the previous sample
+            assert mb["cu_seq_lens_q"].tolist() == starts
+    assert sorted(seen) == sorted(tuple(e["input_ids"]) for e in examples)
+    counts = [len(item["microbatches"]) for item in items]
+    if balance != "lb-mini":  # collective FSDP needs the same number of microbatches on every rank
+        assert len(set(counts)) == 1
+
+
+def test_packed_targets_add_up_to_the_normaliser():
+    """The loss normaliser every rank computes alone equals the targets the fused LM head will see."""
+    examples, world_size = _examples(16, seed=1), 2
+    items = [_collator(rank, world_size)(examples) for rank in range(world_size)]
+    packed_targets = sum(int((mb["labels"][0, 1:] != -100).sum()) for item in items for mb in item["microbatches"])
+    assert packed_targets == items[0]["num_target_tokens"]
+
+
+def test_lb_mini_balances_the_ranks_better_than_local_sort():
+    examples, world_size = _examples(32, seed=2), 4
+    mini = _collator(0, world_size, "lb-mini")(examples)["predicted_bubble_rate"]
+    local = _collator(0, world_size, "local-sort")(examples)["predicted_bubble_rate"]
+    assert 0.0 <= mini < local
+
+
+def test_a_rank_with_no_sample_gets_no_microbatch():
+    examples = _examples(2)
+    assert _collator(3, 4)(examples)["microbatches"] == []
+
+
+def test_unknown_balance_is_refused():
+    with pytest.raises(ValueError, match="balance"):
+        _collator(0, 2, "greedy")
+
+
+def test_packed_microbatch_has_position_ids_and_no_attention_mask():
+    mb = _collator(0, 1)(_examples(4))["microbatches"][0]
+    assert mb["input_ids"].dtype == torch.long and mb["position_ids"].dtype == torch.long
+    assert "attention_mask" not in mb  # a mask would make the model ignore the packed boundaries

@@ -1,0 +1,82 @@
+"""End to end, as a user runs it: ``accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py`` on 2 CPU
+processes must train exactly like one process on the same global minibatches (loss and gradient norm, rtol 1e-4),
+with ODC + LB-Mini, and with LB-Micro with and without ODC; it must save and resume to an identical continuation."""
+
+from __future__ import annotations
+
+import pytest
+from _trainer_launch import logged_steps, run
+from safetensors.torch import load_file
+
+STEPS = 5
+# A higher learning rate than the demo's, so that five steps move the weights enough for a wrong gradient to show.
+COMMON = ("--max_steps", str(STEPS), "--learning_rate", "1e-2", "--num_samples", "128", "--disable_tqdm", "true")
+LORA = (
+    "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
+    "--lora_target_modules", "q_proj", "v_proj", "--assistant_only_loss", "true", "--gradient_checkpointing", "true",
+)  # fmt: skip
+
+
+def train(output_dir, *args: str, processes: int) -> dict[int, dict]:
+    """Run examples/sft.py; the global minibatch is 16 samples either way."""
+    batch = str(16 // processes)
+    run("sft.py", *COMMON, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
+        processes=processes)  # fmt: skip
+    return logged_steps(output_dir)
+
+
+def assert_same_training(ours: dict[int, dict], reference: dict[int, dict], steps=range(1, STEPS + 1), rel=1e-4):
+    assert sorted(ours) == sorted(reference) == list(range(1, STEPS + 1))
+    for step in steps:
+        assert ours[step]["loss"] == pytest.approx(reference[step]["loss"], rel=rel), f"loss at step {step}"
+        assert ours[step]["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=rel), f"grad at step {step}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("single")
+    return directory, train(directory, processes=1)
+
+
+@pytest.fixture(scope="module")
+def lb_mini(tmp_path_factory):
+    """ODC + LB-Mini on 2 processes, with checkpoints every 2 steps for the resume test."""
+    directory = tmp_path_factory.mktemp("lb_mini")
+    return directory, train(directory, "--save_strategy", "steps", "--save_steps", "2", processes=2)
+
+
+def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
+    (reference_dir, expected), (directory, logs) = reference, lb_mini
+    assert_same_training(logs, expected)
+    for entry in logs.values():  # the per-step ODC metrics
+        assert entry["tokens_per_second"] > 0 and 0 <= entry["predicted_bubble_rate"] < 1
+        for rank in (0, 1):
+            assert entry[f"busy_s/rank_{rank}"] > 0 and entry[f"wait_s/rank_{rank}"] >= 0
+    # LB-Mini is only exercised if the ranks ran different numbers of microbatches at some step.
+    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in logs.values())
+    # The model saved from the shards equals the single-process one (per tensor: Adam turns rounding-level gradient
+    # differences into larger ones on the elements whose gradient is near zero, so elementwise tolerances don't fit).
+    ours, theirs = load_file(directory / "model.safetensors"), load_file(reference_dir / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert (tensor - theirs[name]).norm() <= 1e-4 * theirs[name].norm(), name
+
+
+@pytest.mark.parametrize("odc", ["true", "false"], ids=["odc", "fsdp2"])
+def test_lb_micro_matches_a_single_process(reference, tmp_path, odc):
+    logs = train(tmp_path, "--balance", "lb-micro", "--odc", odc, processes=2)
+    assert_same_training(logs, reference[1])
+    assert all(entry["microbatches/rank_0"] == entry["microbatches/rank_1"] for entry in logs.values())
+    assert ("wait_s/rank_0" in logs[1]) == (odc == "true")
+
+
+def test_resume_continues_identically(lb_mini, tmp_path):
+    directory, logs = lb_mini
+    resumed = train(tmp_path, "--resume_from_checkpoint", str(directory / "checkpoint-2"), processes=2)
+    assert_same_training(resumed, logs, steps=range(3, STEPS + 1), rel=1e-5)
+
+
+def test_lora_with_gradient_checkpointing_and_assistant_only_loss(tmp_path):
+    single = train(tmp_path / "single", *LORA, processes=1)
+    assert_same_training(train(tmp_path / "odc", *LORA, processes=2), single)
+    assert (tmp_path / "odc" / "adapter_model.safetensors").exists()
