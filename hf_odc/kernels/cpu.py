@@ -43,15 +43,6 @@ class CpuShmTransport(Transport):
         self._num_buffers += 1
         return buf
 
-    def gather(
-        self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor, include_self: bool = True
-    ) -> None:
-        rows = out.view(self.world_size, numel)
-        for r, peer in enumerate(buf.peers):
-            if r == self.rank and not include_self:
-                continue
-            rows[r].copy_(peer[offset : offset + numel])
-
     def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
         rows = src.view(self.world_size, numel)
         base = buf.index * self.world_size

@@ -68,15 +68,6 @@ class CudaSymmMemTransport(Transport):
         self._peer_ptrs[buf.index] = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
         return buf
 
-    def gather(
-        self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor, include_self: bool = True
-    ) -> None:
-        rows = out.view(self.world_size, numel)
-        for r, peer in enumerate(buf.peers):
-            if r == self.rank and not include_self:
-                continue
-            rows[r].copy_(peer[offset : offset + numel], non_blocking=True)
-
     def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
         from ._triton_scatter import scatter_add
 

@@ -60,15 +60,19 @@ class Transport(ABC):
     def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
         """Collective: every rank calls it with the same arguments and gets a zero-filled symmetric tensor."""
 
-    @abstractmethod
     def gather(
         self, buf: SymmetricTensor, offset: int, numel: int, out: torch.Tensor, include_self: bool = True
     ) -> None:
         """``out.view(world_size, numel)[r] = buf.peers[r][offset:offset + numel]`` for every rank ``r``.
 
         ``out`` has ``buf``'s dtype; the owners are not involved. With ``include_self=False`` this rank's own row
-        is left as it is (FSDP already copied the local shard there).
+        is left as it is (FSDP already copied the local shard there). Both transports map every peer's block into
+        this process, so a plain copy per peer is the read (on a GPU, a copy-engine transfer over NVLink).
         """
+        rows = out.view(self.world_size, numel)
+        for r, peer in enumerate(buf.peers):
+            if r != self.rank or include_self:
+                rows[r].copy_(peer[offset : offset + numel])
 
     @abstractmethod
     def scatter_accumulate(self, buf: SymmetricTensor, offset: int, numel: int, src: torch.Tensor) -> None:
