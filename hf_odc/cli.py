@@ -118,6 +118,7 @@ def _run_plan(args: argparse.Namespace) -> None:
 
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split)
     max_tokens = args.max_tokens or int(args.packing_ratio * source.max_length)
+    _check_cap(source, max_tokens)
     cost = choose_cost(args.cost, args.model_config, args.calibration)
     simulation = simulate(
         source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed
@@ -131,8 +132,27 @@ def _run_plan(args: argparse.Namespace) -> None:
         plot_simulation(simulation, args.plot)
 
 
+def _check_cap(source, max_tokens: int) -> None:
+    """Refuse a cap below the longest sample before simulating: the planners' own error would name a sample's
+    place in a random minibatch, not in the user's lengths, and a built-in distribution may only fail later."""
+    if source.max_length <= max_tokens:
+        return
+    lengths = getattr(source, "lengths", None)
+    if lengths:
+        what = f"Sample {lengths.index(source.max_length)} of {source.name} has {source.max_length} tokens"
+    else:
+        what = f"{source.name} draws samples of up to {source.max_length} tokens"
+    raise ValueError(
+        f"{what}, more than max_tokens={max_tokens}; raise --max-tokens or --packing-ratio (to 1.0 at least): "
+        "the planners never truncate."
+    )
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # else argparse reports "invalid _positive_ints value"
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value

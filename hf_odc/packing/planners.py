@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -59,10 +59,12 @@ def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cost
 def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: CostLike = "tokens") -> Plan:
     """LB-Micro: the same number of microbatches on every rank, each microbatch step balanced across ranks.
 
-    The number of steps is the smallest, starting from the token lower bound, for which a cost-balanced split of
-    the minibatch into ``steps * world_size`` non-empty microbatches respects ``max_tokens``. The microbatches are
-    then grouped into steps by descending cost, so each step holds ``world_size`` near-equal ones, and within a
-    step the heaviest goes to the rank with the least work so far, which also evens out the ranks' totals.
+    The number of steps is the smallest, starting from the token lower bound, for which the minibatch splits into
+    ``steps * world_size`` non-empty microbatches under ``max_tokens``: balanced by cost if that split fits, else by
+    tokens (the LPT packer of :func:`lb_mini`), which fits more often: with a superlinear cost, a cost-balanced
+    split crowds short samples together. The microbatches are then grouped into steps by descending cost, so each
+    step holds ``world_size`` near-equal ones, and within a step the heaviest goes to the rank with the least work
+    so far, which also evens out the ranks' totals.
     """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
@@ -77,7 +79,10 @@ def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cos
     fewest_steps = max(1, math.ceil(sum(lengths) / (world_size * max_tokens)))
     for steps in range(fewest_steps, max_steps + 1):
         microbatches = karmarkar_karp(costs, steps * world_size)
-        if _fits(microbatches, lengths, max_tokens):
+        if not _fits(microbatches, lengths, max_tokens):
+            microbatches = _lpt(range(len(lengths)), lengths, steps * world_size, max_tokens)
+        if microbatches is not None:
+            microbatches.sort(key=lambda microbatch: -math.fsum(costs[microbatch]))  # already so if by cost
             return _deal_steps(microbatches, costs, world_size)
     raise ValueError(
         f"lb_micro cannot keep every microbatch under max_tokens={max_tokens} with at most {max_steps} non-empty "
@@ -96,19 +101,25 @@ def _pack_share(share: list[int], lengths: list[int], costs: np.ndarray, max_tok
     """
     if not share:
         return []
-    longest_first = sorted(share, key=lambda i: (-lengths[i], i))
     for count in range(math.ceil(sum(lengths[i] for i in share) / max_tokens), len(share) + 1):
-        loads = [(0, slot) for slot in range(count)]  # a heap of (tokens, microbatch), lightest first
-        microbatches: list[list[int]] = [[] for _ in range(count)]
-        for i in longest_first:
-            tokens, slot = loads[0]
-            if tokens + lengths[i] > max_tokens:
-                break
-            heapq.heapreplace(loads, (tokens + lengths[i], slot))
-            microbatches[slot].append(i)
-        else:
-            return sorted((sorted(microbatch) for microbatch in microbatches), key=lambda mb: -costs[mb].sum())
+        microbatches = _lpt(share, lengths, count, max_tokens)
+        if microbatches is not None:
+            return sorted(microbatches, key=lambda mb: -costs[mb].sum())
     raise AssertionError("unreachable: one sample per microbatch always fits the cap")
+
+
+def _lpt(samples: Iterable[int], lengths: list[int], count: int, max_tokens: int) -> list[list[int]] | None:
+    """``count`` microbatches (indices ascending), longest sample first to the one with the fewest tokens; ``None``
+    if a sample would overflow even that one. Given at least ``count`` samples, none is left empty."""
+    loads = [(0, slot) for slot in range(count)]  # a heap of (tokens, microbatch), lightest first
+    microbatches: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(samples, key=lambda i: (-lengths[i], i)):
+        tokens, slot = loads[0]
+        if tokens + lengths[i] > max_tokens:
+            return None
+        heapq.heapreplace(loads, (tokens + lengths[i], slot))
+        microbatches[slot].append(i)
+    return [sorted(microbatch) for microbatch in microbatches]
 
 
 def _fits(microbatches: list[list[int]], lengths: list[int], max_tokens: int) -> bool:

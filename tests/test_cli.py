@@ -1,0 +1,195 @@
+"""``hf-odc plan``: sources of lengths, cost models, the table, ``--json`` and ``--plot``, and error messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_odc.cli import main
+
+SCHEMES = ("Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini")
+RESULT_KEYS = {"world_size", "scheme", "sync", "bubble_rate", "speedup", "time", "min_microbatches", "max_microbatches"}
+# Long-tailed measured lengths: a few long samples among many short ones.
+LENGTHS = [512, 700, 900, 1200, 1500, 2048, 3000, 4096, 6000, 8000, 12000, 16384, 600, 800, 1000, 24000]
+FAST = ["--world-sizes", "2,4", "--samples-per-rank", "6", "--minibatches", "3"]
+
+
+def _plan(capsys, *args: str) -> str:
+    assert main(["plan", *args]) == 0
+    return capsys.readouterr().out
+
+
+def _fails(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def _lengths_file(tmp_path: Path, lengths=LENGTHS) -> Path:
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(lengths))
+    return path
+
+
+def test_default_run_prints_every_scheme_for_every_world_size(capsys):
+    out = _plan(capsys)
+    assert "Predicted bubble rate and speedup over Collective+LB-Micro" in out
+    assert "longalign, 8 samples/rank, max_tokens=65536, cost=attention, 10" in out
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    assert [row[:2] for row in rows] == [[str(w), name] for w in (2, 8, 32, 128) for name in SCHEMES]
+    for _, name, bubble, speedup, _ in rows:
+        assert bubble.endswith("%") and speedup.endswith("x")
+        if name == "Collective+LB-Micro":
+            assert speedup == "1.00x"
+
+
+def test_the_console_script_runs():
+    script = shutil.which("hf-odc", path=str(Path(sys.executable).parent)) or shutil.which("hf-odc")
+    assert script, "the hf-odc console script is installed with the package"
+    result = subprocess.run(
+        [script, "plan", "--distribution", "swe-smith", "--world-sizes", "4", "--minibatches", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert all(name in result.stdout for name in SCHEMES)
+    assert "max_tokens=131072" in result.stdout
+
+
+def test_lengths_file_with_json_and_plot(tmp_path, capsys):
+    lengths_file, out_json, out_png = _lengths_file(tmp_path), tmp_path / "out.json", tmp_path / "out.png"
+    out = _plan(capsys, "--lengths", str(lengths_file), *FAST, "--json", str(out_json), "--plot", str(out_png))
+    assert all(name in out for name in SCHEMES)
+
+    png = out_png.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(png) > 20_000  # two timelines and a line chart, not an empty canvas
+
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"config", "results"}
+    assert report["config"] == {
+        "source": str(lengths_file),
+        "world_sizes": [2, 4],
+        "samples_per_rank": 6,
+        "max_tokens": max(LENGTHS),  # --packing-ratio 1.0 of the longest measured sample
+        "cost": "attention",
+        "num_minibatches": 3,
+        "seed": 0,
+    }
+    results = report["results"]
+    assert [(r["world_size"], r["scheme"]) for r in results] == [(w, s) for w in (2, 4) for s in SCHEMES]
+    for result in results:
+        assert set(result) == RESULT_KEYS
+        assert 0.0 <= result["bubble_rate"] < 1.0
+        assert result["sync"] == ("minibatch" if result["scheme"].startswith("ODC") else "layer")
+        assert result["speedup"] == 1.0 or result["scheme"] != "Collective+LB-Micro"
+        assert f"{result['bubble_rate']:.1%}" in out  # the table shows the same numbers
+
+
+def _json_report(capsys, tmp_path: Path, *args: str) -> dict:
+    out_json = tmp_path / f"report{len(list(tmp_path.glob('report*')))}.json"
+    _plan(capsys, *args, *FAST, "--json", str(out_json))
+    return json.loads(out_json.read_text())
+
+
+def test_csv_text_and_dataset_sources_give_the_same_plan(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    reference = _json_report(capsys, tmp_path, "--lengths", str(_lengths_file(tmp_path)))
+
+    csv_file = tmp_path / "lengths.csv"
+    csv_file.write_text("id,tokens\n" + "".join(f"s{i},{length}\n" for i, length in enumerate(LENGTHS)))
+    text_file = tmp_path / "lengths.txt"
+    text_file.write_text(" ".join(map(str, LENGTHS[:8])) + "\n" + "\n".join(map(str, LENGTHS[8:])))
+    dataset_dir = tmp_path / "dataset"
+    rows = {"input_ids": [[7] * length for length in LENGTHS], "num_tokens": LENGTHS}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(dataset_dir))
+    dict_dir = tmp_path / "dataset_dict"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"num_tokens": [5, 6]}), "test": datasets.Dataset.from_dict(rows)}
+    ).save_to_disk(str(dict_dir))
+
+    sources = {
+        f"{csv_file}": ["--lengths", str(csv_file), "--column", "tokens"],
+        f"{text_file}": ["--lengths", str(text_file)],
+        f"{dataset_dir}:input_ids": ["--dataset", str(dataset_dir), "--column", "input_ids"],  # len() of lists
+        f"{dataset_dir}:num_tokens": ["--dataset", str(dataset_dir), "--column", "num_tokens"],  # integers
+        f"{dict_dir}:num_tokens": ["--dataset", str(dict_dir), "--column", "num_tokens", "--split", "test"],
+    }
+    for name, args in sources.items():
+        report = _json_report(capsys, tmp_path, *args)
+        assert report["config"] == {**reference["config"], "source": name}
+        assert report["results"] == reference["results"], name  # same lengths, same seeded draws, same plans
+
+
+def test_token_cap_packing_ratio_and_cost_options(tmp_path, capsys):
+    lengths_file = str(_lengths_file(tmp_path))
+    doubled = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--packing-ratio", "2", "--cost", "tokens")
+    assert doubled["config"]["max_tokens"] == 2 * max(LENGTHS)
+    assert doubled["config"]["cost"] == "tokens"
+    capped = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--max-tokens", "30000")
+    assert capped["config"]["max_tokens"] == 30000
+
+    config = tmp_path / "model"
+    config.mkdir()
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4}
+    (config / "config.json").write_text(json.dumps({**shape, "vocab_size": 1000}))
+    by_model = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--model-config", str(config))
+    assert by_model["config"]["cost"].startswith("AttentionCost(")
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps([[4096, 4096**2, 0.5], [8192, 2 * 4096**2, 1.0], [8192, 8192**2, 1.5]]))
+    by_fit = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--calibration", str(calibration))
+    assert by_fit["config"]["cost"].startswith("CalibratedCost(")
+    by_tokens = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--cost", "tokens")
+    assert by_fit["results"] != by_tokens["results"]
+
+
+def test_a_cap_below_the_longest_sample_names_it_before_simulating(tmp_path, capsys):
+    lengths_file = _lengths_file(tmp_path)
+    # The longest sample, by its place in the user's file (not in a random minibatch), its length and the cap.
+    err = _fails(capsys, "--lengths", str(lengths_file), "--max-tokens", "4096")
+    assert f"Sample 15 of {lengths_file} has 24000 tokens, more than max_tokens=4096; raise --max-tokens" in err
+    err = _fails(capsys, "--distribution", "swe-smith", "--max-tokens", "65536")
+    assert "swe-smith draws samples of up to 131072 tokens, more than max_tokens=65536" in err
+    err = _fails(capsys, "--lengths", str(lengths_file), "--packing-ratio", "0.9")
+    assert f"more than max_tokens={int(0.9 * 24000)}" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-tokens", "100"], "Sample 15 of "),
+        (["--world-sizes", "2,x"], "argument --world-sizes: expected a positive integer, got x"),
+        (["--world-sizes", "2.5"], "argument --world-sizes: expected a positive integer, got 2.5"),
+        (["--world-sizes", "0"], "argument --world-sizes: expected a positive integer, got 0"),
+        (["--samples-per-rank", "-3"], "argument --samples-per-rank: expected a positive integer, got -3"),
+        (["--packing-ratio", "0"], "more than max_tokens=0"),
+        (["--cost", "flops"], "argument --cost: invalid choice: 'flops'"),
+        (["--distribution", "uniform"], "argument --distribution: not allowed with argument --lengths"),
+    ],
+)
+def test_bad_options_exit_with_a_clear_message(tmp_path, capsys, args, message):
+    err = _fails(capsys, "--lengths", str(_lengths_file(tmp_path)), "--minibatches", "1", *args)
+    assert message in err
+
+
+def test_bad_sources_exit_with_a_clear_message(tmp_path, capsys):
+    assert "No such file or directory" in _fails(capsys, "--lengths", str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([100, "abc", 300]))
+    assert "holds 'abc', which is not an integer length" in _fails(capsys, "--lengths", str(bad))
+    bad.write_text(json.dumps([100, 0, 300]))
+    assert "holds the length 0; lengths must be positive" in _fails(capsys, "--lengths", str(bad))
+    bad.write_text(json.dumps({"lengths": [1, 2]}))
+    assert "must hold a JSON list of integers" in _fails(capsys, "--lengths", str(bad))
+    wide = tmp_path / "wide.csv"
+    wide.write_text("a,b\n1,2\n")
+    assert "has 2 columns; name the one holding lengths with --column" in _fails(capsys, "--lengths", str(wide))
+    assert "A dataset needs --column" in _fails(capsys, "--dataset", str(tmp_path))

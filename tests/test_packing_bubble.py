@@ -1,0 +1,106 @@
+"""The bubble model on hand-computed plans, and what it predicts for the four schemes on the synthetic sets."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from hf_odc.packing import (
+    DISTRIBUTIONS,
+    bubble_rate,
+    lb_micro,
+    lb_mini,
+    local_sort,
+    plan_costs,
+    predicted_time,
+    sample_lengths,
+    simulate,
+    sync_time,
+)
+
+# Four ranks: rank 0 runs two microbatches, rank 1 two, rank 2 one, rank 3 none.
+LENGTHS = [5, 3, 2, 4, 1, 6]
+PLAN = [[[0], [1, 2]], [[3], [4]], [[5]], []]
+
+
+def _squares(lengths):
+    return [length * length for length in lengths]
+
+
+def test_plan_costs_sum_each_microbatch():
+    assert plan_costs(PLAN, LENGTHS) == [[5, 5], [4, 1], [6], []]
+    assert plan_costs(PLAN, LENGTHS, _squares) == [[25, 13], [16, 1], [36], []]
+
+
+# tokens: layer sync = max(5, 4, 6, 0) + max(5, 1, -, -) = 11, minibatch sync = max(10, 5, 6, 0) = 10; total 21.
+# squares: layer = max(25, 16, 36) + max(13, 1) = 49, minibatch = max(38, 17, 36, 0) = 38; total 91.
+@pytest.mark.parametrize(
+    ("cost", "sync", "time", "bubble"),
+    [
+        ("tokens", "layer", 11, 1 - Fraction(21, 4 * 11)),
+        ("tokens", "minibatch", 10, 1 - Fraction(21, 4 * 10)),
+        (_squares, "layer", 49, 1 - Fraction(91, 4 * 49)),
+        (_squares, "minibatch", 38, 1 - Fraction(91, 4 * 38)),
+    ],
+)
+def test_bubble_on_a_hand_computed_plan(cost, sync, time, bubble):
+    assert predicted_time(PLAN, LENGTHS, cost, sync) == time
+    assert bubble_rate(PLAN, LENGTHS, cost, sync) == pytest.approx(float(bubble), abs=1e-15)
+
+
+def test_a_balanced_plan_has_no_bubble_and_layer_sync_never_beats_minibatch_sync():
+    lengths = [3, 1, 2, 2, 4]
+    plan = [[[0], [1]], [[2], [3]], [[4]]]  # every step equal: 3+1 | 2+2 | 4
+    assert bubble_rate(plan, lengths, sync="minibatch") == 0.0
+    assert bubble_rate(plan, lengths, sync="layer") == pytest.approx(1 - 12 / (3 * (4 + 2)))
+    for cost in ("tokens", _squares):
+        assert predicted_time(PLAN, LENGTHS, cost, "layer") >= predicted_time(PLAN, LENGTHS, cost, "minibatch")
+
+
+def test_empty_plans_and_a_bad_sync():
+    assert bubble_rate([[], []], [], sync="layer") == 0.0
+    assert bubble_rate([[], []], [], sync="minibatch") == 0.0
+    assert sync_time([[], [2.0]], "layer") == 2.0
+    with pytest.raises(ValueError, match=r"sync must be 'layer' .* or 'minibatch' .*, got 'step'"):
+        bubble_rate(PLAN, LENGTHS, sync="step")
+
+
+@pytest.mark.parametrize("cost", ["attention", "tokens"])
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_odc_lb_mini_bubble_is_at_most_collective_lb_micro_bubble(name, cost):
+    """ODC + LB-Mini (minibatch sync) idles no more than Collective + LB-Micro (layer sync), and both beat
+    Collective + LocalSort, on every synthetic set and world size."""
+    cap = DISTRIBUTIONS[name].max_length
+    for world_size in (2, 8, 32):
+        for seed in range(2):
+            lengths = sample_lengths(name, 8 * world_size, seed=[seed, world_size])
+            mini = bubble_rate(lb_mini(lengths, world_size, cap, cost), lengths, cost, "minibatch")
+            micro = bubble_rate(lb_micro(lengths, world_size, cap, cost), lengths, cost, "layer")
+            local = bubble_rate(local_sort(lengths, world_size), lengths, cost, "layer")
+            assert 0 <= mini <= micro <= local, (world_size, seed, mini, micro, local)
+            assert mini < 0.05  # one sync per minibatch, 8 samples per rank: nearly no idle time
+
+
+def test_simulate_reports_every_scheme_consistently():
+    simulation = simulate(DISTRIBUTIONS["swe-smith"], [2, 8], 8, 131072, "attention", num_minibatches=3, seed=5)
+    results = {(result.world_size, result.scheme): result for result in simulation.results}
+    assert len(results) == 8
+    for world_size in (2, 8):
+        baseline = results[world_size, "Collective+LB-Micro"]
+        assert baseline.speedup == 1.0
+        total = None
+        for scheme in ("Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini"):
+            result = results[world_size, scheme]
+            assert result.speedup == pytest.approx(baseline.time / result.time)
+            # bubble = 1 - work / (ranks * time), and the work is the same for every scheme
+            work = (1 - result.bubble_rate) * world_size * result.time
+            total = work if total is None else total
+            assert work == pytest.approx(total, rel=1e-9)
+        assert results[world_size, "ODC+LB-Micro"].time <= baseline.time  # the same plan, synced less often
+        assert results[world_size, "ODC+LB-Mini"].speedup >= 1.0
+        assert results[world_size, "Collective+LocalSort"].min_microbatches == 8
+    assert simulation.to_dict()["config"]["num_minibatches"] == 3
+    # Reproducible, and a world size's minibatches do not depend on the other world sizes simulated.
+    again = simulate(DISTRIBUTIONS["swe-smith"], [8], 8, 131072, "attention", num_minibatches=3, seed=5)
+    assert again.results == [result for result in simulation.results if result.world_size == 8]
