@@ -122,14 +122,9 @@ def test_lb_micro_same_count_on_every_rank_and_steps_by_descending_cost(cost, na
     assert max(totals) - min(totals) <= max(step_costs[0]) + 1e-9
 
 
-# Known shortfall (reported with this suite): here 64 uniform lengths pair up into 32 microbatches under the cap
-# (first-fit decreasing finds it), but with two samples per microbatch neither the Karmarkar-Karp split nor the LPT
-# fallback fits, so lb_micro takes 5 steps, not 4.
-_ONE_STEP_TOO_MANY = pytest.mark.xfail(strict=True, reason="KK and LPT miss a tight 2-per-microbatch packing")
 MINIMAL_STEP_CASES = [
-    pytest.param(
-        name, world_size, seed, marks=_ONE_STEP_TOO_MANY if (name, world_size, seed) == ("uniform", 8, 2) else ()
-    )
+    # ("uniform", 8, 2) needs triples in some microbatches: Karmarkar-Karp and LPT both miss it, best-fit finds it.
+    (name, world_size, seed)
     for name in sorted(DISTRIBUTIONS)
     for world_size in (2, 8)
     for seed in range(4)
@@ -147,6 +142,21 @@ def test_lb_micro_uses_the_fewest_steps_the_cap_allows(cost, name, world_size, s
     assert steps >= token_bound
     if steps > token_bound:
         assert not _packs_into(lengths, (steps - 1) * world_size, cap), steps
+
+
+@pytest.mark.parametrize("cost", ["tokens", "attention"])
+def test_lb_micro_packs_triples_where_pairs_overflow(cost):
+    """64 uniform lengths whose longest-with-shortest pairs overflow the cap: 4 steps (the token bound) need some
+    microbatches of three and, the tight packing leaving one empty, a sample moved into it; all under the cap."""
+    lengths, cap = _lengths("uniform", 8, 8, seed=2), _cap("uniform")
+    descending = sorted(lengths, reverse=True)
+    assert max(descending[i] + descending[-1 - i] for i in range(32)) > cap, "the instance needs triples"
+    plan = lb_micro(lengths, 8, cap, cost)
+    _assert_every_index_once(plan, len(lengths))
+    assert [len(rank) for rank in plan] == [math.ceil(sum(lengths) / (8 * cap))] * 8 == [4] * 8
+    microbatches = [microbatch for rank in plan for microbatch in rank]
+    assert all(microbatches) and max(sum(lengths[i] for i in mb) for mb in microbatches) <= cap
+    assert max(map(len, microbatches)) >= 3
 
 
 def test_lb_micro_deals_each_step_heaviest_first_to_the_least_loaded_rank():

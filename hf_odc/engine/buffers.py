@@ -44,9 +44,8 @@ class GroupSlots:
     accum: SymmetricTensor | None
     grad_offset: int
 
-    def mirror_slot(self, rank: int | None = None) -> torch.Tensor:
-        peer = self.mirror.local if rank is None else self.mirror.peers[rank]
-        return peer[self.gather_offset : self.gather_offset + self.spec.gather_numel]
+    def mirror_slot(self) -> torch.Tensor:
+        return self.mirror.local[self.gather_offset : self.gather_offset + self.spec.gather_numel]
 
     def accum_slot(self) -> torch.Tensor:
         assert self.accum is not None

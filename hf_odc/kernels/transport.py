@@ -42,10 +42,6 @@ class SymmetricTensor:
         return self.peers[self.rank]
 
     @property
-    def numel(self) -> int:
-        return self.local.numel()
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.local.dtype
 

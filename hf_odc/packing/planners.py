@@ -13,6 +13,7 @@ communication, no unseeded randomness, ties broken by index), so all ranks compu
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Iterable, Sequence
@@ -62,9 +63,11 @@ def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cos
     The number of steps is the smallest, starting from the token lower bound, for which the minibatch splits into
     ``steps * world_size`` non-empty microbatches under ``max_tokens``: balanced by cost if that split fits, else by
     tokens (the LPT packer of :func:`lb_mini`), which fits more often: with a superlinear cost, a cost-balanced
-    split crowds short samples together. The microbatches are then grouped into steps by descending cost, so each
-    step holds ``world_size`` near-equal ones, and within a step the heaviest goes to the rank with the least work
-    so far, which also evens out the ranks' totals.
+    split crowds short samples together; else packed tight by best-fit decreasing (:func:`_best_fit`), which
+    finds the packings that balancing misses, e.g. where pairs overflow and some microbatches need three. The
+    microbatches are then grouped into steps by descending cost, so each step holds ``world_size`` near-equal ones,
+    and within a step the heaviest goes to the rank with the least work so far, which also evens out the ranks'
+    totals.
     """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
@@ -80,7 +83,9 @@ def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cos
     for steps in range(fewest_steps, max_steps + 1):
         microbatches = karmarkar_karp(costs, steps * world_size)
         if not _fits(microbatches, lengths, max_tokens):
-            microbatches = _lpt(range(len(lengths)), lengths, steps * world_size, max_tokens)
+            microbatches = _lpt(range(len(lengths)), lengths, steps * world_size, max_tokens) or _best_fit(
+                lengths, steps * world_size, max_tokens
+            )
         if microbatches is not None:
             microbatches.sort(key=lambda microbatch: -math.fsum(costs[microbatch]))  # already so if by cost
             return _deal_steps(microbatches, costs, world_size)
@@ -119,6 +124,32 @@ def _lpt(samples: Iterable[int], lengths: list[int], count: int, max_tokens: int
             return None
         heapq.heapreplace(loads, (tokens + lengths[i], slot))
         microbatches[slot].append(i)
+    return [sorted(microbatch) for microbatch in microbatches]
+
+
+def _best_fit(lengths: list[int], count: int, max_tokens: int) -> list[list[int]] | None:
+    """Best-fit decreasing into at most ``count`` microbatches, ``None`` if they do not suffice; any left empty
+    then each take the shortest sample of the one holding the most (leaving keeps that one under the cap, and with
+    at least ``count`` samples a donor with two or more always exists). Indices ascending in each."""
+    loads: list[tuple[int, int]] = []  # (tokens, microbatch), ascending: bisection finds the fullest that fits
+    microbatches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        position = bisect.bisect_right(loads, (max_tokens - lengths[i], math.inf)) - 1
+        if position >= 0:
+            tokens, slot = loads.pop(position)
+        elif len(microbatches) < count:
+            tokens, slot = 0, len(microbatches)
+            microbatches.append([])
+        else:
+            return None
+        microbatches[slot].append(i)
+        bisect.insort(loads, (tokens + lengths[i], slot))
+    donors = [(-len(microbatch), slot) for slot, microbatch in enumerate(microbatches)]  # a heap, most samples first
+    heapq.heapify(donors)
+    while len(microbatches) < count:
+        size, slot = heapq.heappop(donors)
+        microbatches.append([microbatches[slot].pop()])  # its shortest: samples went in longest first
+        heapq.heappush(donors, (size + 1, slot))
     return [sorted(microbatch) for microbatch in microbatches]
 
 
