@@ -9,28 +9,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from _models import VOCAB, tiny_qwen2_config
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-VOCAB = 128
 
 
 def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, device: str = "cpu"):
     """A 2-layer, hidden-64 Qwen2 from a config (tied embeddings), identical on every rank for one seed."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(max_position_embeddings=256, tie_word_embeddings=True))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _models import tiny_qwen2_config
 
 from hf_odc.packing import (
     DEFAULT_ATTENTION_SHAPE,
@@ -56,15 +57,7 @@ def test_attention_cost_counts_the_flops_of_a_real_forward_pass():
     transformers = pytest.importorskip("transformers")
     from torch.utils.flop_counter import FlopCounterMode
 
-    config = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        attn_implementation="eager",
-    )
+    config = tiny_qwen2_config(intermediate_size=96)
     model = transformers.Qwen2ForCausalLM(config).eval()
     cost = AttentionCost.from_config(config)
     for length in (16, 96):

@@ -22,12 +22,6 @@ import torch
 from ..kernels import SymmetricTensor, Transport
 from ._fsdp_internals import GroupSpec
 
-_ALIGN = 64  # elements: every slot starts 128- or 256-byte aligned, as vectorised kernels want
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
 
 def accumulate_dtype(reduce_dtype: torch.dtype) -> torch.dtype:
     """Gradients are accumulated in at least fp32, whatever FSDP reduces in (bf16 sums of many pushes drift)."""
@@ -59,12 +53,12 @@ def allocate_slots(specs: list[GroupSpec], transport: Transport) -> list[GroupSl
     placements = []
     for spec in specs:
         gather_offset = gather_sizes[spec.gather_dtype]
-        gather_sizes[spec.gather_dtype] = _aligned(gather_offset + spec.gather_numel)
+        gather_sizes[spec.gather_dtype] += spec.gather_numel
         acc_dtype = accumulate_dtype(spec.reduce_dtype) if spec.grad_numel else None
         grad_offset = 0
         if acc_dtype is not None:
             grad_offset = grad_sizes[acc_dtype]
-            grad_sizes[acc_dtype] = _aligned(grad_offset + spec.grad_numel)
+            grad_sizes[acc_dtype] += spec.grad_numel
         placements.append((spec, gather_offset, acc_dtype, grad_offset))
     # Every rank iterates the same sorted dtypes, so the collective allocations line up.
     mirrors = {d: transport.allocate(n, d) for d, n in sorted(gather_sizes.items(), key=lambda kv: str(kv[0]))}
