@@ -22,10 +22,15 @@ import torch.distributed as dist
 from hf_odc.kernels import make_transport
 
 MB = 1 << 20
+SAMPLE_BYTES = 64 * MB  # each timed sample moves at least this much (several calls back to back at small sizes)
 
 
-def _time_ms(fn, iters: int, warmup: int = 5) -> float:
-    """Median over ``iters`` timed calls (CUDA events) after ``warmup`` untimed ones; ranks start each call together."""
+def _time_ms(fn, iters: int, reps: int = 1, warmup: int = 5) -> float:
+    """Median over ``iters`` samples of the time per call (CUDA events) after ``warmup`` untimed calls.
+
+    Each sample runs ``reps`` calls back to back, as a training step issues them: at small sizes one call alone
+    measures the host's launch latency rather than the transfer. Ranks start each sample together.
+    """
     for _ in range(warmup):
         fn()
     times = []
@@ -34,10 +39,11 @@ def _time_ms(fn, iters: int, warmup: int = 5) -> float:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / reps)
     times.sort()
     return times[len(times) // 2]
 
@@ -50,6 +56,7 @@ def _max_over_ranks(x: float) -> float:
 
 def bench_size(transport, size: int, iters: int) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
+    reps = max(1, SAMPLE_BYTES // size)
     # --- gather (bf16) ---
     shard = size // 2 // ws  # bf16 elements per rank
     mirror = transport.allocate(shard, torch.bfloat16)
@@ -63,10 +70,10 @@ def bench_size(transport, size: int, iters: int) -> dict:
     expected = torch.cat([torch.arange(shard, device="cuda").remainder(251).to(torch.bfloat16) + r for r in range(ws)])
     assert torch.equal(out, expected), "gather returned wrong data"
     own = out.view(ws, shard)[rank]  # FSDP has already copied the local shard into the output: a peer-only gather
-    t_gather = _time_ms(lambda: transport.gather(mirror, 0, shard, out, include_self=False), iters)
+    t_gather = _time_ms(lambda: transport.gather(mirror, 0, shard, out, include_self=False), iters, reps)
     own_nccl = out_nccl.view(ws, shard)[rank]  # in place, as FSDP calls it
     own_nccl.copy_(own)
-    t_ag = _time_ms(lambda: dist.all_gather_into_tensor(out_nccl, own_nccl), iters)
+    t_ag = _time_ms(lambda: dist.all_gather_into_tensor(out_nccl, own_nccl), iters, reps)
     # --- scatter-accumulate (fp32) ---
     numel = size // 4 // ws  # fp32 elements per rank
     acc = transport.allocate(numel, torch.float32)
@@ -80,11 +87,12 @@ def bench_size(transport, size: int, iters: int) -> dict:
     )
     transport.barrier()  # every rank has checked its sums before any rank pushes again (the timing's warm-up)
     rs_out = torch.empty(numel, device="cuda")
-    t_scatter = _time_ms(lambda: transport.scatter_accumulate(acc, 0, numel, src), iters)
-    t_rs = _time_ms(lambda: dist.reduce_scatter_tensor(rs_out, src.view(-1)), iters)
+    t_scatter = _time_ms(lambda: transport.scatter_accumulate(acc, 0, numel, src), iters, reps)
+    t_rs = _time_ms(lambda: dist.reduce_scatter_tensor(rs_out, src.view(-1)), iters, reps)
     bus = size * (ws - 1) / ws / 1e9  # GB moved over the bus per call
     row = {
         "size_mb": size / MB,
+        "calls_per_sample": reps,
         "gather_ms": _max_over_ranks(t_gather),
         "all_gather_ms": _max_over_ranks(t_ag),
         "scatter_accumulate_ms": _max_over_ranks(t_scatter),

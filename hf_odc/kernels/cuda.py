@@ -22,7 +22,7 @@ from ._dev_shm import ShmJob
 from .host_barrier import HostBarrier
 from .transport import SymmetricTensor, Transport
 
-DEFAULT_SCATTER_PROGRAMS = 32
+DEFAULT_SCATTER_PROGRAMS = 0  # uncapped; see _triton_scatter
 
 
 class CudaSymmMemTransport(Transport):
@@ -42,7 +42,7 @@ class CudaSymmMemTransport(Transport):
         self._barrier = HostBarrier.create(self._job, timeout)
         if symm_mem.get_backend(self.device) is None:
             symm_mem.set_backend("CUDA")
-        # Programs of the accumulate kernel (0: uncapped); see _triton_scatter for why 32 and benchmarks/RESULTS.md.
+        # At most this many programs in the accumulate kernel (0: uncapped), a tuning knob; see _triton_scatter.
         self.max_programs = int(os.environ.get("HF_ODC_SCATTER_PROGRAMS", DEFAULT_SCATTER_PROGRAMS))
         self._handles: list = []
         self._peer_ptrs: dict[int, torch.Tensor] = {}
