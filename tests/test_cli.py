@@ -193,3 +193,15 @@ def test_bad_sources_exit_with_a_clear_message(tmp_path, capsys):
     wide.write_text("a,b\n1,2\n")
     assert "has 2 columns; name the one holding lengths with --column" in _fails(capsys, "--lengths", str(wide))
     assert "A dataset needs --column" in _fails(capsys, "--dataset", str(tmp_path))
+
+
+def test_planning_does_not_import_torch():
+    """``hf-odc plan`` starts in a fraction of a second: neither ``hf_odc`` nor its planners load torch until the
+    engine is used."""
+    code = (
+        "import sys, hf_odc, hf_odc.cli, hf_odc.packing\n"
+        "assert 'torch' not in sys.modules, 'planning imported torch'\n"
+        "assert hf_odc.enable.__module__ == 'hf_odc.engine.odc'\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
