@@ -1,28 +1,40 @@
-"""Balanced k-way number partitioning: Karmarkar–Karp's largest differencing method plus a local exchange pass.
+"""Balanced k-way number partitioning: Karmarkar–Karp's largest differencing method, local search, and a bounded
+search for the few-items-per-part cases where those fall short.
 
 Balancing a minibatch across ranks (or a rank's share across microbatches) is k-way partitioning of per-sample
-costs, minimising the largest part. The largest differencing method (LDM) is the standard heuristic: it beats
-greedy LPT on the ragged, long-tailed cost sets of variable-length training, and a short pairwise-exchange pass
-afterwards removes most of what LDM leaves on the table when there are few items per part.
+costs, minimising the largest part. The largest differencing method (LDM, :mod:`._ldm`) is the standard heuristic:
+it beats greedy LPT on the ragged, long-tailed cost sets of variable-length training, and a short exchange pass
+afterwards (:mod:`._exchange`) removes most of what it leaves on the table. With about four items per part or
+fewer, or items nearly as large as a part, both can stay several percent above what is attainable (7.5% on 128
+long-tailed samples over 32 parts); :class:`_Rescue` then tries other constructions within a fixed amount of work.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import operator
 from collections.abc import Sequence
-from operator import itemgetter
+
+from ._bin_packing import best_fit_decreasing
+from ._exchange import exchange_pass
+from ._ldm import ldm
 
 __all__ = ["karmarkar_karp"]
 
-# A part is a mutable ``[cost_sum, item_indices]`` pair; a state is a list of at most k parts sorted by ascending
-# sum, the missing (empty, sum 0) parts implicitly in front. Lists rather than objects keep the inner loop cheap:
-# planning thousands of samples must take milliseconds.
-_part_sum = itemgetter(0)
-_GOOD_ENOUGH = 1e-4
-_EXCHANGE_BUDGET = 16
+_GOOD_ENOUGH = 1e-4  # the first exchange pass stops this close to the lower bound
+_EXCHANGE_BUDGET = 16  # candidate items per item for the first exchange pass
+_RESCUE_ABOVE = 5e-3  # rescue partitions more than this far above the lower bound; stop once within it
+_RESCUE_WORK = 48  # work units per item for the whole rescue ...
+_RESCUE_WORK_CAP = 32768  # ... and at most this many (a unit is about a microsecond)
+_POLISH_WORK = 8  # work units per item for one exchange pass inside the rescue (at most a quarter of the cap)
+_LDM_WORK = 4  # what one LDM costs, in work units per item
+_PROBES = (1 + 1e-4, 1.005, 1.01)  # best-fit-decreasing capacities tried first, relative to the lower bound
+_MULTIFIT_ROUNDS = 6
+_MULTIFIT_RESOLUTION = 5e-4
+_ALONE_MAX = 8  # at most this many items in parts of their own
+_PIGEONHOLE_DEPTH = 8
+_MANY_PER_PART = 8  # from this many items per part on, LDM is followed by a long exchange pass
 
 
 def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> list[list[int]]:
@@ -32,9 +44,6 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
     ascending. With ``equal_size`` every part gets ``len(costs) // k`` items (``len(costs)`` must be a multiple of
     ``k``); otherwise counts are free and, with fewer items than parts, some parts are empty. The result depends
     only on the input (ties broken by index), so every rank computes the same partition without communicating.
-
-    LDM keeps partial k-partitions in a heap keyed by their spread (largest minus smallest sum) and repeatedly
-    merges the two with the largest spread, joining the largest part of one with the smallest of the other.
     """
     values = _validated_costs(costs)
     k = _validated_parts(k)
@@ -43,29 +52,19 @@ def karmarkar_karp(costs: Sequence[float], k: int, equal_size: bool = False) -> 
             f"karmarkar_karp(equal_size=True) needs the number of items ({len(values)}) to be a multiple of k={k}; "
             "drop or add items, or pass equal_size=False."
         )
-    if not values:
-        return [[] for _ in range(k)]
-
     order = sorted(range(len(values)), key=values.__getitem__)
-    if equal_size:
-        # Each initial state already has k singleton parts, and merges pair part i with part k-1-i, so every part
-        # keeps the same count throughout.
-        states = [[[values[i], [i]] for i in order[start : start + k]] for start in range(0, len(order), k)]
-    else:
-        states = [[[values[i], [i]]] for i in order]
-    heap = [(-_spread(state, k), tiebreak, state) for tiebreak, state in enumerate(states)]
-    heapq.heapify(heap)
-    tiebreak = len(heap)
-    while len(heap) > 1:
-        first = heapq.heappop(heap)[2]
-        second = heapq.heappop(heap)[2]
-        merged = _merge(first, second, k)
-        heapq.heappush(heap, (-_spread(merged, k), tiebreak, merged))
-        tiebreak += 1
-
-    parts = [part[1] for part in heap[0][2]]
-    parts += [[] for _ in range(k - len(parts))]
-    _exchange_pass(parts, values, allow_moves=not equal_size, target=_lower_bound(order, values, k, equal_size))
+    parts = ldm(order, values, k, equal_size)
+    if len(values) > k:
+        bound = _lower_bound(order, values, k, equal_size)
+        if len(values) >= _MANY_PER_PART * k:  # with fewer, the rescue's packings do better for less
+            exchange_pass(
+                parts,
+                values,
+                allow_moves=not equal_size,
+                stop_at=bound * (1 + _GOOD_ENOUGH),
+                budget=_EXCHANGE_BUDGET * len(values),
+            )
+        parts = _Rescue(order, values, k, bound, equal_size).run(parts)
     sums = [math.fsum(values[i] for i in part) for part in parts]
     ranked = sorted(range(k), key=lambda p: (-sums[p], p))
     return [sorted(parts[p]) for p in ranked]
@@ -78,14 +77,6 @@ def _validated_costs(costs: Sequence[float]) -> list[float]:
     return values
 
 
-def _lower_bound(order: list[int], values: list[float], k: int, equal_size: bool) -> float:
-    """No partition has a part cheaper than this: the mean, and the part holding the largest item (which, with
-    equal sizes, also holds at least ``n/k - 1`` others, at best the cheapest ones)."""
-    companions = len(values) // k - 1 if equal_size else 0
-    largest_part = values[order[-1]] + math.fsum(values[i] for i in order[:companions])
-    return max(math.fsum(values) / k, largest_part)
-
-
 def _validated_parts(k: int) -> int:
     try:
         if not isinstance(k, bool) and operator.index(k) >= 1:
@@ -95,100 +86,141 @@ def _validated_parts(k: int) -> int:
     raise ValueError(f"karmarkar_karp needs a positive integer number of parts k, got {k!r}.")
 
 
-def _spread(state: list[list], k: int) -> float:
-    smallest = state[0][0] if len(state) == k else 0.0
-    return state[-1][0] - smallest
+def _lower_bound(order: list[int], values: list[float], k: int, equal_size: bool) -> float:
+    """No partition of the items ``order`` (ascending cost) has a largest part cheaper than this.
 
-
-def _merge(first: list[list], second: list[list], k: int) -> list[list]:
-    """Combine two partial partitions, joining ``first``'s i-th smallest part with ``second``'s i-th largest.
-
-    Counting the implicit empty parts, both have k parts; only the ``overlap`` smallest real parts of ``first``
-    meet real parts of ``second`` (its ``overlap`` smallest, in reverse order); ``second``'s other parts fill
-    ``first``'s empty slots. The changed parts are re-inserted by bisection, which costs O(k) per part instead of a
-    sort. ``first`` is consumed and returned.
+    The mean part; the part holding the largest item (with equal sizes it also holds ``n/k - 1`` others, at best
+    the cheapest ones); and by pigeonhole, of the ``j*k + 1`` most expensive items some part holds ``j + 1``, at
+    best the ``j + 1`` cheapest of them. The last one is what makes parts of two to four items measurable.
     """
-    overlap = max(0, len(first) + len(second) - k)
-    joined = first[:overlap]
-    del first[:overlap]
-    for j, target in enumerate(joined):
-        source = second[overlap - 1 - j]
-        target[0] += source[0]
-        if len(target[1]) < len(source[1]):
-            target[1], source[1] = source[1], target[1]
-        target[1].extend(source[1])
-    for part in joined + second[overlap:]:
-        bisect.insort(first, part, key=_part_sum)
-    return first
+    n = len(order)
+    companions = n // k - 1 if equal_size else 0
+    bound = max(
+        math.fsum(values[i] for i in order) / k,
+        values[order[-1]] + math.fsum(values[i] for i in order[:companions]),
+    )
+    for j in range(1, min(_PIGEONHOLE_DEPTH, (n - 1) // k) + 1):
+        bound = max(bound, math.fsum(values[i] for i in order[n - j * k - 1 : n - j * k + j]))
+    return bound
 
 
-def _exchange_pass(parts: list[list[int]], values: list[float], allow_moves: bool, target: float) -> None:
-    """Lower the largest part by swapping one of its items with a cheaper item of a lighter part (or, when part
-    sizes are free, moving it there), best exchange first, until no exchange lowers it. Edits ``parts`` in place.
+def _largest(parts: list[list[int]], values: list[float]) -> float:
+    return max(math.fsum(values[i] for i in part) for part in parts)
 
-    An exchange of cost difference ``d`` between the top part and a part ``gap`` lighter helps iff ``0 < d < gap``;
-    ``d`` nearest ``gap / 2`` helps most. Each accepted exchange strictly lowers the top part or the number of parts
-    tied at the top, so the pass terminates. It stops early once the top part is within ``_GOOD_ENOUGH`` of the
-    lower bound ``target`` (closer cannot matter next to the noise of step times, and LDM alone usually gets there
-    when parts hold many items), and after ``_EXCHANGE_BUDGET`` candidate items per item, so that it never costs
-    much more than LDM itself, even with thousands of parts of a few items each.
+
+class _Rescue:
+    """Other constructions, tried when LDM (and, with many items per part, the exchange pass) leave the largest part
+    more than ``_RESCUE_ABOVE`` over the lower bound; the best partition is kept, and the search stops as soon as
+    one is within it:
+
+    1. (free sizes) best-fit decreasing into k bins at a few capacities just above the bound (items that fit
+       nowhere go to the lightest bins), then MULTIFIT: bisect that capacity between the bound and the best so far;
+       each packing is polished by the exchange passes;
+    2. trades of up to two items of the top part for up to two of a lighter part, on the best so far;
+    3. (free sizes) the largest items that cannot share a part with even the cheapest item within the bound each
+       in a part of its own, LDM and the exchange passes on the rest (LDM would give each a companion).
+
+    Everything shares ``_RESCUE_WORK`` units per item, at most ``_RESCUE_WORK_CAP`` (a packing costs one per item,
+    an LDM ``_LDM_WORK``, the exchange passes one per candidate group), so the rescue is deterministic (no clocks)
+    and costs tens of milliseconds at most. On a grid of 540 random sets (2-8 items per part, 64-512 items) it
+    brought the partitions more than 1% over the best known (CP-SAT, 10-20 s per set) from 47 to 0.
     """
-    ranked = sorted((math.fsum(values[i] for i in part), p) for p, part in enumerate(parts))  # ascending sums
-    partners: dict[int, tuple[list[float], list[int | None]]] = {}  # sorted per part, rebuilt only when it changes
-    budget = _EXCHANGE_BUDGET * len(values)
-    while budget > 0:
-        top_sum, top = ranked[-1]
-        if top_sum <= target * (1 + _GOOD_ENOUGH):
-            return
-        tolerance, exchange = 1e-9 * top_sum, None
-        for position in range(len(ranked) - 1):
-            other_sum, other = ranked[position]
-            gap = top_sum - other_sum
-            if gap <= tolerance:
-                return
-            if other not in partners:
-                partners[other] = _partners(parts[other], values, allow_moves)
-            exchange = _best_exchange(parts[top], partners[other], values, gap, tolerance)
-            budget -= len(parts[top])
-            if exchange is not None or budget <= 0:
+
+    def __init__(self, order: list[int], values: list[float], k: int, bound: float, equal_size: bool):
+        self.order, self.values, self.k, self.bound = order, values, k, bound
+        self.free = not equal_size
+        self.enough = bound * (1 + _RESCUE_ABOVE)
+        self.work = min(_RESCUE_WORK * len(order), _RESCUE_WORK_CAP)
+        self.best: list[list[int]] = []
+        self.top = math.inf
+
+    def run(self, parts: list[list[int]]) -> list[list[int]]:
+        self._offer(parts)
+        if self.top <= self.enough:
+            return self.best
+        if self.free:
+            for factor in _PROBES:
+                if self._packing(self.bound * factor):
+                    return self.best
+            if self._multifit():
+                return self.best
+        self.work -= self._spend(self.best, self.bound, self.enough, group_size=2)
+        self.top = _largest(self.best, self.values)
+        if self.free and self.top > self.enough:
+            self._largest_alone()
+        return self.best
+
+    def _offer(self, parts: list[list[int]]) -> bool:
+        """Keep ``parts`` if its largest part is the smallest so far; True once the search may stop."""
+        largest = _largest(parts, self.values)
+        if largest < self.top:
+            self.best, self.top = parts, largest
+        return self.top <= self.enough
+
+    def _spend(self, parts: list[list[int]], bound: float, enough: float, group_size: int) -> int:
+        """One exchange pass on ``parts`` within ``_POLISH_WORK`` per item of the work left; the work it used."""
+        budget = min(self.work, _POLISH_WORK * len(self.values), _RESCUE_WORK_CAP // 4)
+        stop_at = bound * (1 + _GOOD_ENOUGH) if group_size == 1 else enough
+        allow_moves = self.free
+        return budget - exchange_pass(
+            parts, self.values, allow_moves=allow_moves, stop_at=stop_at, budget=budget, group_size=group_size
+        )
+
+    def _polish(self, parts: list[list[int]], bound: float, enough: float) -> None:
+        """Single-item trades, then (if still above ``enough``) trades of up to two items."""
+        self.work -= self._spend(parts, bound, enough, group_size=1)
+        if self.work > 0 and _largest(parts, self.values) > enough:
+            self.work -= self._spend(parts, bound, enough, group_size=2)
+
+    def _pack(self, capacity: float) -> list[list[int]]:
+        """Best-fit decreasing into k bins of ``capacity``; what fits nowhere goes to the lightest bins."""
+        self.work -= len(self.order)
+        parts, overflow = best_fit_decreasing(self.order[::-1], self.values, self.k, capacity)
+        loads = [(math.fsum(self.values[i] for i in part), b) for b, part in enumerate(parts)]
+        heapq.heapify(loads)
+        for i in overflow:
+            load, b = loads[0]
+            parts[b].append(i)
+            heapq.heapreplace(loads, (load + self.values[i], b))
+        return parts
+
+    def _packing(self, capacity: float) -> bool:
+        if self.work < len(self.order):
+            return False
+        parts = self._pack(capacity)
+        self._polish(parts, self.bound, self.enough)
+        return self._offer(parts)
+
+    def _multifit(self) -> bool:
+        """MULTIFIT: bisect the capacity between the bound and the best largest part, keeping the best packing."""
+        low, high, best = self.bound, self.top, None
+        for _ in range(_MULTIFIT_ROUNDS):
+            if high - low <= _MULTIFIT_RESOLUTION * low or high <= self.enough or self.work < len(self.order):
                 break
-        if exchange is None:
+            capacity = (low + high) / 2
+            parts = self._pack(capacity)
+            largest = _largest(parts, self.values)
+            if largest < high:
+                best, high = parts, largest
+            if largest > capacity:
+                low = capacity
+        if best is None:
+            return False
+        self._polish(best, self.bound, self.enough)
+        return self._offer(best)
+
+    def _largest_alone(self) -> None:
+        """The largest items that cannot share a part within the bound, alone; LDM and polish for the rest."""
+        n, order, values = len(self.order), self.order, self.values
+        cheapest, alone = values[order[0]], 0
+        while alone < min(self.k - 1, _ALONE_MAX) and values[order[n - 1 - alone]] + cheapest > self.bound:
+            alone += 1
+        if not alone or self.work < _LDM_WORK * n:
             return
-        x, y = exchange
-        parts[top].remove(x)
-        parts[other].append(x)
-        delta = values[x]
-        if y is not None:
-            parts[other].remove(y)
-            parts[top].append(y)
-            delta -= values[y]
-        del ranked[-1], ranked[position]
-        for moved in ((top_sum - delta, top), (other_sum + delta, other)):
-            bisect.insort(ranked, moved)
-            partners.pop(moved[1], None)
-
-
-def _partners(part: list[int], values: list[float], allow_moves: bool) -> tuple[list[float], list[int | None]]:
-    """A part's items by ascending cost, as exchange partners; ``None`` (cost 0) stands for a plain move."""
-    items: list[int | None] = sorted(part, key=lambda i: (values[i], i))
-    costs = [values[i] for i in items]
-    return ([0.0, *costs], [None, *items]) if allow_moves else (costs, items)
-
-
-def _best_exchange(
-    top: list[int], partners: tuple[list[float], list[int | None]], values: list[float], gap: float, tolerance: float
-) -> tuple[int, int | None] | None:
-    """The pair ``(x in top, partner)`` whose cost difference is nearest ``gap / 2`` within ``(0, gap)``, or
-    ``None`` if no exchange lowers the top part. For each ``x`` only the two partners around ``x - gap / 2``
-    (found by bisection) can be nearest."""
-    costs, items = partners
-    best, best_distance = None, math.inf
-    for x in top:
-        position = bisect.bisect_left(costs, values[x] - gap / 2)
-        for j in (position - 1, position):
-            if 0 <= j < len(costs):
-                difference = values[x] - costs[j]
-                distance = abs(difference - gap / 2)
-                if tolerance < difference < gap - tolerance and distance < best_distance:
-                    best, best_distance = (x, items[j]), distance
-    return best
+        self.work -= _LDM_WORK * n
+        rest_order = order[: n - alone]
+        rest_bound = _lower_bound(rest_order, values, self.k - alone, equal_size=False)
+        rest = ldm(rest_order, values, self.k - alone, equal_size=False)
+        # Polished on their own: with the single-item parts in reach, the passes would fill those first.
+        self._polish(rest, rest_bound, rest_bound * (1 + _RESCUE_ABOVE))
+        self._offer(rest + [[i] for i in order[n - alone :]])

@@ -13,13 +13,13 @@ communication, no unseeded randomness, ties broken by index), so all ranks compu
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ._bin_packing import best_fit_decreasing
 from .cost import CostLike, evaluate_costs
 from .partition import karmarkar_karp
 
@@ -131,24 +131,16 @@ def _best_fit(lengths: list[int], count: int, max_tokens: int) -> list[list[int]
     """Best-fit decreasing into at most ``count`` microbatches, ``None`` if they do not suffice; any left empty
     then each take the shortest sample of the one holding the most (leaving keeps that one under the cap, and with
     at least ``count`` samples a donor with two or more always exists). Indices ascending in each."""
-    loads: list[tuple[int, int]] = []  # (tokens, microbatch), ascending: bisection finds the fullest that fits
-    microbatches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        position = bisect.bisect_right(loads, (max_tokens - lengths[i], math.inf)) - 1
-        if position >= 0:
-            tokens, slot = loads.pop(position)
-        elif len(microbatches) < count:
-            tokens, slot = 0, len(microbatches)
-            microbatches.append([])
-        else:
-            return None
-        microbatches[slot].append(i)
-        bisect.insort(loads, (tokens + lengths[i], slot))
-    donors = [(-len(microbatch), slot) for slot, microbatch in enumerate(microbatches)]  # a heap, most samples first
+    longest_first = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    microbatches, overflow = best_fit_decreasing(longest_first, lengths, count, max_tokens)
+    if overflow:
+        return None
+    # A heap of the filled microbatches, most samples first.
+    donors = [(-len(microbatch), slot) for slot, microbatch in enumerate(microbatches) if microbatch]
     heapq.heapify(donors)
-    while len(microbatches) < count:
+    for empty in (microbatch for microbatch in microbatches if not microbatch):
         size, slot = heapq.heappop(donors)
-        microbatches.append([microbatches[slot].pop()])  # its shortest: samples went in longest first
+        empty.append(microbatches[slot].pop())  # its shortest: samples went in longest first
         heapq.heappush(donors, (size + 1, slot))
     return [sorted(microbatch) for microbatch in microbatches]
 
