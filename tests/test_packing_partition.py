@@ -127,3 +127,51 @@ def test_few_items_per_part_on_the_long_tailed_sets():
         ratios.append(max(_part_sums(costs, karmarkar_karp(costs, k))) / _pigeonhole_bound(costs, k))
     assert max(ratios) <= 1.02
     assert sum(ratio <= 1.01 for ratio in ratios) >= 0.98 * len(ratios)
+
+
+def test_ties_are_broken_by_index():
+    assert karmarkar_karp([5, 5, 5, 5], 2) == karmarkar_karp([5.0, 5.0, 5.0, 5.0], 2)
+    parts = karmarkar_karp([1.0] * 6, 3)
+    _assert_partition(parts, 6, 3)
+    assert {len(part) for part in parts} == {2}
+
+
+@pytest.mark.parametrize("k", [0, -2, 1.5, True, "3"])
+def test_rejects_a_bad_number_of_parts(k):
+    with pytest.raises(ValueError, match="positive integer number of parts k"):
+        karmarkar_karp([1.0, 2.0], k)
+
+
+@pytest.mark.parametrize("costs", [[1.0, -1.0], [1.0, math.nan], [math.inf]])
+def test_rejects_negative_or_non_finite_costs(costs):
+    with pytest.raises(ValueError, match="finite, non-negative costs"):
+        karmarkar_karp(costs, 2)
+
+
+def test_equal_size_needs_a_multiple_of_k():
+    with pytest.raises(ValueError, match=r"number of items \(10\) to be a multiple of k=3"):
+        karmarkar_karp(list(range(1, 11)), 3, equal_size=True)
+
+
+def test_best_fit_decreasing_fills_the_fullest_bin_that_fits_and_reports_overflow():
+    from hf_odc.packing._bin_packing import best_fit_decreasing
+
+    sizes = [5, 4, 3, 1]  # largest first: 5 and 4 open two bins, 3 fits neither and opens the third,
+    packed, overflow = best_fit_decreasing([0, 1, 2, 3], sizes, bins=3, capacity=6)
+    assert sorted(packed) == [[0, 3], [1], [2]]  # and 1 goes to the fullest that fits: the 5
+    assert overflow == []
+    packed, overflow = best_fit_decreasing([0, 1, 2, 3], sizes, bins=2, capacity=6)
+    assert sorted(packed) == [[0, 3], [1]] and overflow == [2]  # with two bins the 3 fits nowhere
+
+
+def test_two_item_trades_keep_part_sizes_without_moves():
+    """22 vs 20 where no single swap helps (differences 4 and 6 against a gap of 2) but trading {10, 1} for {6, 4}
+    evens the parts; without moves every part keeps its four items."""
+    from hf_odc.packing._exchange import exchange_pass
+
+    values = [10.0, 10.0, 1.0, 1.0, 6.0, 6.0, 4.0, 4.0]
+    for group_size, expected in ((1, [20.0, 22.0]), (2, [21.0, 21.0])):
+        parts = [[0, 1, 2, 3], [4, 5, 6, 7]]
+        exchange_pass(parts, values, allow_moves=False, stop_at=0.0, budget=100, group_size=group_size)
+        assert sorted(len(part) for part in parts) == [4, 4]
+        assert sorted(sum(values[i] for i in part) for part in parts) == expected
