@@ -40,9 +40,12 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lb_mini(tmp_path_factory):
-    """ODC + LB-Mini on 2 processes, with checkpoints every 2 steps for the resume test."""
+    """ODC + LB-Mini on 2 processes, with checkpoints every 2 steps for the resume test. Token costs: on these
+    lengths they give the ranks different numbers of microbatches at some step, which this test must exercise."""
     directory = tmp_path_factory.mktemp("lb_mini")
-    return directory, train(directory, "--save_strategy", "steps", "--save_steps", "2", processes=2)
+    return directory, train(
+        directory, "--save_strategy", "steps", "--save_steps", "2", "--cost_model", "tokens", processes=2
+    )
 
 
 def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
@@ -72,7 +75,9 @@ def test_lb_micro_matches_a_single_process(reference, tmp_path, odc):
 
 def test_resume_continues_identically(lb_mini, tmp_path):
     directory, logs = lb_mini
-    resumed = train(tmp_path, "--resume_from_checkpoint", str(directory / "checkpoint-2"), processes=2)
+    resumed = train(
+        tmp_path, "--resume_from_checkpoint", str(directory / "checkpoint-2"), "--cost_model", "tokens", processes=2
+    )
     assert_same_training(resumed, logs, steps=range(3, STEPS + 1), rel=1e-5)
 
 
