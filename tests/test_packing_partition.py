@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hf_odc.packing import karmarkar_karp, sample_lengths
+from hf_odc.packing.partition import _lower_bound as _search_bound
 
 
 def _part_sums(costs, parts) -> list[float]:
@@ -53,7 +54,9 @@ def test_near_the_brute_force_optimum_on_tiny_sets():
             )
             got = max(_part_sums(costs, karmarkar_karp(costs, k)))
             assert best <= got <= best * (4 / 3 - 1 / (3 * k)), (costs, k, got, best)
-            assert _pigeonhole_bound(costs, k) <= best, "the bound the search aims at is a valid lower bound"
+            assert _pigeonhole_bound(costs, k) <= best, "the test's bound is a valid lower bound"
+            order = sorted(range(len(costs)), key=costs.__getitem__)
+            assert _search_bound(order, [float(c) for c in costs], k, False) <= best, "so is the one the search aims at"
 
 
 @pytest.mark.parametrize(("n", "k"), [(12, 3), (64, 8), (256, 64), (512, 16)])

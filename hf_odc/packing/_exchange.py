@@ -25,13 +25,16 @@ def exchange_pass(
     budget: int,
     group_size: int = 1,
 ) -> int:
-    """Lower the largest part of ``parts`` (edited in place) by trades of groups of up to ``group_size`` items.
+    """Lower the largest part of ``parts`` (edited in place) by trades of groups of up to ``group_size`` (1 or 2)
+    items.
 
     The best trade with the heaviest lighter part that has one is taken, until the top part costs at most
     ``stop_at``, no trade lowers it, or ``budget`` candidate groups of the top part have been tried. Without
     ``allow_moves`` both groups of a trade have the same number of items (the parts keep their sizes); with it a
     group may also be smaller, or empty (a plain move). Returns the unused budget.
     """
+    if group_size not in (1, 2):
+        raise ValueError(f"exchange_pass trades groups of 1 or 2 items, not {group_size}")
     ranked = sorted((math.fsum(values[i] for i in part), p) for p, part in enumerate(parts))  # ascending sums
     partners: dict[int, _Groups] = {}  # per part, rebuilt only when the part changes
     while budget > 0:

@@ -128,6 +128,7 @@ class _Rescue:
 
     def __init__(self, order: list[int], values: list[float], k: int, bound: float, equal_size: bool):
         self.order, self.values, self.k, self.bound = order, values, k, bound
+        self.descending = order[::-1]  # what best-fit decreasing packs, for every capacity tried
         self.free = not equal_size
         self.enough = bound * (1 + _RESCUE_ABOVE)
         self.work = min(_RESCUE_WORK * len(order), _RESCUE_WORK_CAP)
@@ -144,8 +145,8 @@ class _Rescue:
                     return self.best
             if self._multifit():
                 return self.best
-        self.work -= self._spend(self.best, self.bound, self.enough, group_size=2)
-        self.top = _largest(self.best, self.values)
+        self._spend(self.best, self.bound, self.enough, group_size=2)
+        self.top = _largest(self.best, self.values)  # the pass edited the best partition in place
         if self.free and self.top > self.enough:
             self._largest_alone()
         return self.best
@@ -157,25 +158,25 @@ class _Rescue:
             self.best, self.top = parts, largest
         return self.top <= self.enough
 
-    def _spend(self, parts: list[list[int]], bound: float, enough: float, group_size: int) -> int:
-        """One exchange pass on ``parts`` within ``_POLISH_WORK`` per item of the work left; the work it used."""
+    def _spend(self, parts: list[list[int]], bound: float, enough: float, group_size: int) -> None:
+        """One exchange pass on ``parts`` within ``_POLISH_WORK`` per item of the work left, charged to it."""
         budget = min(self.work, _POLISH_WORK * len(self.values), _RESCUE_WORK_CAP // 4)
         stop_at = bound * (1 + _GOOD_ENOUGH) if group_size == 1 else enough
-        allow_moves = self.free
-        return budget - exchange_pass(
-            parts, self.values, allow_moves=allow_moves, stop_at=stop_at, budget=budget, group_size=group_size
+        left = exchange_pass(
+            parts, self.values, allow_moves=self.free, stop_at=stop_at, budget=budget, group_size=group_size
         )
+        self.work -= budget - left
 
     def _polish(self, parts: list[list[int]], bound: float, enough: float) -> None:
         """Single-item trades, then (if still above ``enough``) trades of up to two items."""
-        self.work -= self._spend(parts, bound, enough, group_size=1)
+        self._spend(parts, bound, enough, group_size=1)
         if self.work > 0 and _largest(parts, self.values) > enough:
-            self.work -= self._spend(parts, bound, enough, group_size=2)
+            self._spend(parts, bound, enough, group_size=2)
 
     def _pack(self, capacity: float) -> list[list[int]]:
         """Best-fit decreasing into k bins of ``capacity``; what fits nowhere goes to the lightest bins."""
         self.work -= len(self.order)
-        parts, overflow = best_fit_decreasing(self.order[::-1], self.values, self.k, capacity)
+        parts, overflow = best_fit_decreasing(self.descending, self.values, self.k, capacity)
         loads = [(math.fsum(self.values[i] for i in part), b) for b, part in enumerate(parts)]
         heapq.heapify(loads)
         for i in overflow:
