@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, in one lease: environment facts, the engine tests on CUDA, the comm and end-to-end
-# benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host): bash benchmarks/gpu_suite.sh
+# Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention
+# and SFT-throughput benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host): bash benchmarks/gpu_suite.sh
+# The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-env,tests,comm,e2e}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 nproc=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [[ $STEPS == *env* ]]; then
   nvidia-smi topo -m 2>&1 | head -5
   python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 fi
 if [[ $STEPS == *tests* ]]; then
-  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py -k "cuda${TESTS_K:+ and ($TESTS_K)}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
+  # The CUDA tests, and the packed-attention and timing tests on this image's transformers (CI has a newer one).
+  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py tests/test_kernels_attention.py \
+    tests/test_trainer_attention.py tests/test_timing.py -k "cuda or attention or timing or bubble${TESTS_K:+ and ($TESTS_K)}" \
+    2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 fi
 if [[ $STEPS == *comm* ]]; then
   for cfg in ${COMM_CONFIGS:-p0 p32}; do  # p<N>: the accumulate kernel with at most N programs (0: uncapped)
@@ -24,12 +31,17 @@ fi
 if [[ $STEPS == *e2e* ]]; then
   timeout 300 torchrun --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8
 fi
+if [[ $STEPS == *attn* ]]; then
+  timeout 150 python3 benchmarks/packed_attention.py --dense --json "$OUT/packed_attention.json" 2>&1 | tee "$OUT/packed_attention.log" | tail -7
+fi
+if [[ $STEPS == *headline* ]]; then
+  # HEADLINE_ARGS e.g. "--distribution swe-smith --samples-per-device 4"; the name tags the output files.
+  name=${HEADLINE_NAME:-headline}
+  timeout "${HEADLINE_TIMEOUT:-540}" torchrun --nproc_per_node "$nproc" benchmarks/sft_throughput.py ${HEADLINE_ARGS:-} \
+    --json "$OUT/sft_$name.json" --plot "$OUT/sft_$name.png" 2>&1 | tee "$OUT/sft_$name.log" | grep -v Warning | tail -16
+fi
 if [[ $STEPS == *sft* ]]; then
   # ODCSFTTrainer, 20 steps of a Qwen2-0.5B-shaped model (random weights) on long-tailed synthetic chats, bf16.
-  # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  fi
   timeout 300 accelerate launch --config_file examples/odc.yaml --num_processes "$nproc" examples/sft.py \
     --model_config qwen2-0.5b --dataset synthetic-longtail --num_samples 1024 --max_length 16384 \
     --per_device_train_batch_size 16 --max_steps 20 --logging_steps 1 --save_strategy no --report_to none \

@@ -12,8 +12,9 @@ accelerate launch --config_file examples/odc_cpu.yaml examples/accelerate_odc.py
 ODC_ENABLED=0 accelerate launch --config_file examples/odc_cpu.yaml examples/accelerate_odc.py   # FSDP2 + LB-Micro
 ```
 
-With ODC disabled, ``odc.minibatch()`` is a no-op and the model is plain FSDP2, whose per-layer collectives need the
-same number of microbatches on every rank: hence LB-Micro for the baseline.
+With ODC disabled, ``odc.minibatch()`` only meets the other ranks at its entry and exit (so that ``odc.last`` times
+both modes alike) and the model is plain FSDP2, whose per-layer collectives need the same number of microbatches on
+every rank: hence LB-Micro for the baseline.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py
 # the plain-FSDP2 baseline: every rank runs the same number of microbatches
 accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py --odc false --balance lb-micro
 
-# GPUs: a randomly initialised Qwen2-0.5B-shaped model on long-tailed synthetic data, bf16 (sdpa by default;
-# --attn_implementation flash_attention_2 where flash-attn is installed)
+# GPUs: a randomly initialised Qwen2-0.5B-shaped model on long-tailed synthetic data, bf16 (hf_odc's packed attention,
+# "odc_packed", by default; --attn_implementation flash_attention_2 where flash-attn is installed)
 accelerate launch --config_file examples/odc.yaml --num_processes 2 examples/sft.py \
     --model_config qwen2-0.5b --dataset synthetic-longtail --num_samples 4096 --max_length 16384 \
     --per_device_train_batch_size 16 --max_steps 20
@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from hf_odc.packing import DISTRIBUTIONS, sample_lengths
-from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer import PACKED_ATTENTION, ODCSFTConfig, ODCSFTTrainer
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ROLES = ["system", "user", "assistant"]
@@ -167,7 +167,7 @@ def synthetic_dataset(num_samples: int, max_length: int, distribution: str, seed
 
 def build_model(script_args: ODCScriptArguments, model_args: ModelConfig, vocab_size: int, seed: int):
     """A pretrained model from ``model_name_or_path``, else a randomly initialised one from ``model_config``."""
-    attn = model_args.attn_implementation or "sdpa"
+    attn = model_args.attn_implementation or PACKED_ATTENTION
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
     if model_args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(

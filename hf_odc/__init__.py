@@ -12,12 +12,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import ODC, MinibatchStats, enable
+    from .engine import ODC, CollectiveMinibatch, MinibatchStats, enable, measured_bubble
     from .kernels import PeerFailureError
 
-_LAZY = {"ODC": ".engine", "MinibatchStats": ".engine", "enable": ".engine", "PeerFailureError": ".kernels"}
+_LAZY = {
+    "ODC": ".engine",
+    "CollectiveMinibatch": ".engine",
+    "MinibatchStats": ".engine",
+    "enable": ".engine",
+    "measured_bubble": ".engine",
+    "PeerFailureError": ".kernels",
+}
 
-__all__ = ["ODC", "MinibatchStats", "PeerFailureError", "enable"]
+__all__ = ["ODC", "CollectiveMinibatch", "MinibatchStats", "PeerFailureError", "enable", "measured_bubble"]
 __version__ = "0.1.0"
 
 

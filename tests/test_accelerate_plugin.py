@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -51,11 +52,16 @@ def test_invalid_environment_is_refused(monkeypatch):
         ODCPlugin()
 
 
-def test_disabled_plugin_has_no_handle_and_a_no_op_minibatch():
+def test_disabled_plugin_has_no_handle_and_times_the_plain_model():
     plugin = ODCPlugin(enabled=False)
-    with plugin.minibatch():
+    with plugin.minibatch():  # before enable(): nothing to time
         pass
     assert plugin.odc is None and plugin.last is None
+    plugin.enable(torch.nn.Linear(2, 2))  # one process, not sharded: the model runs as it is
+    with plugin.minibatch():
+        time.sleep(0.05)
+    assert plugin.odc is None
+    assert plugin.last.busy >= 0.05 and plugin.last.step == pytest.approx(plugin.last.busy, abs=0.02)
 
 
 def test_mixed_precision_policy_follows_the_accelerator():

@@ -14,8 +14,9 @@ Accelerate prepare everything else, then installs ODC. A script written as::
                 accelerator.backward(loss_sum(microbatch) * world_size / global_target_tokens)
         optimizer.step(); optimizer.zero_grad()
 
-runs ODC, and with ``ODC_ENABLED=0`` the very same script runs plain FSDP2 (``minibatch()`` is then a no-op, so the
-ranks must run equal microbatch counts, e.g. with ``hf_odc.packing.lb_micro``).
+runs ODC, and with ``ODC_ENABLED=0`` the very same script runs plain FSDP2 (``minibatch()`` then only meets the other
+ranks at its entry and exit, as ODC does, so that :attr:`ODCPlugin.last` times both alike; the ranks must run equal
+microbatch counts, e.g. with ``hf_odc.packing.lb_micro``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..engine import ODC, MinibatchStats, enable
+from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable
 from ._env import parse_bool
 from .sharding import remap_optimizer, shard_model
 
@@ -63,6 +64,7 @@ class ODCPlugin:
         metadata={"help": "FSDP2 reshard_after_forward (env ODC_RESHARD_AFTER_FORWARD, then the FSDP config)."},
     )
     _odc: ODC | None = field(default=None, init=False, repr=False)
+    _runner: ODC | CollectiveMinibatch | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.enabled is None:
@@ -96,9 +98,14 @@ class ODCPlugin:
         return shard_model(model, accelerator, reshard_after_forward=self.reshard_after_forward)
 
     def enable(self, model: nn.Module) -> ODC | None:
-        """Install ODC on the sharded ``model`` (collective), if enabled; after :meth:`shard`, before any forward."""
+        """Install ODC on the sharded ``model`` (collective), if enabled; after :meth:`shard`, before any forward.
+
+        Otherwise (disabled, or one process) :meth:`minibatch` runs the model as it is, between the same meeting
+        points (:class:`~hf_odc.engine.CollectiveMinibatch`)."""
         if self.enabled and isinstance(model, FSDPModule) and self._odc is None:
             self._odc = enable(model, timeout=self.timeout)
+        if self._runner is None:
+            self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
         return self._odc
 
     def prepare(self, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any) -> tuple:
@@ -132,18 +139,21 @@ class ODCPlugin:
 
     @property
     def last(self) -> MinibatchStats | None:
-        """Busy and wait seconds of this rank's last minibatch (``None`` without ODC)."""
-        return self._odc.last if self._odc is not None else None
+        """Busy and wait seconds of this rank's last minibatch, device-timed (see :mod:`hf_odc.engine.timing`);
+        ``None`` before :meth:`enable`."""
+        return self._runner.last if self._runner is not None else None
 
     def minibatch(self) -> contextlib.AbstractContextManager:
-        """Context for one rank's share of a minibatch: ODC's ``minibatch()``, or a no-op without ODC."""
-        return self._odc.minibatch() if self._odc is not None else contextlib.nullcontext()
+        """Context for one rank's share of a minibatch: ODC's ``minibatch()``, or without ODC the model as it is
+        between the same two meeting points (a no-op before :meth:`enable`)."""
+        return self._runner.minibatch() if self._runner is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""
         if self._odc is not None:
             self._odc.close()
             self._odc = None
+        self._runner = None
 
 
 def _as_tuple(prepared: Any) -> tuple:

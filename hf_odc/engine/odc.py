@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,20 +42,9 @@ from ..kernels import PeerFailureError, Transport, make_transport
 from ._fsdp_internals import GroupSpec, check_torch_version, describe_groups, gradient_divisor, install_comms
 from .buffers import GroupSlots, allocate_slots
 from .comms import ODCAllGather, ODCReduceScatter
+from .timing import MinibatchClock, MinibatchStats
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-@dataclass
-class MinibatchStats:
-    """Timings of the last minibatch on this rank, in seconds.
-
-    ``busy`` is the time between the end of the entry barrier and the arrival at the exit barrier (this rank's own
-    work); ``wait`` is the time spent in the exit barrier waiting for slower peers.
-    """
-
-    busy: float = 0.0
-    wait: float = 0.0
 
 
 class ODC:
@@ -135,7 +122,7 @@ class ODC:
     @torch.no_grad()
     def _install_grads(self) -> None:
         sink_ptrs = {t.untyped_storage().data_ptr() for t in self._sinks.values()}
-        device_type = self.transport_device_type
+        device_type = self.device.type
         for slots in self._slots:
             if slots.accum is None:
                 continue
@@ -173,8 +160,9 @@ class ODC:
         )
 
     @property
-    def transport_device_type(self) -> str:
-        return self._slots[0].spec.params[0].param.device.type if self._slots else "cpu"
+    def device(self) -> torch.device:
+        """The device the sharded parameters (and so the transport's buffers) live on."""
+        return self._slots[0].spec.params[0].param.device if self._slots else torch.device("cpu")
 
     @contextlib.contextmanager
     def minibatch(self) -> Iterator[ODC]:
@@ -193,7 +181,8 @@ class ODC:
         self._publish()
         self._barrier()
         self._in_minibatch = True
-        start = time.perf_counter()
+        clock = MinibatchClock(self.device)
+        clock.start()
         try:
             yield self
         except BaseException as e:
@@ -202,9 +191,9 @@ class ODC:
             self.transport.abort(f"{type(e).__name__}: {e}")
             raise
         self._in_minibatch = False
-        arrived = time.perf_counter()
+        clock.done()
         self._barrier()
-        self.last = MinibatchStats(busy=arrived - start, wait=time.perf_counter() - arrived)
+        self.last = clock.stop()
         self._install_grads()
 
     def _barrier(self) -> None:

@@ -1,42 +1,228 @@
-"""Which attention implementations keep packed sequences apart.
+"""Attention for packed microbatches: hf_odc's ``"odc_packed"`` implementation, and which others keep samples apart.
 
-A packed microbatch is one row: samples concatenated, ``position_ids`` restarting at 0 for each, no attention mask.
-In transformers 5.x the model then builds the mask from the positions: ``masking_utils`` finds the sample boundaries
-(``find_packed_sequence_indices``: a position that does not follow its predecessor by 1 starts a new sample) and the
-mask function of the attention implementation turns them into a block-diagonal causal mask. That only happens when
-no ``attention_mask`` and no KV cache are passed (the trainer passes neither), and only for the implementations
-whose mask functions are registered in ``ALL_MASK_ATTENTION_FUNCTIONS`` and read the packed boundaries:
+A packed microbatch is one row: samples concatenated, ``position_ids`` restarting at 0 for each, no attention mask,
+and TRL's padding-free collator adds the boundaries as ``cu_seq_lens_q/k``. In transformers 5.x the model builds the
+mask from the positions when no ``attention_mask`` and no KV cache are passed (``masking_utils`` finds the sample
+boundaries and the implementation's mask function applies them), so these implementations keep samples apart:
 
-* ``eager`` and ``sdpa``: a materialised block-diagonal causal mask (checked in the tests: a packed row's logits equal
-  the samples' own logits);
-* ``flex_attention``: a block mask built from the same boundaries;
-* ``flash_attention_2/3/4``: the varlen kernels, fed ``cu_seq_lens_q/k`` (which the trainer passes) or sequence
-  starts derived from ``position_ids``.
+* ``"odc_packed"`` (:data:`PACKED_ATTENTION`, registered when this module is imported): each document attended
+  causally on its own (:func:`hf_odc.kernels.attention.packed_causal_attention`), so a row costs the sum of its
+  documents, with no ``T x T`` tensor and no compilation. With a padding mask or a KV cache (evaluation, generation)
+  it is ``sdpa``, mask included. The ODC trainers switch ``sdpa`` and ``eager`` models to it by default;
+* ``eager`` and ``sdpa``: a materialised block-diagonal causal mask, ``T x T`` for a row of ``T`` tokens whatever
+  its split (the trainers warn when it is chosen on a GPU);
+* ``flex_attention``: a block mask from the same boundaries (it compiles anew for new lengths);
+* ``flash_attention_2/3/4``: the varlen kernels, fed ``cu_seq_lens_q/k``.
 
-Anything else (``paged|...`` implementations for generation, custom kernels registered at run time) would silently
+Anything else (``paged|...`` implementations for generation, custom kernels registered at run time) could silently
 attend across samples, so it is refused.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import itertools
+import warnings
+import weakref
+from typing import Any
 
-__all__ = ["PACKED_ATTENTION_IMPLEMENTATIONS", "check_packed_attention"]
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..kernels.attention import packed_causal_attention
+
+__all__ = [
+    "DENSE_MASK_IMPLEMENTATIONS",
+    "PACKED_ATTENTION",
+    "PACKED_ATTENTION_IMPLEMENTATIONS",
+    "check_packed_attention",
+    "packed_attention_forward",
+    "register_packed_attention",
+    "use_packed_attention",
+]
+
+PACKED_ATTENTION = "odc_packed"
+"""The name of hf_odc's packed attention in transformers' ``AttentionInterface``."""
+
+DENSE_MASK_IMPLEMENTATIONS = frozenset({"eager", "sdpa"})
+"""Implementations that keep packed samples apart with a dense ``T x T`` mask."""
 
 PACKED_ATTENTION_IMPLEMENTATIONS = frozenset(
-    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
+    {PACKED_ATTENTION, *DENSE_MASK_IMPLEMENTATIONS, "flex_attention"}
+    | {f"flash_attention_{version}" for version in (2, 3, 4)}
 )
+
+
+def register_packed_attention() -> str:
+    """Register :data:`PACKED_ATTENTION` (attention and mask functions) with transformers; returns its name.
+
+    Idempotent; importing :mod:`hf_odc.trainer` does it, after which ``attn_implementation="odc_packed"`` works in
+    ``from_pretrained``, ``from_config`` and ``set_attn_implementation``.
+    """
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_attention_mask)
+    return PACKED_ATTENTION
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query (B, H_q, T, D)``, ``key/value (B, H_kv, T, D)`` in, the
+    output ``(B, T, H_q, D)`` out. Document boundaries come from ``cu_seq_lens_q`` (one row) or ``position_ids`` (a
+    position that does not follow its predecessor by one starts a document); without either, each row is one."""
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(
+            f"attn_implementation={PACKED_ATTENTION!r} has no sliding-window attention; use flash_attention_2 or "
+            "flex_attention for models with sliding-window layers."
+        )
+    causal_rows = attention_mask is None and query.shape[2] == key.shape[2] and getattr(module, "is_causal", True)
+    if not causal_rows:  # a padding mask, a KV cache or bidirectional attention: sdpa with the mask built for it
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    batch, heads, tokens, dim = query.shape
+    lengths, cu_seqlens = _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
+    out = packed_causal_attention(
+        _tokens_first(query),
+        _tokens_first(key),
+        _tokens_first(value),
+        lengths,
+        cu_seqlens=cu_seqlens,
+        scale=scaling,
+        dropout_p=dropout,
+    )
+    return out.view(batch, tokens, heads, dim), None
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, D)`` -> ``(B * T, H, D)``: a view for one row (transformers' projections are laid out so)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _packed_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """No mask for causal rows without padding or cache (packed or not: the attention finds the boundaries itself),
+    else ``sdpa``'s mask."""
+    if attention_mask is None and q_length == kv_length and not isinstance(q_offset, torch.Tensor) and q_offset == 0:
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+
+
+class _BoundaryCache:
+    """The document boundaries of the row being computed, derived once per forward rather than once per layer.
+
+    Every layer of a forward (and its recomputation under activation checkpointing) receives the same
+    ``cu_seq_lens_q`` or ``position_ids`` tensor, so one entry, keyed by that tensor's identity, suffices; reading a
+    device tensor's boundaries costs one host sync, paid on the first layer only.
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple[weakref.ref, tuple[tuple[int, ...], torch.Tensor | None]] | None = None
+
+    def get(self, source: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor | None] | None:
+        entry = self._entry
+        return entry[1] if entry is not None and entry[0]() is source else None
+
+    def put(self, source: torch.Tensor, value: tuple[tuple[int, ...], torch.Tensor | None]) -> None:
+        self._entry = (weakref.ref(source), value)
+
+
+_boundaries = _BoundaryCache()
+
+
+def _document_lengths(
+    batch: int, tokens: int, cu_seq_lens: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """``(lengths, cu_seqlens on the device or None)`` of the documents of ``batch`` rows of ``tokens`` tokens."""
+    source = cu_seq_lens if cu_seq_lens is not None and batch == 1 else position_ids
+    if source is None:
+        return (tokens,) * batch, None
+    cached = _boundaries.get(source)
+    if cached is not None:
+        return cached
+    if source is cu_seq_lens:
+        ends = cu_seq_lens.tolist()
+        lengths = tuple(b - a for a, b in itertools.pairwise(ends))
+        cu = cu_seq_lens.to(torch.int32) if cu_seq_lens.dtype != torch.int32 else cu_seq_lens
+        value = (lengths, cu if cu.device.type != "cpu" else None)
+    else:
+        positions = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        begins = starts.reshape(-1).nonzero().flatten().tolist()
+        lengths = tuple(b - a for a, b in zip(begins, [*begins[1:], batch * tokens], strict=True))
+        value = (lengths, None)
+    if sum(value[0]) != batch * tokens:
+        raise ValueError(
+            f"The packed row's boundaries cover {sum(value[0])} tokens, but the row has {batch} x {tokens}; pass "
+            "cu_seq_lens_q of this row (TRL's padding-free collator does) or position_ids restarting at 0 per sample."
+        )
+    _boundaries.put(source, value)
+    return value
 
 
 def check_packed_attention(model: nn.Module) -> str:
     """Return the model's attention implementation; raise if it could attend across packed samples."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    implementation = attention_implementation(model)
     if implementation not in PACKED_ATTENTION_IMPLEMENTATIONS:
         raise ValueError(
             f"The model uses attn_implementation={implementation!r}, which does not build a block-diagonal mask from "
             "position_ids, so samples packed into one microbatch would attend to each other. Use one of "
-            f"{sorted(PACKED_ATTENTION_IMPLEMENTATIONS)} (e.g. attn_implementation='sdpa')."
+            f"{sorted(PACKED_ATTENTION_IMPLEMENTATIONS)} (e.g. attn_implementation={PACKED_ATTENTION!r})."
         )
     return implementation
+
+
+def use_packed_attention(model: nn.Module, enabled: bool, device: torch.device) -> str:
+    """Switch a model whose attention builds dense masks (``sdpa``, ``eager``) to :data:`PACKED_ATTENTION` if
+    ``enabled``; warn if it keeps one on a GPU. Other implementations are kept. Returns the implementation in use,
+    after checking that it keeps packed samples apart (:func:`check_packed_attention`)."""
+    implementation = attention_implementation(model)
+    if implementation in DENSE_MASK_IMPLEMENTATIONS:
+        if enabled:
+            _base_model(model).set_attn_implementation(PACKED_ATTENTION)
+        elif torch.device(device).type == "cuda":
+            warnings.warn(
+                f"attn_implementation={implementation!r} keeps packed samples apart with a dense T x T mask: the "
+                "attention of a packed microbatch of T tokens then costs time and memory in T**2, whatever its split "
+                "(a 64K-token row costs several times its documents run alone). Leave packed_attention=True (the "
+                f"default) or pass attn_implementation={PACKED_ATTENTION!r}, which costs the sum of the documents.",
+                stacklevel=3,
+            )
+    return check_packed_attention(model)
+
+
+def attention_implementation(model: nn.Module) -> str:
+    """The attention implementation of ``model``'s text model (a PEFT wrapper's base model)."""
+    config = _base_model(model).config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+register_packed_attention()

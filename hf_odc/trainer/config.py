@@ -52,6 +52,12 @@ class ODCSFTConfig(SFTConfig):
             quadratic in the length; see `hf_odc.packing.AttentionCost`) or `"tokens"` (sequence length). On 2xH200
             with 16K-token samples, balancing attention FLOPs cut the gap between the ranks' work from 12% to 8%
             (benchmarks/RESULTS.md).
+        packed_attention (`bool`, *optional*, defaults to `True`):
+            Switch a model whose attention implementation is `"sdpa"` or `"eager"` (transformers' default) to
+            hf_odc's `"odc_packed"` (`hf_odc.trainer.attention`): each packed sample is attended on its own, so a
+            microbatch costs the sum of its samples instead of the square of its length, with no `T x T` mask.
+            `False` keeps the model's implementation (with a warning for `sdpa`/`eager` on a GPU). Flash and flex
+            attention are always kept.
 
     > [!NOTE]
     > Defaults that differ from [`~trl.SFTConfig`]: `bf16` defaults to `True` only when CUDA is available (CPU runs
@@ -93,6 +99,14 @@ class ODCSFTConfig(SFTConfig):
         metadata={
             "help": "Per-sample cost to balance: 'attention' (FLOPs of the model's shape) or 'tokens'.",
             "choices": list(COST_MODELS),
+        },
+    )
+
+    packed_attention: bool = field(
+        default=True,
+        metadata={
+            "help": "Switch sdpa/eager models to hf_odc's 'odc_packed' attention (each packed sample attended on its "
+            "own, no T x T mask). False keeps the model's implementation."
         },
     )
 

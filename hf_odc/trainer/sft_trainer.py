@@ -10,7 +10,9 @@ What changes with respect to ``SFTTrainer``, hook by hook:
 * ``get_train_dataloader``: one item per optimizer step; every rank draws the same global minibatch and keeps its
   packed microbatches from the plan (:mod:`hf_odc.trainer.data`).
 * ``training_step``: runs the rank's microbatches inside ``odc.minibatch()`` (no collective inside), or, without
-  ODC, with FSDP2's gradient reduction deferred to the last microbatch. Metrics are gathered once, afterwards.
+  ODC, with FSDP2's gradient reduction deferred to the last microbatch, between the same two meeting points
+  (:class:`~hf_odc.engine.CollectiveMinibatch`), so that both modes' device-timed metrics cover the same span.
+  Metrics are gathered once, afterwards.
 * ``compute_loss``: the *sum* of the microbatch's token losses times ``world_size / N``, with ``N`` the target tokens
   of the whole global minibatch, counted locally by every rank (every rank holds every sample's labels), so no
   collective is needed and the update equals single-device training on the minibatch's mean token loss.
@@ -22,7 +24,6 @@ What changes with respect to ``SFTTrainer``, hook by hook:
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, ClassVar
 
 import datasets
@@ -33,9 +34,10 @@ from transformers.trainer import SCHEDULER_NAME
 from trl import SFTTrainer
 
 from ..accelerate_plugin import ODCPlugin
+from ..engine import measured_bubble
 from ..packing import AttentionCost
 from . import _checkpoint
-from .attention import check_packed_attention
+from .attention import use_packed_attention
 from .config import ODCSFTConfig
 from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator
 
@@ -88,7 +90,7 @@ class ODCSFTTrainer(SFTTrainer):
             raise NotImplementedError(
                 "ODCSFTTrainer does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
             )
-        check_packed_attention(self.model)
+        use_packed_attention(self.model, args.packed_attention, args.device)
 
         self.odc_plugin = ODCPlugin(enabled=args.odc, timeout=args.odc_timeout)
         if self.accelerator.num_processes > 1:
@@ -98,7 +100,7 @@ class ODCSFTTrainer(SFTTrainer):
             self.model = self.model_wrapped = self.odc_plugin.shard(self.model, self.accelerator)
             if not self.is_fsdp_enabled:
                 self.is_distributed_loading_by_transformers = True
-            self.odc_plugin.enable(self.model)
+        self.odc_plugin.enable(self.model)
         text_config = self.model.config.get_text_config()
         self._cost = AttentionCost.from_config(text_config) if args.cost_model == "attention" else "tokens"
         # Entropy, correct top-1 predictions and target tokens of this rank's microbatches, kept on the device so that
@@ -163,7 +165,6 @@ class ODCSFTTrainer(SFTTrainer):
         num_target_tokens = max(int(inputs["num_target_tokens"]), 1)
         defer_reduction = self.odc_plugin.odc is None and isinstance(model, FSDPModule)
         loss = torch.zeros((), device=self.args.device)
-        start = time.perf_counter()
         with self.maybe_activation_offload_context, self.odc_plugin.minibatch():
             for index, microbatch in enumerate(microbatches):
                 if defer_reduction:  # plain FSDP2: reduce-scatter once, in the last microbatch's backward
@@ -173,7 +174,7 @@ class ODCSFTTrainer(SFTTrainer):
                     microbatch_loss = self.compute_loss(model, microbatch, num_items_in_batch=num_target_tokens)
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
-        self._log_minibatch(inputs, time.perf_counter() - start)
+        self._log_minibatch(inputs)
         return loss
 
     def compute_loss(
@@ -196,30 +197,36 @@ class ODCSFTTrainer(SFTTrainer):
             self._minibatch_sums += sums.double()
         return per_token_loss.sum() * (self.accelerator.num_processes / num_items_in_batch)
 
-    def _log_minibatch(self, inputs: dict[str, Any], seconds: float) -> None:
-        """Gather this minibatch's metrics from every rank (one collective, after the minibatch) into ``_metrics``."""
-        odc = self.odc_plugin.odc
-        busy, wait = (odc.last.busy, odc.last.wait) if odc is not None else (seconds, 0.0)
+    def _log_minibatch(self, inputs: dict[str, Any]) -> None:
+        """Gather this minibatch's metrics from every rank (one collective, after the minibatch) into ``_metrics``.
+
+        Timings are device-timed and mean the same with and without ODC (:mod:`hf_odc.engine.timing`): the step runs
+        from the minibatch's entry to its exit meeting point, ``busy`` until the rank's last microbatch finished on
+        its device, ``wait`` the rest."""
+        stats = self.odc_plugin.last
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        own = torch.tensor([busy, wait, seconds, len(inputs["microbatches"]), peak_gib], dtype=torch.float64)
+        own = torch.tensor([stats.busy, stats.wait, len(inputs["microbatches"]), peak_gib], dtype=torch.float64)
         local = torch.cat([self._minibatch_sums, own.to(self._minibatch_sums.device)])
         self._minibatch_sums.zero_()
         per_rank = self.accelerator.gather(local[None]).cpu()
         entropy, correct, targets = per_rank[:, :3].sum(0).tolist()
+        busy, wait, microbatches = (per_rank[:, column].tolist() for column in (3, 4, 5))
+        step = max(b + w for b, w in zip(busy, wait, strict=True))
         metrics = self._metrics["train"]
         metrics["entropy"].append(entropy / targets if targets else 0.0)
         metrics["mean_token_accuracy"].append(correct / targets if targets else 0.0)
         self._total_train_tokens += int(inputs["num_tokens"])
         metrics["num_tokens"] = [self._total_train_tokens]
-        metrics["tokens_per_second"].append(inputs["num_tokens"] / max(per_rank[:, 5].max().item(), 1e-9))
+        metrics["step_s"].append(step)
+        metrics["tokens_per_second"].append(inputs["num_tokens"] / max(step, 1e-9))
+        metrics["bubble_rate"].append(measured_bubble(busy, step))
         metrics["predicted_bubble_rate"].append(inputs["predicted_bubble_rate"])
         if torch.cuda.is_available():
-            metrics["peak_memory_gib"].append(per_rank[:, 7].max().item())  # the largest rank's, since the start
-        for rank, (rank_busy, rank_wait, _, rank_microbatches) in enumerate(per_rank[:, 3:7].tolist()):
-            metrics[f"busy_s/rank_{rank}"].append(rank_busy)
-            if odc is not None:
-                metrics[f"wait_s/rank_{rank}"].append(rank_wait)
-            metrics[f"microbatches/rank_{rank}"].append(rank_microbatches)
+            metrics["peak_memory_gib"].append(per_rank[:, 6].max().item())  # the largest rank's, since the start
+        for rank in range(len(busy)):
+            metrics[f"busy_s/rank_{rank}"].append(busy[rank])
+            metrics[f"wait_s/rank_{rank}"].append(wait[rank])
+            metrics[f"microbatches/rank_{rank}"].append(microbatches[rank])
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's estimate, summed over this rank's microbatches."""

@@ -1,0 +1,378 @@
+"""The headline: SFT throughput of Collective+LocalSort, Collective+LB-Micro, ODC+LB-Micro and ODC+LB-Mini, one launch.
+
+One process per GPU builds the model once (random weights from a Qwen2.5 shape, bf16 compute with fp32 master
+weights and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what
+``ODCSFTTrainer`` runs) and trains it on the same global minibatches under every scheme, interleaved minibatch by
+minibatch so that drift hits them alike. Plain FSDP2 is the ODC model outside ``odc.minibatch()``, between the same
+two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
+microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.timing`)::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --nproc_per_node 2 \\
+        benchmarks/sft_throughput.py --model qwen2.5-1.5b --distribution longalign --samples-per-device 8 \\
+        --json sft.json --plot sft.png
+
+Per configuration (samples per device x packing ratio) and scheme it prints the median step time, tokens/s over the
+timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, and
+the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits ``CalibratedCost`` to the measured
+microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
+for 8, 32 and 128 GPUs (``hf_odc.packing.simulate``). ``--plot`` draws tokens/s per configuration and the first timed
+step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import hf_odc
+from hf_odc.accelerate_plugin import shard_model
+from hf_odc.engine import CollectiveMinibatch, measured_bubble
+from hf_odc.packing import DISTRIBUTIONS, AttentionCost, CalibratedCost, LengthPool, plan_costs, sample_lengths
+from hf_odc.packing import simulate as simulate_schemes
+from hf_odc.packing.bubble import sync_time
+from hf_odc.packing.distributions import get_distribution
+from hf_odc.trainer import PACKED_ATTENTION, PlannedMinibatchCollator
+
+MODELS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    odc: bool
+    balance: str  # the trainer's vocabulary (ODCSFTConfig.balance)
+
+
+SCHEMES = (
+    Scheme("Collective+LocalSort", False, "local-sort"),
+    Scheme("Collective+LB-Micro", False, "lb-micro"),
+    Scheme("ODC+LB-Micro", True, "lb-micro"),
+    Scheme("ODC+LB-Mini", True, "lb-mini"),
+)
+BASELINE, UNBALANCED, HEADLINE = "Collective+LB-Micro", "Collective+LocalSort", "ODC+LB-Mini"
+
+
+def build(args, device: torch.device):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    shape = {"tie_word_embeddings": True, **MODELS[args.model]}
+    config = Qwen2Config(**shape, max_position_embeddings=262144, attn_implementation=PACKED_ATTENTION)
+    torch.manual_seed(0)
+    with device:
+        model = Qwen2ForCausalLM(config)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    add_fused_lm_head(model, outputs=("log_probs",))
+    cuda = device.type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
+    model = shard_model(model, mp_policy=mp or MixedPrecisionPolicy())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    return model, optimizer, config
+
+
+class Timeline:
+    """Device time at which each microbatch of this rank ended, from the minibatch's start (CUDA events)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ends(self) -> list[float]:
+        """Seconds from the first mark to each later one (call after the device drained)."""
+        first = self.marks[0]
+        if self.cuda:
+            return [first.elapsed_time(m) / 1e3 for m in self.marks[1:]]
+        return [m - first for m in self.marks[1:]]
+
+
+def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
+    """One optimizer step of this rank's microbatches; returns its timings and microbatch features."""
+    microbatches = batch["microbatches"]
+    timeline = Timeline(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with runner.minibatch():
+        timeline.mark()
+        for index, microbatch in enumerate(microbatches):
+            if not odc:  # plain FSDP2: reduce-scatter once, in the last microbatch's backward (as the trainer does)
+                model.set_requires_gradient_sync(index == len(microbatches) - 1)
+            inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
+            out = model(**inputs, use_cache=False, fused_lm_head=True)
+            (-out.log_probs.float().sum() * (world_size / batch["num_target_tokens"])).backward()
+            timeline.mark()
+    model.set_requires_gradient_sync(True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    ends = timeline.ends()
+    lengths = [np.diff(mb["cu_seq_lens_q"].numpy()).tolist() for mb in microbatches]
+    return {
+        "busy": runner.last.busy,
+        "wait": runner.last.wait,
+        "microbatch_ends": ends,
+        "microbatch_lengths": lengths,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+    }
+
+
+def run_config(args, model, optimizer, odc, collective, device, samples_per_device: int, packing_ratio: float) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist_info = DISTRIBUTIONS[args.distribution]
+    minibatch_size = samples_per_device * world_size
+    steps = args.warmup + args.steps
+    lengths = _lengths(args, minibatch_size * steps, seed=[args.seed, samples_per_device])
+    cap = int(packing_ratio * dist_info.max_length * args.length_scale)
+    cost = AttentionCost.from_config(model.config)
+    vocab = model.config.vocab_size
+    pool = torch.randint(4, vocab, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
+    collators = {
+        s.name: PlannedMinibatchCollator(
+            rank, world_size, s.balance, cap, cost, "minibatch" if s.odc else "layer", pad_token_id=0
+        )
+        for s in SCHEMES
+        if s.name in args.schemes
+    }
+    records: dict[str, list[dict]] = {name: [] for name in collators}
+    for step in range(steps):
+        chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
+        examples = [{"input_ids": pool[i : i + n].tolist()} for i, n in enumerate(chunk)]
+        for scheme in SCHEMES:
+            if scheme.name not in collators:
+                continue
+            collator = collators[scheme.name]
+            batch = collator(examples)
+            result = run_step(
+                model, optimizer, odc if scheme.odc else collective, batch, world_size, scheme.odc, device
+            )
+            if step >= args.warmup:
+                result["plan"] = collator.plan(chunk)
+                result["lengths"] = chunk
+                result["predicted_bubble"] = batch["predicted_bubble_rate"]
+                result["tokens"] = sum(chunk)
+                records[scheme.name].append(result)
+        if rank == 0:
+            print(f"  [{samples_per_device}/dev x{packing_ratio:g}] minibatch {step + 1}/{steps} done", flush=True)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, records)
+    return {
+        "samples_per_device": samples_per_device,
+        "packing_ratio": packing_ratio,
+        "max_tokens": cap,
+        "records": gathered,
+    }
+
+
+def _lengths(args, n: int, seed) -> list[int]:
+    lengths = sample_lengths(args.distribution, n, seed=seed)
+    return [max(2, round(length * args.length_scale)) for length in lengths]
+
+
+def summarize(config: dict, args, world_size: int) -> dict:
+    """Per scheme: measured and predicted numbers over the timed steps (every rank's records, gathered)."""
+    per_rank = config["records"]  # [rank][scheme] -> steps
+    names = list(per_rank[0])
+    samples = []  # (tokens, sum_sq, seconds) of every microbatch of every scheme, rank and step
+    for rank_records in per_rank:
+        for steps in rank_records.values():
+            for step in steps:
+                starts = [0.0, *step["microbatch_ends"][:-1]]
+                for lengths, start, end in zip(
+                    step["microbatch_lengths"], starts, step["microbatch_ends"], strict=True
+                ):
+                    samples.append((sum(lengths), sum(n * n for n in lengths), end - start))
+    calibrated = CalibratedCost.fit(samples)
+    summary: dict[str, dict] = {}
+    for name in names:
+        scheme = next(s for s in SCHEMES if s.name == name)
+        steps = list(zip(*(rank_records[name] for rank_records in per_rank), strict=True))  # [step][rank]
+        step_s = [max(r["busy"] + r["wait"] for r in ranks) for ranks in steps]
+        busy = [sum(ranks[rank]["busy"] for ranks in steps) for rank in range(world_size)]  # per rank, all steps
+        first = [ranks[0] for ranks in steps]
+        predicted = sum(
+            sync_time(plan_costs(s["plan"], s["lengths"], calibrated), "minibatch" if scheme.odc else "layer")
+            for s in first
+        )
+        summary[name] = {
+            "step_s_median": statistics.median(step_s),
+            "time_s": sum(step_s),
+            "tokens_per_second": sum(s["tokens"] for s in first) / sum(step_s),
+            "bubble_measured": measured_bubble(busy, sum(step_s)),
+            "bubble_predicted": statistics.mean(s["predicted_bubble"] for s in first),
+            "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
+            "predicted_time": predicted,
+            "microbatches": [[len(r["microbatch_ends"]) for r in ranks] for ranks in steps],
+        }
+    for row in summary.values():
+        for ref in (BASELINE, UNBALANCED):
+            if ref in summary:
+                row[f"speedup_vs_{ref}"] = summary[ref]["time_s"] / row["time_s"]
+                row[f"predicted_speedup_vs_{ref}"] = summary[ref]["predicted_time"] / row["predicted_time"]
+    source = get_distribution(args.distribution)
+    if args.length_scale != 1:
+        source = LengthPool(
+            f"{args.distribution}x{args.length_scale:g}", tuple(_lengths(args, 4096, seed=[args.seed, 99]))
+        )
+    simulation = simulate_schemes(
+        source, args.predict_world_sizes, config["samples_per_device"], config["max_tokens"], calibrated, seed=args.seed
+    )
+    predictions = {
+        f"{r.world_size}:{r.scheme}": r.speedup for r in simulation.results
+    }  # speedup over Collective+LB-Micro
+    return {
+        "calibration": {"linear": calibrated.linear, "quadratic": calibrated.quadratic, "microbatches": len(samples)},
+        "schemes": summary,
+        "predicted_speedups_vs_lb_micro": predictions,
+    }
+
+
+def print_table(results: list[dict], args, world_size: int) -> None:
+    print(f"\n{args.model}, {args.distribution}, {world_size} x {args.device_name}, {args.steps} timed steps each")
+    head = (
+        f"{'config':>9} | {'scheme':>20} | {'step s':>7} | {'tok/s':>8} | {'bubble':>6} | {'pred':>5} | {'GiB':>5} | "
+    )
+    head += f"{'x LB-Micro':>10} | {'x LocalSort':>11} | {'pred x LBMicro':>14}"
+    print(head)
+    for result in results:
+        label = f"{result['samples_per_device']}/dev x{result['packing_ratio']:g}"
+        for name, row in result["summary"]["schemes"].items():
+            print(
+                f"{label:>9} | {name:>20} | {row['step_s_median']:7.3f} | {row['tokens_per_second']:8.0f} | "
+                f"{row['bubble_measured']:6.1%} | {row['bubble_predicted']:5.1%} | {row['peak_gib']:5.1f} | "
+                f"{row.get(f'speedup_vs_{BASELINE}', float('nan')):10.3f} | "
+                f"{row.get(f'speedup_vs_{UNBALANCED}', float('nan')):11.3f} | "
+                f"{row.get(f'predicted_speedup_vs_{BASELINE}', float('nan')):14.3f}"
+            )
+    print("\nCalibrated model's predicted speedup of ODC+LB-Mini over Collective+LB-Micro (and over LocalSort):")
+    for result in results:
+        predictions = result["summary"]["predicted_speedups_vs_lb_micro"]
+        cells = []
+        for w in args.predict_world_sizes:
+            mini, local = predictions.get(f"{w}:{HEADLINE}"), predictions.get(f"{w}:{UNBALANCED}")
+            cells.append(f"{w} GPUs {mini:.3f}x ({mini / local:.3f}x)")
+        label = f"{result['samples_per_device']}/dev x{result['packing_ratio']:g}"
+        calibration = result["summary"]["calibration"]
+        print(f"{label:>9}: " + ", ".join(cells) + f"   [fit: {calibration['linear']:.3g} s/token, "
+              f"{calibration['quadratic']:.3g} s/token^2]")  # fmt: skip
+
+
+def plot(results: list[dict], path: str, world_size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, timeline) = plt.subplots(1, 2, figsize=(14, 5))
+    labels = [f"{r['samples_per_device']}/dev x{r['packing_ratio']:g}" for r in results]
+    names = list(results[0]["summary"]["schemes"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [r["summary"]["schemes"][name]["tokens_per_second"] for r in results]
+        bars.bar(np.arange(len(results)) + i * width, values, width, label=name)
+    bars.set_xticks(np.arange(len(results)) + 0.4 - width / 2, labels)
+    bars.set_ylabel("tokens / s")
+    bars.legend(fontsize=8)
+    bars.set_title("Throughput per configuration")
+    first = results[-1]
+    y = 0
+    for name, color in ((BASELINE, "tab:orange"), (HEADLINE, "tab:green")):
+        if name not in first["records"][0]:
+            continue
+        for rank in range(world_size):
+            step = first["records"][rank][name][0]
+            starts = [0.0, *step["microbatch_ends"][:-1]]
+            timeline.broken_barh(
+                [(s, e - s) for s, e in zip(starts, step["microbatch_ends"], strict=True)],
+                (y, 0.8), facecolors=color, edgecolors="black", linewidth=0.5,
+            )  # fmt: skip
+            timeline.broken_barh([(step["busy"], step["wait"])], (y, 0.8), facecolors="lightgrey")
+            timeline.text(0, y + 0.4, f"{name} r{rank}", va="center", fontsize=7)
+            y += 1
+        y += 0.5
+    timeline.set_xlabel("seconds (device time; grey: waiting for peers)")
+    timeline.set_yticks([])
+    timeline.set_title(f"First timed step, {labels[-1]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
+    parser.add_argument("--samples-per-device", default="8", help="comma list, e.g. 2,4,8,16")
+    parser.add_argument("--packing-ratios", default="1", help="comma list of token caps as multiples of the longest")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and scheme")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--schemes", default=",".join(s.name for s in SCHEMES))
+    parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--predict-world-sizes", default="8,32,128")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    args.schemes = args.schemes.split(",")
+    args.predict_world_sizes = [int(w) for w in args.predict_world_sizes.split(",")]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        args.device_name = torch.cuda.get_device_name()
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        args.device_name = "CPU"
+    world_size = dist.get_world_size()
+    if world_size < 2:
+        raise SystemExit("Run on at least 2 processes (torchrun --nproc_per_node N): the schemes differ across ranks.")
+    model, optimizer, _ = build(args, device)
+    odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
+    results = []
+    for samples in (int(s) for s in args.samples_per_device.split(",")):
+        for ratio in (float(r) for r in args.packing_ratios.split(",")):
+            config = run_config(args, model, optimizer, odc, collective, device, samples, ratio)
+            if dist.get_rank() == 0:
+                config["summary"] = summarize(config, args, world_size)
+            results.append(config)
+    odc.close()
+    if dist.get_rank() == 0:
+        print_table(results, args, world_size)
+        if args.json:
+            with open(args.json, "w") as f:
+                record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__}
+                json.dump({**record, "results": results}, f, indent=1)
+        if args.plot:
+            plot(results, args.plot, world_size)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
