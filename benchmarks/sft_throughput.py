@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,11 +34,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import hf_odc
 from hf_odc.accelerate_plugin import shard_model
-from hf_odc.engine import CollectiveMinibatch, measured_bubble
-from hf_odc.packing import DISTRIBUTIONS, AttentionCost, CalibratedCost, LengthPool, plan_costs, sample_lengths
+from hf_odc.engine import CollectiveMinibatch
+from hf_odc.packing import (
+    DISTRIBUTIONS,
+    CalibratedCost,
+    LengthPool,
+    idle_fraction,
+    named_cost,
+    plan_costs,
+    sample_lengths,
+)
 from hf_odc.packing import simulate as simulate_schemes
 from hf_odc.packing.bubble import sync_time
 from hf_odc.packing.distributions import get_distribution
+from hf_odc.packing.simulate import BASELINE, SCHEMES
 from hf_odc.trainer import PACKED_ATTENTION, PlannedMinibatchCollator
 
 MODELS = {
@@ -54,20 +62,7 @@ MODELS = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Scheme:
-    name: str
-    odc: bool
-    balance: str  # the trainer's vocabulary (ODCSFTConfig.balance)
-
-
-SCHEMES = (
-    Scheme("Collective+LocalSort", False, "local-sort"),
-    Scheme("Collective+LB-Micro", False, "lb-micro"),
-    Scheme("ODC+LB-Micro", True, "lb-micro"),
-    Scheme("ODC+LB-Mini", True, "lb-mini"),
-)
-BASELINE, UNBALANCED, HEADLINE = "Collective+LB-Micro", "Collective+LocalSort", "ODC+LB-Mini"
+UNBALANCED, HEADLINE = "Collective+LocalSort", "ODC+LB-Mini"
 
 
 def build(args, device: torch.device):
@@ -148,7 +143,7 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     steps = args.warmup + args.steps
     lengths = _lengths(args, minibatch_size * steps, seed=[args.seed, samples_per_device])
     cap = int(packing_ratio * dist_info.max_length * args.length_scale)
-    cost = AttentionCost.from_config(model.config)
+    cost = named_cost("attention", model.config)  # the trainer's default cost model
     vocab = model.config.vocab_size
     pool = torch.randint(4, vocab, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
     collators = {
@@ -222,7 +217,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
             "step_s_median": statistics.median(step_s),
             "time_s": sum(step_s),
             "tokens_per_second": sum(s["tokens"] for s in first) / sum(step_s),
-            "bubble_measured": measured_bubble(busy, sum(step_s)),
+            "bubble_measured": idle_fraction(busy, sum(step_s)),
             "bubble_predicted": statistics.mean(s["predicted_bubble"] for s in first),
             "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
             "predicted_time": predicted,

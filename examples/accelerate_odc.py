@@ -9,7 +9,7 @@ single-device training on the minibatch's mean token loss, whatever each rank's 
 ```bash
 python examples/accelerate_odc.py                                                    # one process (the reference)
 accelerate launch --config_file examples/odc_cpu.yaml examples/accelerate_odc.py     # ODC + LB-Mini, 2 processes
-ODC_ENABLED=0 accelerate launch --config_file examples/odc_cpu.yaml examples/accelerate_odc.py   # FSDP2 + LB-Micro
+HF_ODC_ENABLED=0 accelerate launch --config_file examples/odc_cpu.yaml examples/accelerate_odc.py   # FSDP2 + LB-Micro
 ```
 
 With ODC disabled, ``odc.minibatch()`` only meets the other ranks at its entry and exit (so that ``odc.last`` times
@@ -28,8 +28,9 @@ from accelerate import Accelerator
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from hf_odc.accelerate_plugin import ODCPlugin
+from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.packing import lb_micro, lb_mini, sample_lengths
+from hf_odc.trainer import PACKED_ATTENTION
 
 VOCAB = 128
 
@@ -60,15 +61,15 @@ def main() -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        attn_implementation="sdpa",  # builds a block-diagonal mask from position_ids (hf_odc.trainer.attention)
+        attn_implementation=PACKED_ATTENTION,  # each packed sample attended on its own (hf_odc.trainer.attention)
     )
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    odc = ODCPlugin()  # ODC: settings from ODC_* variables
-    model, optimizer = odc.prepare(accelerator, model, optimizer)  # ODC: instead of accelerator.prepare(...)
+    odc = ODCRuntime(ODCPlugin(), accelerator)  # ODC: settings from HF_ODC_* variables
+    model, optimizer = odc.prepare(model, optimizer)  # ODC: instead of accelerator.prepare(...)
 
     rank, world_size = accelerator.process_index, accelerator.num_processes
-    plan_fn = lb_mini if odc.odc is not None else lb_micro
+    plan_fn = lb_mini if odc.active else lb_micro
     pack = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
     history = []
     for step in range(args.steps):

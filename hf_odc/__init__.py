@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import ODC, CollectiveMinibatch, MinibatchStats, enable, measured_bubble
+    from .engine import ODC, CollectiveMinibatch, MinibatchStats, enable
     from .kernels import PeerFailureError
 
 _LAZY = {
@@ -20,11 +20,10 @@ _LAZY = {
     "CollectiveMinibatch": ".engine",
     "MinibatchStats": ".engine",
     "enable": ".engine",
-    "measured_bubble": ".engine",
     "PeerFailureError": ".kernels",
 }
 
-__all__ = ["ODC", "CollectiveMinibatch", "MinibatchStats", "PeerFailureError", "enable", "measured_bubble"]
+__all__ = ["ODC", "CollectiveMinibatch", "MinibatchStats", "PeerFailureError", "enable"]
 __version__ = "0.1.0"
 
 

@@ -112,12 +112,13 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> None:
+    from .packing.planners import token_cap
     from .packing.report import render_table, write_json
     from .packing.simulate import simulate
     from .packing.sources import choose_cost, choose_source
 
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split)
-    max_tokens = args.max_tokens or int(args.packing_ratio * source.max_length)
+    max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
     _check_cap(source, max_tokens)
     cost = choose_cost(args.cost, args.model_config, args.calibration)
     simulation = simulate(

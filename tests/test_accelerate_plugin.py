@@ -1,4 +1,4 @@
-"""``ODCPlugin``: validated fields with ``ODC_*`` fallbacks, and a plain Accelerate loop switched to ODC."""
+"""``ODCPlugin``: validated fields with ``HF_ODC_*`` fallbacks; ``ODCRuntime`` runs a plain Accelerate loop with ODC."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ from _trainer_launch import run
 from _trainer_workers import shard_under_an_accelerate_fsdp_config
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from hf_odc.accelerate_plugin import ODCPlugin, mixed_precision_policy, remap_optimizer
+from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime, mixed_precision_policy, remap_optimizer
+from hf_odc.kernels import DEFAULT_TIMEOUT_S
 
 
 def test_fields_fall_back_to_the_environment(monkeypatch):
-    monkeypatch.delenv("ODC_ENABLED", raising=False)
-    monkeypatch.delenv("ODC_TIMEOUT", raising=False)
-    monkeypatch.delenv("ODC_RESHARD_AFTER_FORWARD", raising=False)
+    for name in ("ENABLED", "TIMEOUT", "RESHARD_AFTER_FORWARD"):
+        monkeypatch.delenv(f"HF_ODC_{name}", raising=False)
     default = ODCPlugin()
-    assert (default.enabled, default.timeout, default.reshard_after_forward) == (True, None, None)
-    monkeypatch.setenv("ODC_ENABLED", "0")
-    monkeypatch.setenv("ODC_TIMEOUT", "30")
-    monkeypatch.setenv("ODC_RESHARD_AFTER_FORWARD", "false")
+    assert (default.enabled, default.timeout, default.reshard_after_forward) == (True, DEFAULT_TIMEOUT_S, None)
+    monkeypatch.setenv("HF_ODC_ENABLED", "0")
+    monkeypatch.setenv("HF_ODC_TIMEOUT", "30")
+    monkeypatch.setenv("HF_ODC_RESHARD_AFTER_FORWARD", "false")
     from_env = ODCPlugin()
     assert (from_env.enabled, from_env.timeout, from_env.reshard_after_forward) == (False, 30.0, False)
     explicit = ODCPlugin(enabled=True, timeout=5)  # explicit fields win over the environment
@@ -47,21 +47,28 @@ def test_invalid_fields_are_refused(kwargs, message):
 
 
 def test_invalid_environment_is_refused(monkeypatch):
-    monkeypatch.setenv("ODC_ENABLED", "yes please")
-    with pytest.raises(ValueError, match="ODC_ENABLED"):
+    monkeypatch.setenv("HF_ODC_ENABLED", "yes please")
+    with pytest.raises(ValueError, match="HF_ODC_ENABLED"):
         ODCPlugin()
 
 
-def test_disabled_plugin_has_no_handle_and_times_the_plain_model():
-    plugin = ODCPlugin(enabled=False)
-    with plugin.minibatch():  # before enable(): nothing to time
+@pytest.mark.parametrize("old", ["ODC_ENABLED", "ODC_TIMEOUT", "ODC_RESHARD_AFTER_FORWARD"])
+def test_the_old_variable_names_are_refused_with_the_new_one(monkeypatch, old):
+    monkeypatch.setenv(old, "1")
+    with pytest.raises(ValueError, match=f"{old} is now HF_{old}"):
+        ODCPlugin()
+
+
+def test_disabled_runtime_has_no_handle_and_times_the_plain_model():
+    runtime = ODCRuntime(ODCPlugin(enabled=False))
+    with runtime.minibatch():  # before enable(): nothing to time
         pass
-    assert plugin.odc is None and plugin.last is None
-    plugin.enable(torch.nn.Linear(2, 2))  # one process, not sharded: the model runs as it is
-    with plugin.minibatch():
+    assert runtime.odc is None and runtime.last is None and not runtime.active
+    runtime.enable(torch.nn.Linear(2, 2))  # one process, not sharded: the model runs as it is
+    with runtime.minibatch():
         time.sleep(0.05)
-    assert plugin.odc is None
-    assert plugin.last.busy >= 0.05 and plugin.last.step == pytest.approx(plugin.last.busy, abs=0.02)
+    assert runtime.odc is None and not runtime.active
+    assert runtime.last.busy >= 0.05 and runtime.last.step == pytest.approx(runtime.last.busy, abs=0.02)
 
 
 def test_mixed_precision_policy_follows_the_accelerator():
@@ -100,7 +107,7 @@ def single_process(tmp_path_factory):
 def test_plain_accelerate_loop_matches_a_single_process(single_process, tmp_path, enabled):
     """examples/accelerate_odc.py on 2 processes (ODC + LB-Mini, or plain FSDP2 + LB-Micro) vs 1 process."""
     path = tmp_path / "run.json"
-    run("accelerate_odc.py", "--output", str(path), processes=2, env={"ODC_ENABLED": enabled})
+    run("accelerate_odc.py", "--output", str(path), processes=2, env={"HF_ODC_ENABLED": enabled})
     distributed = json.loads(path.read_text())
     assert len(distributed) == len(single_process) == 5
     for ours, reference in zip(distributed, single_process, strict=True):

@@ -170,7 +170,7 @@ def test_a_cap_below_the_longest_sample_names_it_before_simulating(tmp_path, cap
         (["--world-sizes", "2.5"], "argument --world-sizes: expected a positive integer, got 2.5"),
         (["--world-sizes", "0"], "argument --world-sizes: expected a positive integer, got 0"),
         (["--samples-per-rank", "-3"], "argument --samples-per-rank: expected a positive integer, got -3"),
-        (["--packing-ratio", "0"], "more than max_tokens=0"),
+        (["--packing-ratio", "0"], "packing_ratio must be > 0"),
         (["--cost", "flops"], "argument --cost: invalid choice: 'flops'"),
         (["--distribution", "uniform"], "argument --distribution: not allowed with argument --lengths"),
     ],

@@ -1,5 +1,5 @@
 """Device-timed minibatch metrics mean the same with ODC and with plain FSDP2: a rank that sleeps is busy, its peer
-waits, both see the same step, and the measured bubble is ``1 - sum(busy) / (W * step)``."""
+waits, both see the same step, and the measured bubble is ``idle_fraction(busy, step)``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from _dist import launch
 from _timing_workers import SLEEP_S, sleeping_rank
 
-from hf_odc import measured_bubble
+from hf_odc.packing import idle_fraction
 
 
 @pytest.mark.parametrize("odc", [True, False], ids=["odc", "fsdp2"])
@@ -20,10 +20,10 @@ def test_a_sleeping_rank_is_busy_and_its_peer_waits(odc):
         assert wait0 == pytest.approx(busy1 - busy0, abs=0.05)  # rank 0 waited at the exit for rank 1's extra work
         assert busy0 + wait0 == pytest.approx(busy1 + wait1, abs=0.05)  # one step, the same span on every rank
         step = max(busy0 + wait0, busy1 + wait1)
-        assert measured_bubble([busy0, busy1], step) == pytest.approx(wait0 / (2 * step), abs=0.05)
+        assert idle_fraction([busy0, busy1], step) == pytest.approx(wait0 / (2 * step), abs=0.05)
 
 
-def test_measured_bubble_edge_cases():
-    assert measured_bubble([], 1.0) == 0.0 and measured_bubble([0.5, 0.5], 0.0) == 0.0
-    assert measured_bubble([1.0, 1.0], 1.0) == 0.0
-    assert measured_bubble([1.0, 0.0], 1.0) == pytest.approx(0.5)
+def test_idle_fraction_edge_cases():
+    assert idle_fraction([], 1.0) == 0.0 and idle_fraction([0.5, 0.5], 0.0) == 0.0
+    assert idle_fraction([1.0, 1.0], 1.0) == 0.0
+    assert idle_fraction([1.0, 0.0], 1.0) == pytest.approx(0.5)

@@ -14,16 +14,17 @@ def config(tmp_path, **kwargs) -> ODCSFTConfig:
 
 
 def test_defaults(tmp_path, monkeypatch):
-    monkeypatch.delenv("ODC_ENABLED", raising=False)
+    monkeypatch.delenv("HF_ODC_ENABLED", raising=False)
     args = config(tmp_path)
-    assert args.odc is True and args.balance == "lb-mini"
+    assert args.odc is True and args.balance == "lb-mini" and args.cost_model == "attention" and args.packed_attention
     assert args.microbatch_token_cap == args.max_length == 1024
-    if not torch.cuda.is_available():  # CPU processes must know it, whatever the launcher told them
-        assert args.use_cpu and args.bf16 is False
+    # CPU processes must know it, whatever the launcher told them; CUDA ones keep TrainingArguments' defaults
+    cpu = not torch.cuda.is_available()
+    assert args.use_cpu is cpu and (args.bf16 is False if cpu else args.bf16 is not False)
 
 
 def test_odc_follows_the_environment_and_the_baseline_uses_lb_micro(tmp_path, monkeypatch):
-    monkeypatch.setenv("ODC_ENABLED", "0")
+    monkeypatch.setenv("HF_ODC_ENABLED", "0")
     args = config(tmp_path)
     assert args.odc is False and args.balance == "lb-micro"
     assert config(tmp_path, odc=True).odc is True

@@ -1,10 +1,12 @@
-"""On-Demand Communication for plain Accelerate scripts: :class:`ODCPlugin` and the FSDP2 sharding it applies.
+"""On-Demand Communication for plain Accelerate scripts and the trainers: settings, lifecycle and sharding.
 
-See :mod:`hf_odc.accelerate_plugin.plugin` for the two lines that switch a script to ODC, and
-:mod:`hf_odc.accelerate_plugin.sharding` for why hf_odc, not Accelerate, applies ``fully_shard``.
+:class:`ODCPlugin` holds the settings (``HF_ODC_*`` fallbacks), :class:`ODCRuntime` does the work (shard, enable,
+minibatch, close; see :mod:`hf_odc.accelerate_plugin.runtime` for the two lines that switch a script to ODC), and
+:mod:`hf_odc.accelerate_plugin.sharding` says why hf_odc, not Accelerate, applies ``fully_shard``.
 """
 
 from .plugin import ODCPlugin
+from .runtime import ODCRuntime
 from .sharding import mixed_precision_policy, remap_optimizer, shard_model
 
-__all__ = ["ODCPlugin", "mixed_precision_policy", "remap_optimizer", "shard_model"]
+__all__ = ["ODCPlugin", "ODCRuntime", "mixed_precision_policy", "remap_optimizer", "shard_model"]

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ._env import parse_bool
+from .._env import parse_bool
 
 __all__ = ["mixed_precision_policy", "remap_optimizer", "shard_model"]
 

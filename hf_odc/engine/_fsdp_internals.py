@@ -21,7 +21,6 @@ Checked against torch 2.11 (CUDA) and 2.13 (the CI's CPU build). Other versions 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import Shard
+
+from .._env import env
 
 __all__ = [
     "AllGather",
@@ -49,7 +50,7 @@ def check_torch_version(version: str = torch.__version__) -> None:
     major_minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
     if major_minor in CHECKED_TORCH_VERSIONS:
         return
-    if os.environ.get("HF_ODC_ALLOW_UNTESTED_TORCH") == "1":
+    if env("ALLOW_UNTESTED_TORCH") == "1":
         return
     checked = ", ".join(f"{a}.{b}" for a, b in CHECKED_TORCH_VERSIONS)
     raise RuntimeError(

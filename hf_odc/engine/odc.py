@@ -29,7 +29,6 @@ minibatch, including empty ones, do not change the result.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -38,13 +37,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..kernels import PeerFailureError, Transport, make_transport
+from .._env import timeout_seconds
+from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, make_transport
 from ._fsdp_internals import GroupSpec, check_torch_version, describe_groups, gradient_divisor, install_comms
 from .buffers import GroupSlots, allocate_slots
 from .comms import ODCAllGather, ODCReduceScatter
 from .timing import MinibatchClock, MinibatchStats
-
-DEFAULT_TIMEOUT_S = 600.0
 
 
 class ODC:
@@ -235,7 +233,7 @@ def enable(
         model: the root module; every :class:`~torch.distributed.fsdp.FSDPModule` in it is switched to ODC.
         timeout: seconds a minibatch barrier waits for a live peer before raising
             :class:`~hf_odc.kernels.PeerFailureError` (a dead peer is reported at once). Default: ``HF_ODC_TIMEOUT``
-            or 600.
+            or ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
         transport: a transport to use instead of the device's default (tests, new hardware).
 
     Returns:
@@ -251,8 +249,7 @@ def enable(
     groups = {tuple(dist.get_process_group_ranks(s.process_group)) for s in specs}
     if len(groups) != 1:
         raise ValueError(f"hf_odc: every fully_shard call must use the same mesh; got rank groups {sorted(groups)}.")
-    if timeout is None:
-        timeout = float(os.environ.get("HF_ODC_TIMEOUT", DEFAULT_TIMEOUT_S))
+    timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
     if transport is None:
         device = specs[0].params[0].param.device
         transport = make_transport(device, specs[0].process_group, timeout=timeout)

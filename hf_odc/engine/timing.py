@@ -9,7 +9,7 @@ recorded on the compute stream, with no synchronisation inside the minibatch.
 * ``busy``: from the entry until this rank's last microbatch has finished on its device.
 * ``wait``: ``step - busy``, the time this rank idled at the exit meeting point for slower peers.
 
-The measured bubble of a minibatch is ``1 - sum(busy) / (world_size * step)``.
+The measured bubble of a minibatch is ``hf_odc.packing.idle_fraction(busy of every rank, step)``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveMinibatch", "MinibatchClock", "MinibatchStats", "measured_bubble"]
+__all__ = ["CollectiveMinibatch", "MinibatchClock", "MinibatchStats"]
 
 
 @dataclass
@@ -35,13 +35,6 @@ class MinibatchStats:
     @property
     def step(self) -> float:
         return self.busy + self.wait
-
-
-def measured_bubble(busy: list[float], step: float) -> float:
-    """``1 - sum(busy) / (len(busy) * step)``: the fraction of the ranks' time spent idle; 0 for an empty step."""
-    if step <= 0 or not busy:
-        return 0.0
-    return max(0.0, 1.0 - sum(busy) / (len(busy) * step))
 
 
 class MinibatchClock:

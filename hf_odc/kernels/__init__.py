@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 
 from .cpu import CpuShmTransport
-from .transport import PeerFailureError, SymmetricTensor, Transport
+from .transport import DEFAULT_TIMEOUT_S, PeerFailureError, SymmetricTensor, Transport
 
-__all__ = ["CpuShmTransport", "PeerFailureError", "SymmetricTensor", "Transport", "make_transport"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CpuShmTransport", "PeerFailureError", "SymmetricTensor", "Transport", "make_transport"]
 
 
-def make_transport(device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = 600.0) -> Transport:
+def make_transport(
+    device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S
+) -> Transport:
     """Collective: the transport for parameters living on ``device``, over the ranks of ``group``."""
     if device.type == "cpu":
         return CpuShmTransport(group, timeout=timeout)

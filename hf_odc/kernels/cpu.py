@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ._dev_shm import ShmJob
 from .host_barrier import HostBarrier
-from .transport import SymmetricTensor, Transport
+from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor, Transport
 
 # Lock ranges are keyed by (buffer, owner) blocks of this many elements; buffers are far smaller than 2**40 elements.
 _LOCK_BLOCK = 1 << 40
@@ -31,7 +31,7 @@ class CpuShmTransport(Transport):
         timeout: seconds a barrier waits for a live peer before it raises.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = 600.0):
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S):
         self._job = ShmJob(group)
         self.rank, self.world_size = self._job.rank, self._job.world_size
         self._lock_fd = self._job.open_shared_file()

@@ -12,15 +12,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+from .._env import env
 from ._dev_shm import ShmJob
 from .host_barrier import HostBarrier
-from .transport import SymmetricTensor, Transport
+from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor, Transport
 
 DEFAULT_SCATTER_PROGRAMS = 0  # uncapped; see _triton_scatter
 
@@ -34,7 +33,9 @@ class CudaSymmMemTransport(Transport):
         timeout: seconds a barrier waits for a live peer before it raises.
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = 600.0):
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S
+    ):
         self.device = torch.device(device)
         self._group = group if group is not None else dist.group.WORLD
         self._job = ShmJob(group)
@@ -43,7 +44,7 @@ class CudaSymmMemTransport(Transport):
         if symm_mem.get_backend(self.device) is None:
             symm_mem.set_backend("CUDA")
         # At most this many programs in the accumulate kernel (0: uncapped), a tuning knob; see _triton_scatter.
-        self.max_programs = int(os.environ.get("HF_ODC_SCATTER_PROGRAMS", DEFAULT_SCATTER_PROGRAMS))
+        self.max_programs = int(env("SCATTER_PROGRAMS") or DEFAULT_SCATTER_PROGRAMS)
         self._handles: list = []
         self._peer_ptrs: dict[int, torch.Tensor] = {}
 

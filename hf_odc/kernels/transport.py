@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+DEFAULT_TIMEOUT_S = 600.0
+"""Seconds a barrier waits for a live peer unless told otherwise (``HF_ODC_TIMEOUT``)."""
+
 
 class PeerFailureError(RuntimeError):
     """A peer died, raised an error, or did not reach the minibatch barrier in time."""

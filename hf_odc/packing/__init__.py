@@ -5,8 +5,9 @@ per minibatch, so only each rank's total must be balanced (LB-Mini). This packag
 models they balance, the bubble model that predicts idle time, and the simulator behind ``hf-odc plan``.
 """
 
-from .bubble import bubble_rate, plan_costs, predicted_time, sync_time
+from .bubble import bubble_rate, idle_fraction, plan_costs, predicted_time, sync_time
 from .cost import (
+    COSTS,
     DEFAULT_ATTENTION_SHAPE,
     AttentionCost,
     CalibratedCost,
@@ -15,17 +16,20 @@ from .cost import (
     QuadraticCost,
     TokenCost,
     evaluate_costs,
+    named_cost,
     resolve_cost,
 )
 from .distributions import DISTRIBUTIONS, LengthDistribution, sample_lengths
 from .partition import karmarkar_karp
-from .planners import Plan, lb_micro, lb_mini, local_sort
+from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, token_cap
 from .simulate import SCHEMES, Simulation, simulate
 from .sources import LengthPool, choose_cost, choose_source
 
 __all__ = [
+    "COSTS",
     "DEFAULT_ATTENTION_SHAPE",
     "DISTRIBUTIONS",
+    "PLANNERS",
     "SCHEMES",
     "AttentionCost",
     "CalibratedCost",
@@ -34,6 +38,7 @@ __all__ = [
     "LengthDistribution",
     "LengthPool",
     "Plan",
+    "Planner",
     "QuadraticCost",
     "Simulation",
     "TokenCost",
@@ -41,14 +46,18 @@ __all__ = [
     "choose_cost",
     "choose_source",
     "evaluate_costs",
+    "get_planner",
+    "idle_fraction",
     "karmarkar_karp",
     "lb_micro",
     "lb_mini",
     "local_sort",
+    "named_cost",
     "plan_costs",
     "predicted_time",
     "resolve_cost",
     "sample_lengths",
     "simulate",
     "sync_time",
+    "token_cap",
 ]

@@ -14,7 +14,7 @@ from typing import Literal
 from .cost import CostLike, evaluate_costs
 from .planners import Plan
 
-__all__ = ["Sync", "bubble_rate", "plan_costs", "predicted_time", "step_times", "sync_time"]
+__all__ = ["Sync", "bubble_rate", "idle_fraction", "plan_costs", "predicted_time", "step_times", "sync_time"]
 
 Sync = Literal["layer", "minibatch"]
 
@@ -27,10 +27,15 @@ def predicted_time(plan: Plan, lengths: Sequence[int], cost: CostLike = "tokens"
 def bubble_rate(plan: Plan, lengths: Sequence[int], cost: CostLike = "tokens", sync: Sync = "layer") -> float:
     """Predicted idle fraction: ``1 - total cost / (world_size * predicted_time)``; 0 for a plan with no work."""
     per_rank = plan_costs(plan, lengths, cost)
-    time = sync_time(per_rank, sync)
-    if time == 0:
+    return idle_fraction([sum(rank) for rank in per_rank], sync_time(per_rank, sync))
+
+
+def idle_fraction(work: Sequence[float], time: float) -> float:
+    """``1 - sum(work) / (len(work) * time)``: the fraction of the ranks' time not spent on ``work`` (each rank's,
+    predicted or measured) during a minibatch of ``time``; 0 for an empty one. The one formula every bubble uses."""
+    if time <= 0 or not work:
         return 0.0
-    return 1.0 - sum(map(sum, per_rank)) / (len(per_rank) * time)
+    return max(0.0, 1.0 - sum(work) / (len(work) * time))
 
 
 def plan_costs(plan: Plan, lengths: Sequence[int], cost: CostLike = "tokens") -> list[list[float]]:

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "COSTS",
     "DEFAULT_ATTENTION_SHAPE",
     "AttentionCost",
     "CalibratedCost",
@@ -23,6 +24,7 @@ __all__ = [
     "QuadraticCost",
     "TokenCost",
     "evaluate_costs",
+    "named_cost",
     "resolve_cost",
 ]
 
@@ -160,22 +162,27 @@ def _config_int(config: Any, key: str, default: int | None = None) -> int:
     return int(value)
 
 
-_NAMED_COSTS: dict[str, Callable[[], CostModel]] = {
-    "tokens": TokenCost,
-    "attention": lambda: AttentionCost.from_config(DEFAULT_ATTENTION_SHAPE),
+COSTS: dict[str, Callable[[Any], CostModel]] = {
+    "tokens": lambda config: TokenCost(),
+    "attention": lambda config: AttentionCost.from_config(config if config is not None else DEFAULT_ATTENTION_SHAPE),
 }
+"""The cost models by name, each built from a model config (``None``: :data:`DEFAULT_ATTENTION_SHAPE`)."""
+
+
+def named_cost(name: str, config: Any = None) -> CostModel:
+    """The cost model called ``name`` (see :data:`COSTS`) for a model ``config`` (a dict or a transformers config)."""
+    if name not in COSTS:
+        raise ValueError(
+            f"Unknown cost model {name!r}: use one of {sorted(COSTS)}, a CostModel such as "
+            "AttentionCost.from_config(config) or CalibratedCost.fit(samples), or a callable list[int] -> list[float]."
+        )
+    return COSTS[name](config)
 
 
 def resolve_cost(cost: CostLike) -> Callable[[Sequence[int]], Sequence[float]]:
-    """Turn a cost argument into a callable: ``"tokens"``, ``"attention"`` (default shape), or a callable as is."""
+    """Turn a cost argument into a callable: a name of :data:`COSTS` (default shape), or a callable as is."""
     if isinstance(cost, str):
-        if cost not in _NAMED_COSTS:
-            raise ValueError(
-                f"Unknown cost model {cost!r}: use one of {sorted(_NAMED_COSTS)}, a CostModel such as "
-                f"AttentionCost.from_config(config) or CalibratedCost.fit(samples), or a callable list[int] -> "
-                f"list[float]."
-            )
-        return _NAMED_COSTS[cost]()
+        return named_cost(cost)
     if not callable(cost):
         raise TypeError(f"cost must be a string or a callable list[int] -> list[float], got {type(cost).__name__}.")
     return cost

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -23,16 +23,26 @@ from ._bin_packing import best_fit_decreasing
 from .cost import CostLike, evaluate_costs
 from .partition import karmarkar_karp
 
-__all__ = ["Plan", "lb_micro", "lb_mini", "local_sort"]
+__all__ = ["PLANNERS", "Plan", "Planner", "get_planner", "lb_micro", "lb_mini", "local_sort", "token_cap"]
 
 Plan = list[list[list[int]]]
 """``plan[rank][microbatch]`` is the list of sample indices that rank runs in that microbatch."""
 
+Planner = Callable[[Sequence[int], int, int | None, CostLike], Plan]
+"""Every planner's signature: ``(lengths, world_size, max_tokens, cost) -> Plan``."""
 
-def local_sort(lengths: Sequence[int], world_size: int) -> Plan:
-    """Rank ``r`` gets samples ``r, r + world_size, ...``, one per microbatch, longest first."""
+
+def local_sort(
+    lengths: Sequence[int], world_size: int, max_tokens: int | None = None, cost: CostLike = "tokens"
+) -> Plan:
+    """Rank ``r`` gets samples ``r, r + world_size, ...``, one per microbatch, longest first.
+
+    ``cost`` is not used (nothing is balanced); ``max_tokens``, if given, is checked: every sample must fit alone.
+    """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
+    if max_tokens is not None:
+        _check_token_cap(lengths, max_tokens)
     return [
         [[i] for i in sorted(range(rank, len(lengths), world_size), key=lambda i: (-lengths[i], i))]
         for rank in range(world_size)
@@ -190,3 +200,22 @@ def _check_token_cap(lengths: list[int], max_tokens: int) -> None:
             f"({len(too_long)} sample(s) exceed it, the longest has {max(lengths)}); raise max_tokens to at least "
             f"{max(lengths)} or truncate or drop those samples first: the planner never truncates."
         )
+
+
+PLANNERS: dict[str, Planner] = {"local-sort": local_sort, "lb-micro": lb_micro, "lb-mini": lb_mini}
+"""The planners by the name the trainers' ``balance``, the simulator and the CLI use."""
+
+
+def get_planner(name: str) -> Planner:
+    """The planner called ``name`` (see :data:`PLANNERS`); a clear error naming the choices otherwise."""
+    if name not in PLANNERS:
+        raise ValueError(f"Unknown planner {name!r}: use one of {sorted(PLANNERS)}.")
+    return PLANNERS[name]
+
+
+def token_cap(longest: int, packing_ratio: float = 1.0) -> int:
+    """Tokens one microbatch may hold when it is ``packing_ratio`` times the longest sample (``1.0`` fits exactly
+    one longest sample)."""
+    if not packing_ratio > 0:
+        raise ValueError(f"packing_ratio must be > 0, got {packing_ratio}.")
+    return max(1, int(packing_ratio * longest))

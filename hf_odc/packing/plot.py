@@ -10,7 +10,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .bubble import step_times, sync_time
+from .bubble import idle_fraction, step_times, sync_time
 from .simulate import BASELINE, SCHEMES, Simulation
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def _draw_timeline(axes: Axes, name: str, per_rank: list[list[float]], unit: flo
             clock += cost
     end = sync_time(per_rank, sync)
     axes.axvline(end / unit, color="black", linestyle="--", linewidth=1)
-    idle = 1 - sum(map(sum, per_rank)) / (len(per_rank) * end)
+    idle = idle_fraction([sum(rank) for rank in per_rank], end)
     axes.set_title(f"{name}: time {end / unit:.2f}, idle {idle:.1%}", loc="left")
     axes.set_ylabel("rank")
     axes.set_ylim(len(per_rank) - 0.5, -0.5)

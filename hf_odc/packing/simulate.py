@@ -7,39 +7,41 @@ minibatches. Bubble rates and speedups are ratios of those sums, so long minibat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .bubble import Sync, plan_costs, sync_time
+from .bubble import Sync, idle_fraction, plan_costs, sync_time
 from .cost import CostLike
-from .planners import Plan, lb_micro, lb_mini, local_sort
+from .planners import PLANNERS, Planner
 from .sources import LengthSource
 
 __all__ = ["BASELINE", "SCHEMES", "Scheme", "SchemeResult", "Simulation", "simulate"]
 
-Planner = Callable[[list[int], int, int, CostLike], Plan]
-
-
-def _local_sort(lengths: list[int], world_size: int, max_tokens: int, cost: CostLike) -> Plan:
-    return local_sort(lengths, world_size)
-
 
 @dataclass(frozen=True)
 class Scheme:
-    """A training setup: how ranks synchronise, and how the minibatch is planned."""
+    """A training setup: how ranks synchronise, and which planner (a name of ``PLANNERS``) plans the minibatch."""
 
     name: str
     sync: Sync
-    planner: Planner
+    balance: str
+
+    @property
+    def odc(self) -> bool:
+        return self.sync == "minibatch"
+
+    @property
+    def planner(self) -> Planner:
+        return PLANNERS[self.balance]
 
 
 SCHEMES: tuple[Scheme, ...] = (
-    Scheme("Collective+LocalSort", "layer", _local_sort),
-    Scheme("Collective+LB-Micro", "layer", lb_micro),
-    Scheme("ODC+LB-Micro", "minibatch", lb_micro),
-    Scheme("ODC+LB-Mini", "minibatch", lb_mini),
+    Scheme("Collective+LocalSort", "layer", "local-sort"),
+    Scheme("Collective+LB-Micro", "layer", "lb-micro"),
+    Scheme("ODC+LB-Micro", "minibatch", "lb-micro"),
+    Scheme("ODC+LB-Mini", "minibatch", "lb-mini"),
 )
 BASELINE = "Collective+LB-Micro"
 """Speedups are relative to the best that collective FSDP can do."""
@@ -99,12 +101,12 @@ def simulate(
         total_cost = 0.0
         for minibatch in range(num_minibatches):
             lengths = source.draw(samples_per_rank * world_size, rng)
-            costs_by_planner: dict[Planner, list[list[float]]] = {}  # two schemes share the LB-Micro plan
+            costs_by_planner: dict[str, list[list[float]]] = {}  # two schemes share the LB-Micro plan
             for scheme in SCHEMES:
-                if scheme.planner not in costs_by_planner:
+                if scheme.balance not in costs_by_planner:
                     plan = scheme.planner(lengths, world_size, max_tokens, cost)
-                    costs_by_planner[scheme.planner] = plan_costs(plan, lengths, cost)
-                per_rank = costs_by_planner[scheme.planner]
+                    costs_by_planner[scheme.balance] = plan_costs(plan, lengths, cost)
+                per_rank = costs_by_planner[scheme.balance]
                 times[scheme.name] += sync_time(per_rank, scheme.sync)
                 counts[scheme.name] += map(len, per_rank)
                 if minibatch == 0:
@@ -115,7 +117,7 @@ def simulate(
                 world_size=world_size,
                 scheme=scheme.name,
                 sync=scheme.sync,
-                bubble_rate=1.0 - total_cost / (world_size * times[scheme.name]),
+                bubble_rate=idle_fraction([total_cost / world_size] * world_size, times[scheme.name]),
                 speedup=times[BASELINE] / times[scheme.name],
                 time=times[scheme.name],
                 min_microbatches=min(counts[scheme.name]),

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cost import AttentionCost, CalibratedCost, CostLike
+from .cost import CalibratedCost, CostLike, named_cost
 from .distributions import get_distribution
 
 __all__ = [
@@ -78,11 +78,11 @@ def choose_source(
 def choose_cost(
     cost: str = "attention", model_config: str | Path | None = None, calibration: str | Path | None = None
 ) -> CostLike:
-    """A calibrated model if measurements are given, else the attention model of a given config, else ``cost``."""
+    """A calibrated model if measurements are given, else the named ``cost`` for a given model config, else ``cost``."""
     if calibration is not None:
         return load_calibration(calibration)
     if model_config is not None:
-        return AttentionCost.from_config(load_model_config(model_config))
+        return named_cost(cost, load_model_config(model_config))
     return cost
 
 

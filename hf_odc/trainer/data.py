@@ -8,7 +8,7 @@ the minibatch's target tokens itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from ..packing import bubble_rate, lb_micro, lb_mini, local_sort
+from ..packing import PLANNERS, bubble_rate, get_planner
 
 __all__ = ["GlobalMinibatchSampler", "MinibatchDataLoader", "PlannedMinibatchCollator", "count_target_tokens"]
 
@@ -68,13 +68,6 @@ def count_target_tokens(example: dict[str, Any]) -> int:
     return sum(1 for label in labels[1:] if label != -100)
 
 
-_PLANNERS: dict[str, Callable[..., list]] = {
-    "lb-mini": lb_mini,
-    "lb-micro": lb_micro,
-    "local-sort": lambda lengths, world_size, max_tokens, cost: local_sort(lengths, world_size),
-}
-
-
 @dataclass
 class PlannedMinibatchCollator:
     """Turns one global minibatch (a list of tokenized samples) into this rank's packed microbatches.
@@ -95,12 +88,12 @@ class PlannedMinibatchCollator:
     pad_token_id: int
 
     def __post_init__(self) -> None:
-        if self.balance not in _PLANNERS:
-            raise ValueError(f"balance must be one of {sorted(_PLANNERS)}, got {self.balance!r}.")
+        if self.balance not in PLANNERS:
+            raise ValueError(f"balance must be one of {sorted(PLANNERS)}, got {self.balance!r}.")
         self._pack = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
 
     def plan(self, lengths: Sequence[int]) -> list[list[list[int]]]:
-        return _PLANNERS[self.balance](lengths, self.world_size, self.max_tokens, self.cost)
+        return get_planner(self.balance)(lengths, self.world_size, self.max_tokens, self.cost)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(example["input_ids"]) for example in examples]

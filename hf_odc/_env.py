@@ -1,0 +1,60 @@
+"""hf_odc's environment variables: one prefix, ``HF_ODC_``, one variable per setting, parsed in one place.
+
+An explicit argument always wins; the variable is the fallback, the way Accelerate's plugins read ``FSDP_*``.
+
+| variable | setting |
+| --- | --- |
+| ``HF_ODC_ENABLED`` | run with ODC (``ODCPlugin.enabled``, ``ODCSFTConfig.odc``) |
+| ``HF_ODC_TIMEOUT`` | seconds a minibatch barrier waits for a live peer (``hf_odc.enable``, the plugin, the configs) |
+| ``HF_ODC_RESHARD_AFTER_FORWARD`` | FSDP2's ``reshard_after_forward`` for the layers hf_odc shards |
+| ``HF_ODC_SCATTER_PROGRAMS`` | cap on the GPU accumulate kernel's programs (0: uncapped), a tuning knob |
+| ``HF_ODC_ALLOW_UNTESTED_TORCH`` | run the engine on a torch whose FSDP2 internals it has not checked |
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+PREFIX = "HF_ODC_"
+_RENAMED = ("ODC_ENABLED", "ODC_TIMEOUT", "ODC_RESHARD_AFTER_FORWARD")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def env(name: str) -> str | None:
+    """The value of ``HF_ODC_<name>``, or ``None`` when unset or empty; refuses the old ``ODC_*`` spellings."""
+    for old in _RENAMED:
+        if os.environ.get(old):
+            raise ValueError(f"{old} is now {PREFIX}{old.removeprefix('ODC_')}: rename the variable.")
+    return os.environ.get(PREFIX + name) or None
+
+
+def parse_bool(value: str | bool, name: str) -> bool:
+    """``value`` as a bool, accepting the spellings environment variables use; a clear error for anything else."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name} must be a boolean (1/0, true/false, yes/no, on/off), got {value!r}.")
+
+
+def parse_seconds(value: str | float, name: str) -> float:
+    """``value`` as a positive, finite number of seconds; a clear error for anything else."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}.") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name} must be positive and finite, got {seconds}.")
+    return seconds
+
+
+def timeout_seconds(timeout: float | str | None, default: float) -> float:
+    """``timeout`` if given, else ``HF_ODC_TIMEOUT``, else ``default``; validated."""
+    if timeout is None:
+        timeout = env("TIMEOUT")
+    return default if timeout is None else parse_seconds(timeout, f"timeout / {PREFIX}TIMEOUT")

@@ -1,0 +1,126 @@
+"""``ODCRuntime``: what is done with an :class:`ODCPlugin`'s settings, for trainers and plain scripts alike.
+
+It shards the model (:func:`~hf_odc.accelerate_plugin.shard_model`), installs ODC (:func:`hf_odc.enable`), runs each
+minibatch (:meth:`ODCRuntime.minibatch`), keeps the last minibatch's device-timed stats and releases ODC. A plain
+Accelerate script needs two lines::
+
+    odc = ODCRuntime(ODCPlugin(), accelerator)                               # line 1
+    model, optimizer, loader = odc.prepare(model, optimizer, loader)        # line 2 (was accelerator.prepare)
+    for minibatch in loader:
+        with odc.minibatch():                   # each rank runs its own microbatches; no collective inside
+            for microbatch in my_share(minibatch):
+                accelerator.backward(loss_sum(microbatch) * world_size / global_target_tokens)
+        optimizer.step(); optimizer.zero_grad()
+    odc.close()
+
+With ``HF_ODC_ENABLED=0`` the very same script runs plain FSDP2: ``minibatch()`` then only meets the other ranks at
+its entry and exit, as ODC does (:class:`~hf_odc.engine.CollectiveMinibatch`), so that :attr:`ODCRuntime.last` times
+both alike; the ranks must then run equal microbatch counts, e.g. with ``hf_odc.packing.lb_micro``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable
+from .plugin import ODCPlugin
+from .sharding import remap_optimizer, shard_model
+
+__all__ = ["ODCRuntime"]
+
+
+class ODCRuntime:
+    """ODC's lifecycle on one model: :meth:`shard`, :meth:`enable` (or both through :meth:`prepare`),
+    :meth:`minibatch` for every optimizer step, :meth:`close` at the end.
+
+    Args:
+        plugin: the settings; ``None`` builds an :class:`ODCPlugin` from the environment.
+        accelerator: the ``accelerate.Accelerator`` (device, world size, FSDP and mixed-precision settings).
+    """
+
+    def __init__(self, plugin: ODCPlugin | None = None, accelerator: Any = None):
+        self.plugin = plugin if plugin is not None else ODCPlugin()
+        self.accelerator = accelerator
+        self._odc: ODC | None = None
+        self._runner: ODC | CollectiveMinibatch | None = None
+
+    # -- setup ------------------------------------------------------------------------------------------------------
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Shard ``model`` with FSDP2 (:func:`~hf_odc.accelerate_plugin.shard_model`) when several processes run;
+        with one process the model is returned as is."""
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return model
+        return shard_model(model, self.accelerator, reshard_after_forward=self.plugin.reshard_after_forward)
+
+    def enable(self, model: nn.Module) -> ODC | None:
+        """Install ODC on the sharded ``model`` (collective) if the plugin enables it; after :meth:`shard`, before any
+        forward. Otherwise (disabled, or one process) :meth:`minibatch` runs the model as it is, between the same
+        meeting points."""
+        if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
+            self._odc = enable(model, timeout=self.plugin.timeout)
+        if self._runner is None:
+            self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
+        return self._odc
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any) -> tuple:
+        """``accelerator.prepare(model, optimizer, *others)`` with the model sharded by hf_odc and ODC installed.
+
+        The optimizer may have been built over the unsharded model (as for ``accelerator.prepare``). Returns the
+        prepared objects in the order given. Without an FSDP2 Accelerate config (e.g. ``MULTI_CPU``), Accelerate only
+        adds autocast to the model: wrapping the sharded model in DDP would be wrong.
+        """
+        accelerator = self.accelerator
+        names = {id(p): n for n, p in model.named_parameters()}
+        was_sharded = isinstance(model, FSDPModule)
+        sharded = self.shard(model)
+        if isinstance(sharded, FSDPModule) and not was_sharded:
+            remap_optimizer(optimizer, names, sharded)
+        if not isinstance(sharded, FSDPModule) or getattr(accelerator, "is_fsdp2", False):
+            prepared = accelerator.prepare(sharded, optimizer, *others)
+        else:
+            prepared = (
+                accelerator.prepare_model(sharded, device_placement=False, evaluation_mode=True),
+                *_as_tuple(accelerator.prepare(optimizer, *others)),
+            )
+        self.enable(prepared[0])
+        return prepared
+
+    # -- training -----------------------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether minibatches run with ODC (``False``: plain FSDP2, or one process, or not enabled yet)."""
+        return self._odc is not None
+
+    @property
+    def odc(self) -> ODC | None:
+        """The engine's handle, once :meth:`enable` installed ODC."""
+        return self._odc
+
+    @property
+    def last(self) -> MinibatchStats | None:
+        """Busy and wait seconds of this rank's last minibatch, device-timed (see :mod:`hf_odc.engine.timing`);
+        ``None`` before :meth:`enable`."""
+        return self._runner.last if self._runner is not None else None
+
+    def minibatch(self) -> contextlib.AbstractContextManager:
+        """Context for one rank's share of a minibatch: ODC's ``minibatch()``, or without ODC the model as it is
+        between the same two meeting points (a no-op before :meth:`enable`)."""
+        return self._runner.minibatch() if self._runner is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""
+        if self._odc is not None:
+            self._odc.close()
+            self._odc = None
+        self._runner = None
+
+
+def _as_tuple(prepared: Any) -> tuple:
+    return prepared if isinstance(prepared, tuple) else (prepared,)

@@ -1,0 +1,248 @@
+"""What every ODC trainer shares: :class:`_ODCConfig` (fields and validation) and :class:`_ODCTrainer` (sharding,
+the minibatch context, the once-per-step metric gather, DCP checkpoints, ``end``).
+
+A trainer is ``class ODCXTrainer(_ODCTrainer, XTrainer)`` with ``class ODCXConfig(_ODCConfig, XConfig)``: the mixins
+come first, so their overrides wrap TRL's, and what stays in the subclass is what is specific to X (its data path,
+its loss, its metrics).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers.trainer import SCHEDULER_NAME
+
+from ..accelerate_plugin import ODCPlugin, ODCRuntime
+from ..kernels import DEFAULT_TIMEOUT_S
+from ..packing import COSTS, PLANNERS, idle_fraction, named_cost, token_cap
+from . import _checkpoint
+from .attention import use_packed_attention
+
+
+@dataclass
+class _ODCConfig:
+    r"""
+    The ODC fields of every ODC trainer's config; each config's docstring documents them (see
+    :class:`~hf_odc.trainer.ODCSFTConfig`), and :meth:`__post_init__` validates them before TRL's own checks.
+    """
+
+    odc: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run each rank's microbatches with On-Demand Communication (ranks meet once per minibatch). False "
+            "runs plain FSDP2 (the baseline). Unset: HF_ODC_ENABLED, default true."
+        },
+    )
+    odc_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Seconds the minibatch barrier waits for a live peer. Unset: HF_ODC_TIMEOUT, default "
+            f"{DEFAULT_TIMEOUT_S:g}."
+        },
+    )
+    balance: str | None = field(
+        default=None,
+        metadata={
+            "help": "Minibatch plan: 'lb-mini' (balance each rank's total, needs odc), 'lb-micro' (equal microbatch "
+            "counts, each step balanced) or 'local-sort' (round-robin, one sample per microbatch). Unset: lb-mini "
+            "with ODC, lb-micro without.",
+            "choices": list(PLANNERS),
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={"help": "Token capacity of one packed microbatch. Exclusive with packing_ratio."},
+    )
+    packing_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Microbatch capacity as a multiple of max_length (default 1.0 when no token cap is set)."},
+    )
+    cost_model: str = field(
+        default="attention",
+        metadata={
+            "help": "Per-sample cost to balance: 'attention' (FLOPs of the model's shape) or 'tokens'.",
+            "choices": list(COSTS),
+        },
+    )
+    packed_attention: bool = field(
+        default=True,
+        metadata={
+            "help": "Switch sdpa/eager models to hf_odc's 'odc_packed' attention (each packed sample attended on its "
+            "own, no T x T mask). False keeps the model's implementation."
+        },
+    )
+
+    def __post_init__(self):
+        if not torch.cuda.is_available():
+            self.use_cpu = True
+            if self.bf16 is None:
+                self.bf16 = False
+        plugin = self.odc_plugin()
+        self.odc, self.odc_timeout = plugin.enabled, plugin.timeout
+        if self.balance is None:
+            self.balance = "lb-mini" if self.odc else "lb-micro"
+        if self.balance not in PLANNERS:
+            raise ValueError(f"balance must be one of {tuple(PLANNERS)}, got {self.balance!r}.")
+        if self.balance == "lb-mini" and not self.odc:
+            raise ValueError(
+                "balance='lb-mini' gives ranks different numbers of microbatches, which plain FSDP2 (odc=False) "
+                "cannot run: its per-layer collectives would deadlock. Use balance='lb-micro' for the baseline."
+            )
+        if self.cost_model not in COSTS:
+            raise ValueError(f"cost_model must be one of {tuple(COSTS)}, got {self.cost_model!r}.")
+        if self.max_tokens_per_microbatch is not None and self.packing_ratio is not None:
+            raise ValueError("Set max_tokens_per_microbatch or packing_ratio, not both.")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}.")
+        if self.packing_ratio is not None and not self.packing_ratio > 0:
+            raise ValueError(f"packing_ratio must be > 0, got {self.packing_ratio}.")
+        if self.max_tokens_per_microbatch is None and self.max_length is None:
+            raise ValueError("Set max_tokens_per_microbatch when max_length is None (there is nothing to scale).")
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"{type(self).__name__} runs one global minibatch per optimizer step, cut into microbatches by the "
+                "planner; set gradient_accumulation_steps=1 and grow per_device_train_batch_size instead."
+            )
+        super().__post_init__()
+
+    def odc_plugin(self) -> ODCPlugin:
+        """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe."""
+        return ODCPlugin(enabled=self.odc, timeout=self.odc_timeout)
+
+    @property
+    def microbatch_token_cap(self) -> int:
+        """Tokens one packed microbatch may hold."""
+        if self.max_tokens_per_microbatch is not None:
+            return self.max_tokens_per_microbatch
+        return token_cap(self.max_length, self.packing_ratio or 1.0)
+
+
+class _ODCTrainer:
+    """The ODC side of a TRL trainer (a mixin placed before the TRL class).
+
+    The subclass calls :meth:`_setup_odc` at the end of its ``__init__``, runs each step's microbatches through
+    :meth:`_run_minibatch`, and logs through :meth:`_log_minibatch`.
+    """
+
+    def _setup_odc(self) -> None:
+        """Packed attention, then (with several processes) FSDP2 sharding and ODC; the planner's cost model."""
+        args = self.args
+        use_packed_attention(self.model, args.packed_attention, args.device)
+        self.odc = ODCRuntime(args.odc_plugin(), self.accelerator)
+        if self.accelerator.num_processes > 1:
+            fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            if fsdp_plugin is not None and fsdp_plugin.fsdp_version != 2:
+                raise ValueError(
+                    f"{type(self).__name__} shards with FSDP2; set `fsdp_version: 2` in the Accelerate config."
+                )
+            self.model = self.model_wrapped = self.odc.shard(self.model)
+            if not self.is_fsdp_enabled:
+                # The model manages its own placement and gradient reduction: Accelerate only adds autocast.
+                self.is_distributed_loading_by_transformers = True
+        self.odc.enable(self.model)
+        self._cost = named_cost(args.cost_model, self.model.config.get_text_config())
+
+    @property
+    def _is_sharded(self) -> bool:
+        return isinstance(self.model, FSDPModule)
+
+    def _run_minibatch(
+        self, model: nn.Module, microbatches: list[dict[str, Any]], loss_of: Callable[[dict[str, Any]], torch.Tensor]
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's ``microbatches`` (``loss_of`` gives each one's already normalised
+        loss) inside the minibatch context; without ODC, FSDP2's reduce-scatter runs once, in the last backward.
+        Returns the summed loss, detached."""
+        defer_reduction = not self.odc.active and isinstance(model, FSDPModule)
+        loss = torch.zeros((), device=self.args.device)
+        with self.maybe_activation_offload_context, self.odc.minibatch():
+            for index, microbatch in enumerate(microbatches):
+                if defer_reduction:
+                    model.set_requires_gradient_sync(index == len(microbatches) - 1)
+                microbatch_loss = loss_of(self._prepare_inputs(microbatch))
+                self.accelerator.backward(microbatch_loss)
+                loss += microbatch_loss.detach()
+        return loss
+
+    def _log_minibatch(self, inputs: dict[str, Any], sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Gather this step's values from every rank in one collective, after the minibatch; log the timings.
+
+        ``inputs`` is the planned minibatch (:class:`~hf_odc.trainer.PlannedMinibatchCollator`'s output); ``sums``
+        are per-rank scalars (kept on the device until now) to add up over the ranks, returned by name. Timings are
+        device-timed and mean the same with and without ODC (:mod:`hf_odc.engine.timing`)."""
+        stats = self.odc.last
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        own = {"busy": stats.busy, "wait": stats.wait, "microbatches": len(inputs["microbatches"]), "peak": peak_gib}
+        device = self.args.device
+        values = [v.reshape(()).to(device, torch.float64) for v in sums.values()]
+        values += [torch.tensor(x, dtype=torch.float64, device=device) for x in own.values()]
+        gathered = self.accelerator.gather(torch.stack(values)[None]).cpu()  # (world size, values)
+        per_rank = dict(zip([*sums, *own], gathered.T.tolist(), strict=True))
+        num_tokens = int(inputs["num_tokens"])
+        busy, wait = per_rank["busy"], per_rank["wait"]
+        step = max(b + w for b, w in zip(busy, wait, strict=True))
+        metrics = self._metrics["train"]
+        self._total_train_tokens += num_tokens
+        metrics["num_tokens"] = [self._total_train_tokens]
+        metrics["step_s"].append(step)
+        metrics["tokens_per_second"].append(num_tokens / max(step, 1e-9))
+        metrics["bubble_rate"].append(idle_fraction(busy, step))
+        metrics["predicted_bubble_rate"].append(inputs["predicted_bubble_rate"])
+        if torch.cuda.is_available():
+            metrics["peak_memory_gib"].append(max(per_rank["peak"]))  # the largest rank's, since the start
+        for rank in range(len(busy)):
+            metrics[f"busy_s/rank_{rank}"].append(busy[rank])
+            metrics[f"wait_s/rank_{rank}"].append(wait[rank])
+            metrics[f"microbatches/rank_{rank}"].append(per_rank["microbatches"][rank])
+        return {name: sum(per_rank[name]) for name in sums}
+
+    def end(self) -> None:
+        """Release ODC, then finish the trackers and destroy the process group (``Trainer.end``). Collective: call it
+        once, on every rank, at the very end of the script."""
+        self.odc.close()
+        self.accelerator.end_training()
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``save_pretrained`` of the unsharded model (collective: every rank must call it)."""
+        if not self._is_sharded:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = _checkpoint.full_model_state_dict(self.model)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._is_sharded:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        _checkpoint.save_sharded(self.model, _torch_optimizer(self.optimizer), _state_dir(output_dir))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if not self._is_sharded:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        _checkpoint.load_sharded_model(model if model is not None else self.model, _state_dir(resume_from_checkpoint))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._is_sharded:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        _checkpoint.load_sharded_optimizer(self.model, _torch_optimizer(self.optimizer), _state_dir(checkpoint))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer inside Accelerate's wrapper (DCP steps it once to initialise empty state)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _state_dir(checkpoint_dir: str) -> str:
+    return os.path.join(checkpoint_dir, _checkpoint.STATE_DIR)
