@@ -15,8 +15,8 @@ Per configuration (samples per device x packing ratio) and scheme it prints the 
 timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, and
 the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits ``CalibratedCost`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
-for 8, 32 and 128 GPUs (``hf_odc.packing.simulate``). ``--plot`` draws tokens/s per configuration and the first timed
-step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
+for 8, 32 and 128 GPUs (``hf_odc.packing.planning_cli.simulate``). ``--plot`` draws tokens/s per configuration and
+the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ import hf_odc
 from hf_odc.accelerate_plugin import shard_model
 from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import (
+    BASELINE,
     DISTRIBUTIONS,
+    SCHEMES,
     CalibratedCost,
-    LengthPool,
     idle_fraction,
     named_cost,
     plan_costs,
     sample_lengths,
 )
-from hf_odc.packing import simulate as simulate_schemes
 from hf_odc.packing.bubble import sync_time
 from hf_odc.packing.distributions import get_distribution
-from hf_odc.packing.simulate import BASELINE, SCHEMES
+from hf_odc.packing.planning_cli import LengthPool, simulate
 from hf_odc.trainer import PACKED_ATTENTION, PlannedMinibatchCollator
 
 MODELS = {
@@ -233,7 +233,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
         source = LengthPool(
             f"{args.distribution}x{args.length_scale:g}", tuple(_lengths(args, 4096, seed=[args.seed, 99]))
         )
-    simulation = simulate_schemes(
+    simulation = simulate(
         source, args.predict_world_sizes, config["samples_per_device"], config["max_tokens"], calibrated, seed=args.seed
     )
     predictions = {

@@ -113,9 +113,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 def _run_plan(args: argparse.Namespace) -> None:
     from .packing.planners import token_cap
-    from .packing.report import render_table, write_json
-    from .packing.simulate import simulate
-    from .packing.sources import choose_cost, choose_source
+    from .packing.planning_cli import choose_cost, choose_source, simulate
+    from .packing.planning_cli.report import render_table, write_json
 
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split)
     max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
@@ -128,7 +127,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     if args.json:
         write_json(simulation, args.json)
     if args.plot:
-        from .packing.plot import plot_simulation
+        from .packing.planning_cli.plot import plot_simulation
 
         plot_simulation(simulation, args.plot)
 

@@ -15,9 +15,9 @@ from hf_odc.packing import (
     plan_costs,
     predicted_time,
     sample_lengths,
-    simulate,
     sync_time,
 )
+from hf_odc.packing.planning_cli import simulate
 
 # Four ranks: rank 0 runs two microbatches, rank 1 two, rank 2 one, rank 3 none.
 LENGTHS = [5, 3, 2, 4, 1, 6]

@@ -2,7 +2,9 @@
 
 Collective FSDP synchronises every layer, so every microbatch step waits for its slowest rank; ODC synchronises once
 per minibatch, so only each rank's total must be balanced (LB-Mini). This package holds the planners, the cost
-models they balance, the bubble model that predicts idle time, and the simulator behind ``hf-odc plan``.
+models they balance, the bubble model that predicts idle time, the four schemes every comparison names, and the
+built-in length distributions. The simulator and the rest of ``hf-odc plan``'s back end are in
+:mod:`hf_odc.packing.planning_cli`.
 """
 
 from .bubble import bubble_rate, idle_fraction, plan_costs, predicted_time, sync_time
@@ -22,10 +24,10 @@ from .cost import (
 from .distributions import DISTRIBUTIONS, LengthDistribution, sample_lengths
 from .partition import karmarkar_karp
 from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, token_cap
-from .simulate import SCHEMES, Simulation, simulate
-from .sources import LengthPool, choose_cost, choose_source
+from .schemes import BASELINE, SCHEMES, Scheme
 
 __all__ = [
+    "BASELINE",
     "COSTS",
     "DEFAULT_ATTENTION_SHAPE",
     "DISTRIBUTIONS",
@@ -36,15 +38,12 @@ __all__ = [
     "CostLike",
     "CostModel",
     "LengthDistribution",
-    "LengthPool",
     "Plan",
     "Planner",
     "QuadraticCost",
-    "Simulation",
+    "Scheme",
     "TokenCost",
     "bubble_rate",
-    "choose_cost",
-    "choose_source",
     "evaluate_costs",
     "get_planner",
     "idle_fraction",
@@ -57,7 +56,6 @@ __all__ = [
     "predicted_time",
     "resolve_cost",
     "sample_lengths",
-    "simulate",
     "sync_time",
     "token_cap",
 ]

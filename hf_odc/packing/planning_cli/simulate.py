@@ -12,39 +12,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .bubble import Sync, idle_fraction, plan_costs, sync_time
-from .cost import CostLike
-from .planners import PLANNERS, Planner
+from ..bubble import Sync, idle_fraction, plan_costs, sync_time
+from ..cost import CostLike
+from ..schemes import BASELINE, SCHEMES
 from .sources import LengthSource
 
-__all__ = ["BASELINE", "SCHEMES", "Scheme", "SchemeResult", "Simulation", "simulate"]
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """A training setup: how ranks synchronise, and which planner (a name of ``PLANNERS``) plans the minibatch."""
-
-    name: str
-    sync: Sync
-    balance: str
-
-    @property
-    def odc(self) -> bool:
-        return self.sync == "minibatch"
-
-    @property
-    def planner(self) -> Planner:
-        return PLANNERS[self.balance]
-
-
-SCHEMES: tuple[Scheme, ...] = (
-    Scheme("Collective+LocalSort", "layer", "local-sort"),
-    Scheme("Collective+LB-Micro", "layer", "lb-micro"),
-    Scheme("ODC+LB-Micro", "minibatch", "lb-micro"),
-    Scheme("ODC+LB-Mini", "minibatch", "lb-mini"),
-)
-BASELINE = "Collective+LB-Micro"
-"""Speedups are relative to the best that collective FSDP can do."""
+__all__ = ["SchemeResult", "Simulation", "simulate"]
 
 
 @dataclass(frozen=True)

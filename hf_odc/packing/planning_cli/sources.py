@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cost import CalibratedCost, CostLike, named_cost
-from .distributions import get_distribution
+from ..cost import CalibratedCost, CostLike, named_cost
+from ..distributions import get_distribution
 
 __all__ = [
     "LengthPool",

@@ -10,8 +10,9 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .bubble import idle_fraction, step_times, sync_time
-from .simulate import BASELINE, SCHEMES, Simulation
+from ..bubble import idle_fraction, step_times, sync_time
+from ..schemes import BASELINE, SCHEMES
+from .simulate import Simulation
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

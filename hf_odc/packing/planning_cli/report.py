@@ -8,7 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .simulate import BASELINE, Simulation
+from ..schemes import BASELINE
+from .simulate import Simulation
 
 __all__ = ["render_table", "write_json"]
 
