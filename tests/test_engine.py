@@ -125,8 +125,14 @@ def test_plain_fsdp2_cannot_run_uneven_microbatch_counts(device):
     """The reason ODC exists: with 1 vs 3 microbatches, FSDP2's per-layer collectives wait for a rank that never
     comes (bounded here by a 5 s process-group timeout), while ODC finishes (the parity tests above)."""
     case = Case(device=device, splits=[[0], [1, 2, 3]], odc=False)
-    with pytest.raises((RuntimeError, WorkersTimedOut)):
+    try:
         run(distributed, case, timeout=60, pg_timeout=5)
+    except WorkersTimedOut:
+        return  # hung in a collective past the test's bound: what FSDP2 does
+    except RuntimeError as e:  # a rank's collective gave up (process-group timeout, or its peer left): nothing else
+        assert re.search(r"all_gather|reduce_scatter|Timed out|Watchdog", str(e)), str(e)[-3000:]
+        return
+    pytest.fail("plain FSDP2 ran 1 vs 3 microbatches to completion")
 
 
 def test_a_slow_rank_does_not_slow_the_others(device):

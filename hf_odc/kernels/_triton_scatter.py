@@ -4,15 +4,12 @@ One launch covers every owner. Task ``t`` adds block ``t // W`` of the source ro
 (this rank's piece for that owner, upcast) into the owner's buffer, through the peer pointer that symmetric memory
 mapped into this process. Owners alternate between neighbouring tasks, so a rank pushes into its own memory and over
 NVLink at once, and two ranks never start on the same owner (each starts with its next rank): both NVLink directions
-stay busy. Pushing into owner 0 first and owner 1 next, as a plain 2-D grid would, measured 25% slower at 512 MB.
+stay busy (pushing into every rank's owner 0 first, as a plain 2-D grid would, serialises them on one link).
 
 Programs loop over the tasks, so the launch can be capped at ``max_programs`` programs to leave SMs to the backward
-pass that runs meanwhile. Uncapped is the default: on a GPU-bound step (Qwen2-1.5B shape, 4 x 8192 tokens per rank,
-2xH200) a cap of 32 made no difference (0.990x vs 0.993x FSDP2's step time), while in isolation the uncapped kernel
-moves up to 1.5x the bytes per second of the capped one (benchmarks/RESULTS.md). Atomics are relaxed (nothing reads
-an accumulator before the minibatch barrier, which first waits for this kernel) at system scope (ranks on other GPUs
-add into the same words). Hopper's 16-byte ``red.global.add.v4.f32`` was tried and measured no faster in
-isolation and slower end to end.
+pass that runs meanwhile; uncapped is the default (the measurements behind both choices, and behind the scalar
+atomics, are in benchmarks/RESULTS.md). Atomics are relaxed (nothing reads an accumulator before the minibatch
+barrier, which first waits for this kernel) at system scope (ranks on other GPUs add into the same words).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ ODC needs four things from the machine, and nothing else:
   into one owner at the same moment, and no update may be lost;
 * a barrier (``barrier``) that ends with an error naming the culprit when a peer dies or stalls, instead of hanging.
 
-The CPU transport (:mod:`hf_odc.kernels.shm`) implements it with shared memory between the processes of one host;
+The CPU transport (:mod:`hf_odc.kernels.cpu`) implements it with shared memory between the processes of one host;
 the GPU transport implements it with PyTorch symmetric memory. The FSDP wiring (:mod:`hf_odc.engine`) only ever
 talks to this interface.
 """

@@ -5,8 +5,9 @@ Balancing a minibatch across ranks (or a rank's share across microbatches) is k-
 costs, minimising the largest part. The largest differencing method (LDM, :mod:`._ldm`) is the standard heuristic:
 it beats greedy LPT on the ragged, long-tailed cost sets of variable-length training, and a short exchange pass
 afterwards (:mod:`._exchange`) removes most of what it leaves on the table. With about four items per part or
-fewer, or items nearly as large as a part, both can stay several percent above what is attainable (7.5% on 128
-long-tailed samples over 32 parts); :class:`_Rescue` then tries other constructions within a fixed amount of work.
+fewer, or items nearly as large as a part, both can stay several percent above what is attainable
+(benchmarks/RESULTS.md, partition quality); :class:`_Rescue` then tries other constructions within a fixed amount of
+work.
 """
 
 from __future__ import annotations
