@@ -148,7 +148,7 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
     final = {k: p.detach().full_tensor().float().cpu() for k, p in params.items()}
     prefix = None
     if odc is not None:
-        prefix = odc.transport._job.prefix
+        prefix = odc.transport.segment_prefix
         odc.close()
     return {"grads": grads0, "params": final, "times": times, "prefix": prefix}
 
@@ -164,7 +164,7 @@ def faulty(rank: int, world_size: int, case: Case) -> dict:
 
     model = shard(tiny_model(device=case.device), case)
     odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60)))
-    prefix = odc.transport._job.prefix
+    prefix = odc.transport.segment_prefix
     mbs = minibatch(0, case.n_micro, case.device)
     n = sum(target_tokens(m) for m in mbs)
     start = time.monotonic()

@@ -21,7 +21,7 @@ def hammer(rank: int, world_size: int, numel: int, rounds: int) -> dict:
     for _ in range(rounds):
         t.scatter_accumulate(acc, 0, numel, src.to(torch.bfloat16))
     t.barrier()
-    out = {"acc": acc.local.clone(), "gathered": gathered.float(), "prefix": t._job.prefix}
+    out = {"acc": acc.local.clone(), "gathered": gathered.float(), "prefix": t.segment_prefix}
     t.close()
     return out
 

@@ -39,6 +39,7 @@ def test_fields_fall_back_to_the_environment(monkeypatch):
         ({"timeout": float("inf")}, "positive and finite"),
         ({"timeout": "soon"}, "number of seconds"),
         ({"reshard_after_forward": "2"}, "must be a boolean"),
+        ({"transport": "nvshmem"}, "must be one of"),
     ],
 )
 def test_invalid_fields_are_refused(kwargs, message):

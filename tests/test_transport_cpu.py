@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import glob
 
+import pytest
 import torch
 from _dist import launch
 from _transport_workers import hammer, two_hosts
+
+from hf_odc.kernels import make_transport
 
 
 def test_concurrent_pushes_into_every_owner_lose_no_update():
@@ -24,3 +27,12 @@ def test_concurrent_pushes_into_every_owner_lose_no_update():
 def test_ranks_on_several_hosts_are_refused_with_a_clear_error():
     for message in launch(two_hosts, 2):
         assert "span 2 hosts" in message and "docs/multi_host.md" in message, message
+
+
+def test_a_transport_is_chosen_by_name_and_must_match_the_device():
+    with pytest.raises(ValueError, match="Unknown transport 'nvshmem'"):
+        make_transport(torch.device("cpu"), kind="nvshmem")
+    with pytest.raises(ValueError, match="serves cuda tensors"):
+        make_transport(torch.device("cpu"), kind="cuda-symm-mem")
+    with pytest.raises(NotImplementedError, match="no transport for 'meta'"):
+        make_transport(torch.device("meta"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._env import env, parse_bool, timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S
+from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
 
 __all__ = ["ODCPlugin"]
 
@@ -30,6 +30,9 @@ class ODCPlugin:
         reshard_after_forward (`bool`, *optional*):
             FSDP2's option for the layers hf_odc shards. ``None`` reads ``HF_ODC_RESHARD_AFTER_FORWARD``, then the
             Accelerate FSDP config (``fsdp_reshard_after_forward``), then ``True``.
+        transport (`str`, *optional*):
+            The transport ODC reads and pushes through, a name of ``hf_odc.kernels.TRANSPORTS``. ``None`` reads
+            ``HF_ODC_TRANSPORT``, else the one for the model's device.
     """
 
     enabled: bool | None = field(default=None, metadata={"help": "Run with ODC (env HF_ODC_ENABLED, default true)."})
@@ -40,6 +43,13 @@ class ODCPlugin:
     reshard_after_forward: bool | None = field(
         default=None,
         metadata={"help": "FSDP2 reshard_after_forward (env HF_ODC_RESHARD_AFTER_FORWARD, then the FSDP config)."},
+    )
+    transport: str | None = field(
+        default=None,
+        metadata={
+            "help": "ODC's transport (env HF_ODC_TRANSPORT, default: the device's).",
+            "choices": list(TRANSPORTS),
+        },
     )
 
     def __post_init__(self) -> None:
@@ -52,3 +62,8 @@ class ODCPlugin:
         if reshard is not None:
             reshard = parse_bool(reshard, "ODCPlugin.reshard_after_forward / HF_ODC_RESHARD_AFTER_FORWARD")
         self.reshard_after_forward = reshard
+        self.transport = self.transport if self.transport is not None else env("TRANSPORT")
+        if self.transport is not None and self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"ODCPlugin.transport / HF_ODC_TRANSPORT must be one of {sorted(TRANSPORTS)}, got {self.transport!r}."
+            )

@@ -63,7 +63,7 @@ class ODCRuntime:
         forward. Otherwise (disabled, or one process) :meth:`minibatch` runs the model as it is, between the same
         meeting points."""
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
-            self._odc = enable(model, timeout=self.plugin.timeout)
+            self._odc = enable(model, timeout=self.plugin.timeout, transport=self.plugin.transport)
         if self._runner is None:
             self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
         return self._odc

@@ -222,7 +222,7 @@ def enable(
     model: nn.Module,
     *,
     timeout: float | None = None,
-    transport: Transport | None = None,
+    transport: Transport | str | None = None,
 ) -> ODC:
     """Install On-Demand Communication on ``model``, already sharded with FSDP2's ``fully_shard``.
 
@@ -234,7 +234,8 @@ def enable(
         timeout: seconds a minibatch barrier waits for a live peer before raising
             :class:`~hf_odc.kernels.PeerFailureError` (a dead peer is reported at once). Default: ``HF_ODC_TIMEOUT``
             or ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
-        transport: a transport to use instead of the device's default (tests, new hardware).
+        transport: a transport, or the name of one (``hf_odc.kernels.TRANSPORTS``), instead of the device's default
+            (tests, new hardware).
 
     Returns:
         The :class:`ODC` handle; run each rank's microbatches inside ``with odc.minibatch():``.
@@ -250,7 +251,7 @@ def enable(
     if len(groups) != 1:
         raise ValueError(f"hf_odc: every fully_shard call must use the same mesh; got rank groups {sorted(groups)}.")
     timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
-    if transport is None:
+    if transport is None or isinstance(transport, str):
         device = specs[0].params[0].param.device
-        transport = make_transport(device, specs[0].process_group, timeout=timeout)
+        transport = make_transport(device, specs[0].process_group, timeout=timeout, kind=transport)
     return ODC(model, specs, transport)

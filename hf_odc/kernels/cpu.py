@@ -15,15 +15,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from ._dev_shm import ShmJob
-from .host_barrier import HostBarrier
-from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor, Transport
+from .host_local import HostLocalTransport
+from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
 
 # Lock ranges are keyed by (buffer, owner) blocks of this many elements; buffers are far smaller than 2**40 elements.
 _LOCK_BLOCK = 1 << 40
 
 
-class CpuShmTransport(Transport):
+class CpuShmTransport(HostLocalTransport):
     """:class:`~hf_odc.kernels.transport.Transport` over ``/dev/shm``; collective to construct.
 
     Args:
@@ -32,14 +31,13 @@ class CpuShmTransport(Transport):
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S):
-        self._job = ShmJob(group)
-        self.rank, self.world_size = self._job.rank, self._job.world_size
+        super().__init__(group, timeout)
         self._lock_fd = self._job.open_shared_file()
         self._num_buffers = 0
-        self._barrier = HostBarrier.create(self._job, timeout)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
-        buf = SymmetricTensor(self.rank, self._job.map_tensors(numel, dtype), self._num_buffers)
+        peers = self._job.map_tensors(numel, dtype)
+        buf = SymmetricTensor(self.rank, peers[self.rank], self._num_buffers, peers=peers)
         self._num_buffers += 1
         return buf
 
@@ -55,12 +53,6 @@ class CpuShmTransport(Transport):
                 buf.peers[r][offset : offset + numel].add_(rows[r])
             finally:
                 fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, numel, start, os.SEEK_SET)
-
-    def barrier(self) -> None:
-        self._barrier.wait()
-
-    def abort(self, reason: str) -> None:
-        self._barrier.abort(reason)
 
     def close(self) -> None:
         if self._lock_fd >= 0:

@@ -6,8 +6,8 @@
   NVLink, leaving the SMs to the layer being computed meanwhile (FSDP issues it on its all-gather stream).
 * ``scatter_accumulate``: one Triton launch of relaxed atomic adds into every owner's fp32 block through the peer
   pointers (:mod:`hf_odc.kernels._triton_scatter`): no staging copy, no owner involvement, no extra memory.
-* ``barrier``: wait for this device's work, then the host barrier of :mod:`hf_odc.kernels.host_barrier` (every rank
-  is on this host), which names a dead or stalled peer instead of hanging.
+* ``barrier``: wait for this device's work, then the host barrier every host-local transport shares
+  (:class:`~hf_odc.kernels.host_local.HostLocalTransport`), which names a dead or stalled peer instead of hanging.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from .._env import env
-from ._dev_shm import ShmJob
-from .host_barrier import HostBarrier
-from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor, Transport
+from .host_local import HostLocalTransport
+from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
 
 DEFAULT_SCATTER_PROGRAMS = 0  # uncapped; see _triton_scatter
 
 
-class CudaSymmMemTransport(Transport):
+class CudaSymmMemTransport(HostLocalTransport):
     """:class:`~hf_odc.kernels.transport.Transport` over CUDA symmetric memory; collective to construct.
 
     Args:
@@ -36,11 +35,9 @@ class CudaSymmMemTransport(Transport):
     def __init__(
         self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S
     ):
+        super().__init__(group, timeout)
         self.device = torch.device(device)
         self._group = group if group is not None else dist.group.WORLD
-        self._job = ShmJob(group)
-        self.rank, self.world_size = self._job.rank, self._job.world_size
-        self._barrier = HostBarrier.create(self._job, timeout)
         if symm_mem.get_backend(self.device) is None:
             symm_mem.set_backend("CUDA")
         # At most this many programs in the accumulate kernel (0: uncapped), a tuning knob; see _triton_scatter.
@@ -64,7 +61,7 @@ class CudaSymmMemTransport(Transport):
         local.zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self._group)
-        buf = SymmetricTensor(self.rank, peers, len(self._handles))
+        buf = SymmetricTensor(self.rank, local, len(self._handles), peers=peers)
         self._handles.append(handle)
         self._peer_ptrs[buf.index] = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
         return buf
@@ -83,12 +80,8 @@ class CudaSymmMemTransport(Transport):
             self.max_programs,
         )
 
-    def barrier(self) -> None:
+    def _drain(self) -> None:
         torch.cuda.synchronize(self.device)
-        self._barrier.wait()
-
-    def abort(self, reason: str) -> None:
-        self._barrier.abort(reason)
 
     def close(self) -> None:
         self._peer_ptrs.clear()

@@ -9,8 +9,9 @@ ODC needs four things from the machine, and nothing else:
 * a barrier (``barrier``) that ends with an error naming the culprit when a peer dies or stalls, instead of hanging.
 
 The CPU transport (:mod:`hf_odc.kernels.cpu`) implements it with shared memory between the processes of one host;
-the GPU transport implements it with PyTorch symmetric memory. The FSDP wiring (:mod:`hf_odc.engine`) only ever
-talks to this interface.
+the GPU transport implements it with PyTorch symmetric memory; both share the host-local barrier wiring
+(:class:`~hf_odc.kernels.host_local.HostLocalTransport`). The FSDP wiring (:mod:`hf_odc.engine`) only ever talks to
+this interface, and only ever touches a buffer's ``local`` block: how peers' blocks are reached is the transport's.
 """
 
 from __future__ import annotations
@@ -32,17 +33,17 @@ class PeerFailureError(RuntimeError):
 class SymmetricTensor:
     """One flat block per rank, all of the same numel and dtype, each reachable from every rank.
 
-    ``peers[r]`` is a tensor over rank ``r``'s block (``peers[rank]`` is this rank's own, also ``local``);
-    ``index`` numbers the buffers of one transport in allocation order.
+    ``local`` is this rank's block. ``peers[r]`` is a tensor over rank ``r``'s block when the transport maps every
+    block into this process (load/store addressable peers, as within one host), else ``None``; ``handle`` is whatever
+    else the transport needs to reach them (opaque to everyone but the transport). ``index`` numbers the buffers of
+    one transport in allocation order.
     """
 
     rank: int
-    peers: tuple[torch.Tensor, ...]
+    local: torch.Tensor
     index: int = 0
-
-    @property
-    def local(self) -> torch.Tensor:
-        return self.peers[self.rank]
+    peers: tuple[torch.Tensor, ...] | None = None
+    handle: object = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,9 +66,12 @@ class Transport(ABC):
         """``out.view(world_size, numel)[r] = buf.peers[r][offset:offset + numel]`` for every rank ``r``.
 
         ``out`` has ``buf``'s dtype; the owners are not involved. With ``include_self=False`` this rank's own row
-        is left as it is (FSDP already copied the local shard there). Both transports map every peer's block into
-        this process, so a plain copy per peer is the read (on a GPU, a copy-engine transfer over NVLink).
+        is left as it is (FSDP already copied the local shard there). Here, for transports that map every peer's
+        block into this process (``buf.peers``), a plain copy per peer is the read (on a GPU, a copy-engine transfer
+        over NVLink); a transport whose peers are not load/store addressable overrides it.
         """
+        if buf.peers is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement gather(): its peers are not mapped.")
         rows = out.view(self.world_size, numel)
         for r, peer in enumerate(buf.peers):
             if r != self.rank or include_self:

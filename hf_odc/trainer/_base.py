@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.trainer import SCHEDULER_NAME
 
 from ..accelerate_plugin import ODCPlugin, ODCRuntime
-from ..kernels import DEFAULT_TIMEOUT_S
+from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
 from ..packing import COSTS, PLANNERS, idle_fraction, named_cost, token_cap
 from . import _checkpoint
 from .attention import use_packed_attention
@@ -44,6 +44,13 @@ class _ODCConfig:
         metadata={
             "help": f"Seconds the minibatch barrier waits for a live peer. Unset: HF_ODC_TIMEOUT, default "
             f"{DEFAULT_TIMEOUT_S:g}."
+        },
+    )
+    odc_transport: str | None = field(
+        default=None,
+        metadata={
+            "help": "ODC's transport by name. Unset: HF_ODC_TRANSPORT, else the one for the model's device.",
+            "choices": list(TRANSPORTS),
         },
     )
     balance: str | None = field(
@@ -84,7 +91,7 @@ class _ODCConfig:
             if self.bf16 is None:
                 self.bf16 = False
         plugin = self.odc_plugin()
-        self.odc, self.odc_timeout = plugin.enabled, plugin.timeout
+        self.odc, self.odc_timeout, self.odc_transport = plugin.enabled, plugin.timeout, plugin.transport
         if self.balance is None:
             self.balance = "lb-mini" if self.odc else "lb-micro"
         if self.balance not in PLANNERS:
@@ -113,7 +120,7 @@ class _ODCConfig:
 
     def odc_plugin(self) -> ODCPlugin:
         """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe."""
-        return ODCPlugin(enabled=self.odc, timeout=self.odc_timeout)
+        return ODCPlugin(enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport)
 
     @property
     def microbatch_token_cap(self) -> int:

@@ -31,6 +31,9 @@ class ODCSFTConfig(_ODCConfig, SFTConfig):
         odc_timeout (`float`, *optional*):
             Seconds the minibatch barrier waits for a live peer before raising `hf_odc.PeerFailureError`. `None`
             reads `HF_ODC_TIMEOUT`, else `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
+        odc_transport (`str`, *optional*):
+            The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
+            `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
         balance (`str`, *optional*):
             How the global minibatch is split (a name of `hf_odc.packing.PLANNERS`): `"lb-mini"` balances each rank's
             total cost, ranks may run different numbers of microbatches (needs `odc=True`); `"lb-micro"` gives every
