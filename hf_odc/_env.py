@@ -9,7 +9,6 @@ An explicit argument always wins; the variable is the fallback, the way Accelera
 | ``HF_ODC_RESHARD_AFTER_FORWARD`` | FSDP2's ``reshard_after_forward`` for the layers hf_odc shards |
 | ``HF_ODC_TRANSPORT`` | the transport by name (``hf_odc.kernels.TRANSPORTS``); unset: the device's |
 | ``HF_ODC_SCATTER_PROGRAMS`` | cap on the GPU accumulate kernel's programs (0: uncapped), a tuning knob |
-| ``HF_ODC_ALLOW_UNTESTED_TORCH`` | run the engine on a torch whose FSDP2 internals it has not checked |
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import re
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from _dist import WorkersTimedOut, launch
 from _engine_workers import Case, accumulation_and_divide_factor, distributed, faulty, reference, reference_grads
 
 import hf_odc
-from hf_odc.engine._fsdp_internals import check_torch_version
+from hf_odc._torch_support import UnsupportedTorchError, check_torch_version, require
+from hf_odc.engine._fsdp_internals import check_fsdp_layout
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -166,11 +169,16 @@ def test_enable_refuses_a_model_that_is_not_sharded():
         hf_odc.enable(torch.nn.Linear(2, 2))
 
 
-def test_unchecked_torch_versions_are_refused(monkeypatch):
-    monkeypatch.delenv("HF_ODC_ALLOW_UNTESTED_TORCH", raising=False)
-    check_torch_version("2.13.0+cpu")
-    check_torch_version("2.11.0+cu130")
-    with pytest.raises(RuntimeError, match="HF_ODC_ALLOW_UNTESTED_TORCH=1"):
-        check_torch_version("2.14.0")
-    monkeypatch.setenv("HF_ODC_ALLOW_UNTESTED_TORCH", "1")
-    check_torch_version("2.14.0")
+def test_torch_support_is_a_floor_and_checked_layouts():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for version in ("2.11.0+cu130", "2.13.0+cpu", "2.14.0"):
+            check_torch_version(version)
+    with pytest.raises(UnsupportedTorchError, match=r">= 2\.11"):
+        check_torch_version("2.10.1")
+    with pytest.warns(UserWarning, match="parity tests"):
+        check_torch_version("2.15.0")
+    check_fsdp_layout()  # this torch has what the engine reads before any model exists
+    group = SimpleNamespace(fsdp_params=[], mp_policy=None)  # a layout that lost an attribute
+    with pytest.raises(UnsupportedTorchError, match=r"FSDPParamGroup\.mesh_info"):
+        require(group, ("fsdp_params", "mp_policy", "mesh_info"), "FSDPParamGroup")

@@ -14,8 +14,9 @@ module reads, and nothing else does:
 * the comm interfaces ``AllGather`` / ``ReduceScatter``, which ``set_custom_*`` take but torch does not export;
 * ``_get_gradient_divide_factors``, so that ODC's gradients follow FSDP's own divide-factor rules exactly.
 
-Checked against torch 2.11 (CUDA) and 2.13 (the CI's CPU build). Other versions are refused unless
-``HF_ODC_ALLOW_UNTESTED_TORCH=1``: a silent layout change would mean silently wrong gradients.
+Each of these is checked where it is read (:func:`hf_odc._torch_support.require`), so a torch that changed one
+fails with an error naming it rather than computing wrong gradients; the versions the suite ran on are in
+:data:`hf_odc._torch_support.CHECKED_TORCH`.
 """
 
 from __future__ import annotations
@@ -27,36 +28,61 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import Shard
 
-from .._env import env
+from .._torch_support import UnsupportedTorchError, check_torch_version, require
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError as e:  # pragma: no cover - a torch that moved FSDP2's comm interfaces
+    raise UnsupportedTorchError(f"hf_odc needs FSDP2's AllGather / ReduceScatter comm interfaces: {e}") from e
 
 __all__ = [
     "AllGather",
     "GroupSpec",
     "ParamSpec",
     "ReduceScatter",
+    "check_fsdp_layout",
     "check_torch_version",
     "describe_groups",
     "gradient_divisor",
     "install_comms",
 ]
 
-CHECKED_TORCH_VERSIONS = ((2, 11), (2, 13))
+_GROUP_ATTRS = (
+    "fsdp_params",
+    "mp_policy",
+    "mesh_info",
+    "post_forward_mesh_info",
+    "gradient_divide_factor",
+    "force_sum_reduction_for_comms",
+)
+_PARAM_ATTRS = (
+    "sharded_param",
+    "sharded_size",
+    "padded_sharded_param_size",
+    "fsdp_placement",
+    "offload_to_cpu",
+    "_sharded_local_tensor",
+)
 
 
-def check_torch_version(version: str = torch.__version__) -> None:
-    major_minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
-    if major_minor in CHECKED_TORCH_VERSIONS:
-        return
-    if env("ALLOW_UNTESTED_TORCH") == "1":
-        return
-    checked = ", ".join(f"{a}.{b}" for a, b in CHECKED_TORCH_VERSIONS)
-    raise RuntimeError(
-        f"hf_odc reads FSDP2 internals that it has checked on torch {checked}, but this is torch {version}. "
-        "Install a checked version, or set HF_ODC_ALLOW_UNTESTED_TORCH=1 and run hf_odc's parity tests first."
-    )
+def check_fsdp_layout() -> None:
+    """The version floor, and what can be checked before any model exists: FSDP2's public comm setters, its state
+    accessor, and the divide-factor helper with the arguments ODC passes."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    check_torch_version()
+    require(FSDPModule, ("_get_fsdp_state", "set_custom_all_gather", "set_custom_reduce_scatter"), "FSDPModule")
+    require(_fsdp_collectives, ("_get_gradient_divide_factors",), "torch.distributed.fsdp._fully_shard")
+    parameters = inspect.signature(_fsdp_collectives._get_gradient_divide_factors).parameters
+    if len(parameters) != 6:
+        raise UnsupportedTorchError(
+            "hf_odc calls FSDP2's _get_gradient_divide_factors with 6 arguments, but this torch's takes "
+            f"{list(parameters)}; this torch changed how FSDP2 divides gradients."
+        )
 
 
 @dataclass(frozen=True)
@@ -111,8 +137,13 @@ def _param_groups(module: FSDPModule) -> list:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch 2.11: at most one group per module
+        require(state, ("_fsdp_param_group",), "FSDPState")
         group = state._fsdp_param_group
         groups = [] if group is None else [group]
+    for group in groups:
+        require(group, _GROUP_ATTRS, "FSDPParamGroup")
+        for fsdp_param in group.fsdp_params:
+            require(fsdp_param, _PARAM_ATTRS, "FSDPParam")
     return list(groups)
 
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from .._env import timeout_seconds
 from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, make_transport
-from ._fsdp_internals import GroupSpec, check_torch_version, describe_groups, gradient_divisor, install_comms
+from ._fsdp_internals import GroupSpec, check_fsdp_layout, describe_groups, gradient_divisor, install_comms
 from .buffers import GroupSlots, allocate_slots
 from .comms import ODCAllGather, ODCReduceScatter
 from .timing import MinibatchClock, MinibatchStats
@@ -240,7 +240,7 @@ def enable(
     Returns:
         The :class:`ODC` handle; run each rank's microbatches inside ``with odc.minibatch():``.
     """
-    check_torch_version()
+    check_fsdp_layout()
     if not isinstance(model, FSDPModule):
         raise ValueError(
             "hf_odc.enable(model) expects the root module after `fully_shard(model)` (an FSDPModule); got "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from .._env import env
+from .._torch_support import require
 from .host_local import HostLocalTransport
 from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
 
@@ -35,6 +36,7 @@ class CudaSymmMemTransport(HostLocalTransport):
     def __init__(
         self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S
     ):
+        require(symm_mem, ("empty", "rendezvous", "get_backend", "set_backend"), "torch.distributed._symmetric_memory")
         super().__init__(group, timeout)
         self.device = torch.device(device)
         self._group = group if group is not None else dist.group.WORLD
