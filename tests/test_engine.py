@@ -172,13 +172,36 @@ def test_enable_refuses_a_model_that_is_not_sharded():
 def test_torch_support_is_a_floor_and_checked_layouts():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for version in ("2.11.0+cu130", "2.13.0+cpu", "2.14.0"):
+        for version in ("2.11.0+cu130", "2.13.0+cpu", "2.15.0"):
             check_torch_version(version)
     with pytest.raises(UnsupportedTorchError, match=r">= 2\.11"):
         check_torch_version("2.10.1")
     with pytest.warns(UserWarning, match="parity tests"):
-        check_torch_version("2.15.0")
+        check_torch_version("2.99.0")
     check_fsdp_layout()  # this torch has what the engine reads before any model exists
     group = SimpleNamespace(fsdp_params=[], mp_policy=None)  # a layout that lost an attribute
     with pytest.raises(UnsupportedTorchError, match=r"FSDPParamGroup\.mesh_info"):
         require(group, ("fsdp_params", "mp_policy", "mesh_info"), "FSDPParamGroup")
+
+
+def _fake_param(grad_dtype, reduce_dtype=None, requires_grad=True):
+    policy = SimpleNamespace(param_dtype=None, reduce_dtype=reduce_dtype)
+    sharded = SimpleNamespace(requires_grad=requires_grad, grad_dtype=grad_dtype)
+    return SimpleNamespace(mp_policy=policy, sharded_param=sharded)
+
+
+def test_reduce_dtype_follows_each_torchs_layout():
+    """Up to torch 2.14 the group holds the policy and FSDP reduces in the compute dtype; from 2.15 each parameter
+    holds it and FSDP reduces in its grad_dtype, which must then be one per group."""
+    from hf_odc.engine._fsdp_internals import _reduce_dtype
+
+    per_group = SimpleNamespace(mp_policy=SimpleNamespace(reduce_dtype=None), fsdp_params=[_fake_param(None)])
+    assert _reduce_dtype(per_group, "g", torch.bfloat16) == torch.bfloat16
+    frozen = _fake_param(torch.bfloat16, requires_grad=False)  # never reduced
+    per_param = SimpleNamespace(fsdp_params=[_fake_param(torch.float32), frozen])
+    assert _reduce_dtype(per_param, "g", torch.bfloat16) == torch.float32
+    per_param.fsdp_params.append(_fake_param(torch.bfloat16, reduce_dtype=torch.float32))
+    assert _reduce_dtype(per_param, "g", torch.bfloat16) == torch.float32  # the policy's reduce_dtype wins
+    per_param.fsdp_params.append(_fake_param(torch.bfloat16))
+    with pytest.raises(ValueError, match="one concrete reduce dtype"):
+        _reduce_dtype(per_param, "g", torch.bfloat16)

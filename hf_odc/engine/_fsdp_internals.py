@@ -7,8 +7,9 @@ module reads, and nothing else does:
 
 * ``FSDPModule._get_fsdp_state()`` and the state's parameter group(s) (``_fsdp_param_groups`` in torch 2.13, a single
   ``_fsdp_param_group`` in 2.11);
-* per group: ``fsdp_params``, ``mp_policy``, ``mesh_info``, ``post_forward_mesh_info``, ``gradient_divide_factor``
-  and ``force_sum_reduction_for_comms``;
+* per group: ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``, ``gradient_divide_factor``,
+  ``force_sum_reduction_for_comms`` and the ``mp_policy`` (the group's up to torch 2.14, each parameter's from 2.15,
+  when FSDP2 also began reducing in each parameter's ``grad_dtype``);
 * per parameter: ``sharded_param``, ``sharded_size``, ``padded_sharded_param_size``, ``fsdp_placement``,
   ``offload_to_cpu`` and whether its local shard has an all-gather extension (``fsdp_pre_all_gather``);
 * the comm interfaces ``AllGather`` / ``ReduceScatter``, which ``set_custom_*`` take but torch does not export;
@@ -51,7 +52,6 @@ __all__ = [
 
 _GROUP_ATTRS = (
     "fsdp_params",
-    "mp_policy",
     "mesh_info",
     "post_forward_mesh_info",
     "gradient_divide_factor",
@@ -144,14 +144,28 @@ def _param_groups(module: FSDPModule) -> list:
         require(group, _GROUP_ATTRS, "FSDPParamGroup")
         for fsdp_param in group.fsdp_params:
             require(fsdp_param, _PARAM_ATTRS, "FSDPParam")
+            if not _per_parameter_policy(group):
+                continue
+            require(fsdp_param, ("mp_policy",), "FSDPParam")
+            require(fsdp_param.sharded_param, ("grad_dtype",), "FSDP's sharded parameter")
     return list(groups)
+
+
+def _per_parameter_policy(group) -> bool:
+    """Whether this FSDP2 keeps a mixed-precision policy per parameter (torch 2.15 on) rather than per group; with
+    it, a gradient is reduced in its parameter's ``grad_dtype`` when the policy sets no ``reduce_dtype``."""
+    return not hasattr(group, "mp_policy")
+
+
+def _policy(group, fsdp_param):
+    return fsdp_param.mp_policy if _per_parameter_policy(group) else group.mp_policy
 
 
 def _gather_dtype(group, fqn: str) -> torch.dtype:
     """The dtype FSDP all-gathers in: ``mp_policy.param_dtype`` for floating parameters, else their own dtype."""
-    param_dtype = group.mp_policy.param_dtype
     dtypes = set()
     for fsdp_param in group.fsdp_params:
+        param_dtype = _policy(group, fsdp_param).param_dtype
         orig = fsdp_param.sharded_param.dtype
         dtypes.add(param_dtype if param_dtype is not None and orig.is_floating_point else orig)
     if len(dtypes) != 1:
@@ -160,6 +174,27 @@ def _gather_dtype(group, fqn: str) -> torch.dtype:
             "ODC needs one dtype per fully_shard call. Cast the module's parameters to one dtype first."
         )
     return dtypes.pop()
+
+
+def _reduce_dtype(group, fqn: str, gather_dtype: torch.dtype) -> torch.dtype:
+    """The dtype FSDP reduce-scatters the group's gradients in: ``mp_policy.reduce_dtype`` if set, else the compute
+    (= gather) dtype, or, with per-parameter policies, each parameter's ``grad_dtype``. One per group."""
+    per_parameter = _per_parameter_policy(group)
+    dtypes = set()
+    for fsdp_param in group.fsdp_params:
+        if not fsdp_param.sharded_param.requires_grad:
+            continue
+        reduce = _policy(group, fsdp_param).reduce_dtype
+        if reduce is None:
+            reduce = fsdp_param.sharded_param.grad_dtype if per_parameter else gather_dtype
+        dtypes.add(reduce)
+    if len(dtypes) > 1 or None in dtypes:
+        # Per-parameter grad_dtypes would also reorder FSDP's reduce-scatter input by dtype.
+        raise ValueError(
+            f"hf_odc: the FSDP group {fqn!r} reduces gradients in {sorted(map(str, dtypes))}; ODC needs one "
+            "concrete reduce dtype per fully_shard call."
+        )
+    return dtypes.pop() if dtypes else gather_dtype
 
 
 def _check_supported(group, fqn: str) -> None:
@@ -212,9 +247,7 @@ def describe_groups(model: nn.Module) -> list[GroupSpec]:
                     fqn=fqn,
                     params=params,
                     gather_dtype=gather_dtype,
-                    # Gradients come out of autograd in the compute (= gather) dtype; FSDP reduces them in
-                    # mp_policy.reduce_dtype if one is set.
-                    reduce_dtype=group.mp_policy.reduce_dtype or gather_dtype,
+                    reduce_dtype=_reduce_dtype(group, fqn, gather_dtype),
                     process_group=group.mesh_info.shard_process_group,
                     module=module,
                     handle=group,
