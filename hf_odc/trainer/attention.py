@@ -165,8 +165,7 @@ def _document_lengths(
     if source is cu_seq_lens:
         ends = cu_seq_lens.tolist()
         lengths = tuple(b - a for a, b in itertools.pairwise(ends))
-        cu = cu_seq_lens.to(torch.int32) if cu_seq_lens.dtype != torch.int32 else cu_seq_lens
-        value = (lengths, cu if cu.device.type != "cpu" else None)
+        value = (lengths, cu_seq_lens.to(torch.int32) if cu_seq_lens.device.type != "cpu" else None)
     else:
         positions = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
         starts = torch.ones_like(positions, dtype=torch.bool)
