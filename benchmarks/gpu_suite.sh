@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention
-# and SFT-throughput benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host): bash benchmarks/gpu_suite.sh
+# Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
+# SFT-throughput and GRPO policy-update benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -46,4 +47,10 @@ if [[ $STEPS == *sft* ]]; then
     --model_config qwen2-0.5b --dataset synthetic-longtail --num_samples 1024 --max_length 16384 \
     --per_device_train_batch_size 16 --max_steps 20 --logging_steps 1 --save_strategy no --report_to none \
     --disable_tqdm true --output_dir /tmp/sft ${SFT_ARGS:-} 2>&1 | tee "$OUT/sft.log" | grep -E "tokens_per_second|Error|error" | tail -4
+fi
+if [[ $STEPS == *grpo* ]]; then
+  # ODCGRPOTrainer's schemes on the same injected long-tailed rollouts (Qwen2.5-1.5B shape), plus a generation run.
+  TRL_EXPERIMENTAL_SILENCE=1 timeout 540 python3 benchmarks/grpo_policy_update.py --num-processes "$nproc" --steps 5 \
+    --timeout 140 --generate-steps 2 --generate-length 256 --logs "$OUT/grpo_logs" \
+    --json "$OUT/grpo_policy_update.json" ${GRPO_ARGS:-} 2>&1 | tail -14
 fi

@@ -72,6 +72,18 @@ MODEL_CONFIGS = {
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
     ),
+    # The shape of Qwen2.5-1.5B (random weights).
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 
 
@@ -91,7 +103,7 @@ class ODCScriptArguments(ScriptArguments):
             longest sample is `max_length` tokens.
         model_config (`str`, *optional*, defaults to `"tiny"`):
             Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
-            `"qwen2-0.5b"`, or a path to a `config.json` (a file or a directory holding one).
+            `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a directory holding one).
     """
 
     dataset: str = field(
@@ -108,7 +120,9 @@ class ODCScriptArguments(ScriptArguments):
     )
     model_config: str = field(
         default="tiny",
-        metadata={"help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b' or a config.json path."},
+        metadata={
+            "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
+        },
     )
 
 
@@ -230,10 +244,16 @@ def main(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_arg
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
+    train_and_save(trainer)
+
+
+def train_and_save(trainer) -> None:
+    """Train (resuming if asked), save the model and the trainer state, then release ODC and the process group."""
+    output_dir = trainer.args.output_dir
+    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    trainer.save_model(output_dir)
     trainer.save_state()
-    trainer.accelerator.print(f"Training completed; model saved to {training_args.output_dir}.")
+    trainer.accelerator.print(f"Training completed; model saved to {output_dir}.")
     trainer.end()  # release ODC, finish the trackers, destroy the process group
 
 

@@ -216,3 +216,25 @@ def accumulation_and_divide_factor(rank: int, world_size: int, case: Case) -> di
     out["sum"] = {k: p.grad.full_tensor().cpu() for k, p in params.items()}
     odc.close()
     return out
+
+
+def forward_only(rank: int, world_size: int, case: Case) -> dict:
+    """A forward-only minibatch (uneven split) before a training one: its losses, and ``.grad`` right after it."""
+    import hf_odc
+
+    model = shard(tiny_model(device=case.device), case)
+    params = trainable(model)
+    odc = hf_odc.enable(model, timeout=60.0)
+    mbs = minibatch(0, case.n_micro, case.device)
+    n = sum(target_tokens(m) for m in mbs)
+    mine = case.splits[rank]
+    with odc.minibatch(backward=False):
+        losses = {i: float(loss_sum(model, mbs[i])) for i in mine}
+        inside_no_grad = not torch.is_grad_enabled()
+    grads_after_forward = [p.grad for p in params.values()]
+    with odc.minibatch():
+        for i in mine:
+            (loss_sum(model, mbs[i]) * world_size / n).backward()
+    grads = {k: p.grad.full_tensor().float().cpu() for k, p in params.items()}
+    odc.close()
+    return {"losses": losses, "no_grad": inside_no_grad, "grads_after_forward": grads_after_forward, "grads": grads}

@@ -11,7 +11,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _dist import WorkersTimedOut, launch
-from _engine_workers import Case, accumulation_and_divide_factor, distributed, faulty, reference, reference_grads
+from _engine_workers import (
+    Case,
+    accumulation_and_divide_factor,
+    distributed,
+    faulty,
+    forward_only,
+    loss_sum,
+    minibatch,
+    reference,
+    reference_grads,
+    tiny_model,
+)
 
 import hf_odc
 from hf_odc._torch_support import UnsupportedTorchError, check_torch_version, require
@@ -122,6 +133,21 @@ def test_grads_accumulate_across_minibatches_and_honour_the_divide_factor(device
     assert_all_close(out["first"], first, **FP32)
     assert_all_close(out["both"], {k: first[k] + second[k] for k in first}, **FP32)  # no zero_grad in between
     assert_all_close(out["sum"], {k: 2 * v for k, v in first.items()}, **FP32)  # F=1 instead of W=2
+
+
+def test_a_forward_only_minibatch_reads_parameters_and_leaves_gradients_alone(device):
+    """``minibatch(backward=False)`` (GRPO's old/reference log-probabilities): uneven splits read the same parameters
+    one-sided, under no_grad, install no gradient, and the training minibatch after it is unaffected."""
+    case = Case(device=device, splits=[[0], [1, 2, 3]])
+    out = run(forward_only, case)
+    model, mbs = tiny_model(device=device), minibatch(0, case.n_micro, device)
+    with torch.no_grad():
+        expected = [float(loss_sum(model, ids)) for ids in mbs]
+    for rank in (0, 1):
+        assert out[rank]["no_grad"] and all(grad is None for grad in out[rank]["grads_after_forward"])
+        for i, loss in out[rank]["losses"].items():
+            assert loss == pytest.approx(expected[i], rel=1e-5)
+    assert_all_close(out[0]["grads"], reference_grads(case, 0), **FP32)
 
 
 def test_plain_fsdp2_cannot_run_uneven_microbatch_counts(device):

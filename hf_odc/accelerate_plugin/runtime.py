@@ -109,10 +109,13 @@ class ODCRuntime:
         ``None`` before :meth:`enable`."""
         return self._runner.last if self._runner is not None else None
 
-    def minibatch(self) -> contextlib.AbstractContextManager:
+    def minibatch(self, *, backward: bool = True) -> contextlib.AbstractContextManager:
         """Context for one rank's share of a minibatch: ODC's ``minibatch()``, or without ODC the model as it is
-        between the same two meeting points (a no-op before :meth:`enable`)."""
-        return self._runner.minibatch() if self._runner is not None else contextlib.nullcontext()
+        between the same two meeting points (a no-op before :meth:`enable`). ``backward=False``: forwards only,
+        under ``torch.no_grad()``, leaving gradients as they are."""
+        if self._runner is None:
+            return torch.no_grad() if not backward else contextlib.nullcontext()
+        return self._runner.minibatch(backward=backward)
 
     def close(self) -> None:
         """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""

@@ -72,6 +72,9 @@ def shard_model(
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    # transformers' generate() decodes in lockstep (synced_gpus) only for modules it knows are FSDP-managed: without
+    # it, a rank whose sequences finish first stops calling forward and its peers' all-gathers wait for it forever.
+    model._is_fsdp_managed_module = True
     return model
 
 

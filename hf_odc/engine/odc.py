@@ -95,8 +95,8 @@ class ODC:
                 )
 
     @torch.no_grad()
-    def _publish(self) -> None:
-        """Copy this rank's shards into its mirror and clear its accumulator, for the minibatch about to start."""
+    def _publish(self, clear_accumulators: bool = True) -> None:
+        """Copy this rank's shards into its mirror and (for a training minibatch) clear its accumulator."""
         for slots in self._slots:
             mirror = slots.mirror_slot()
             offset = 0
@@ -104,7 +104,7 @@ class ODC:
                 local = p.param.to_local()
                 mirror[offset : offset + p.sharded_numel].copy_(local.reshape(-1))
                 offset += p.padded_numel
-            if slots.accum is not None:
+            if slots.accum is not None and clear_accumulators:
                 self._detach_grads_from_accumulator(slots)
                 slots.accum_slot().zero_()
 
@@ -163,26 +163,30 @@ class ODC:
         return self._slots[0].spec.params[0].param.device if self._slots else torch.device("cpu")
 
     @contextlib.contextmanager
-    def minibatch(self) -> Iterator[ODC]:
+    def minibatch(self, *, backward: bool = True) -> Iterator[ODC]:
         """Run this rank's share of one minibatch (any number of microbatches, zero included).
 
         On entry the parameters of the last optimizer step become visible to every peer; on exit every peer's pushes
         have landed and the trainable parameters' ``.grad`` hold the minibatch's gradients (see the module docstring).
         Update parameters only outside this block. If the block raises, the peers' next barrier fails at once with
         this rank's error instead of waiting for it.
+
+        ``backward=False`` runs forwards only (e.g. scoring log-probabilities), under ``torch.no_grad()``: parameters
+        are read the same one-sided way, but the accumulators and ``.grad`` are left as they are.
         """
         if self._closed:
             raise RuntimeError("hf_odc: this ODC handle was closed.")
         if self._in_minibatch:
             raise RuntimeError("hf_odc: minibatch() blocks do not nest.")
         self._check_frozen_set_unchanged()
-        self._publish()
+        self._publish(clear_accumulators=backward)
         self._barrier()
         self._in_minibatch = True
         clock = MinibatchClock(self.device)
         clock.start()
         try:
-            yield self
+            with contextlib.nullcontext() if backward else torch.no_grad():
+                yield self
         except BaseException as e:
             self._in_minibatch = False
             self._failed = True
@@ -192,7 +196,8 @@ class ODC:
         clock.done()
         self._barrier()
         self.last = clock.stop()
-        self._install_grads()
+        if backward:
+            self._install_grads()
 
     def _barrier(self) -> None:
         try:

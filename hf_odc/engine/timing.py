@@ -100,12 +100,14 @@ class CollectiveMinibatch:
                 dist.barrier(self.group)
 
     @contextlib.contextmanager
-    def minibatch(self) -> Iterator[CollectiveMinibatch]:
-        """Run this rank's microbatches (every rank the same number: FSDP2's collectives pair them up)."""
+    def minibatch(self, *, backward: bool = True) -> Iterator[CollectiveMinibatch]:
+        """Run this rank's microbatches (every rank the same number: FSDP2's collectives pair them up);
+        ``backward=False``: forwards only, under ``torch.no_grad()``."""
         clock = MinibatchClock(self.device)
         self._meet()
         clock.start()
-        yield self
+        with contextlib.nullcontext() if backward else torch.no_grad():
+            yield self
         clock.done()
         self._meet()
         self.last = clock.stop()

@@ -1,6 +1,8 @@
-"""TRL trainers on ODC: :class:`ODCSFTTrainer` and its :class:`ODCSFTConfig`.
+"""TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig` and :class:`ODCGRPOTrainer` /
+:class:`ODCGRPOConfig`.
 
-The data path (global minibatch, plan, padding-free packing) is in :mod:`hf_odc.trainer.data`; hf_odc's packed
+The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT) and
+:mod:`hf_odc.trainer.rollouts` (GRPO); hf_odc's packed
 attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
@@ -15,6 +17,8 @@ from .attention import (
 )
 from .config import ODCSFTConfig
 from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator, count_target_tokens
+from .grpo_config import ODCGRPOConfig
+from .grpo_trainer import ODCGRPOTrainer
 from .sft_trainer import ODCSFTTrainer
 
 __all__ = [
@@ -22,6 +26,8 @@ __all__ = [
     "PACKED_ATTENTION_IMPLEMENTATIONS",
     "GlobalMinibatchSampler",
     "MinibatchDataLoader",
+    "ODCGRPOConfig",
+    "ODCGRPOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "PlannedMinibatchCollator",

@@ -8,6 +8,7 @@ its loss, its metrics).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from ..accelerate_plugin import ODCPlugin, ODCRuntime
@@ -23,6 +25,57 @@ from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
 from ..packing import COSTS, PLANNERS, idle_fraction, named_cost, token_cap
 from . import _checkpoint
 from .attention import use_packed_attention
+
+_ODC_PARAMETERS = """
+        > Parameters of On-Demand Communication and the minibatch plan
+
+        odc (`bool`, *optional*):
+            Run each rank's microbatches with On-Demand Communication: ranks meet once per minibatch, so they may run
+            different numbers of microbatches. `False` runs plain FSDP2 (collectives in every layer), which needs the
+            same microbatch count on every rank: the fair baseline is `balance="lb-micro"`. `None` reads
+            `HF_ODC_ENABLED` (default `True`).
+        odc_timeout (`float`, *optional*):
+            Seconds the minibatch barrier waits for a live peer before raising `hf_odc.PeerFailureError`. `None`
+            reads `HF_ODC_TIMEOUT`, else `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
+        odc_transport (`str`, *optional*):
+            The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
+            `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
+        balance (`str`, *optional*):
+            How each global minibatch is split (a name of `hf_odc.packing.PLANNERS`): `"lb-mini"` balances each rank's
+            total cost, ranks may run different numbers of microbatches (needs `odc=True`); `"lb-micro"` gives every
+            rank the same number of microbatches, each microbatch step balanced across ranks; `"local-sort"` deals
+            samples round-robin, one per microbatch (the unbalanced baseline). `None`: `"lb-mini"` with ODC,
+            `"lb-micro"` without.
+        max_tokens_per_microbatch (`int`, *optional*):
+            Token capacity of one packed microbatch. Mutually exclusive with `packing_ratio`.
+        packing_ratio (`float`, *optional*):
+            Token capacity of one packed microbatch as a multiple of the longest sample it must fit (SFT:
+            `max_length`; GRPO: the minibatch's longest rollout), so `1.0` fits exactly one longest sample. Used when
+            `max_tokens_per_microbatch` is not set; defaults to `1.0`.
+        cost_model (`str`, *optional*, defaults to `"attention"`):
+            Per-sample cost the planner balances (a name of `hf_odc.packing.COSTS`): `"attention"` (FLOPs of the
+            trained model's shape, linear plus quadratic in the length; see `hf_odc.packing.AttentionCost`) or
+            `"tokens"` (sequence length).
+        packed_attention (`bool`, *optional*, defaults to `True`):
+            Switch a model whose attention implementation is `"sdpa"` or `"eager"` (transformers' default) to
+            hf_odc's `"odc_packed"` (`hf_odc.trainer.attention`): each packed sample is attended on its own, so a
+            microbatch costs the sum of its samples instead of the square of its length, with no `T x T` mask.
+            `False` keeps the model's implementation (with a warning for `sdpa`/`eager` on a GPU). Flash and flex
+            attention are always kept.
+
+    > [!NOTE]
+    > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
+    > fp32, exact enough to compare with a single-process run), and `use_cpu` defaults to `True` when no CUDA device
+    > exists: `accelerate launch` starts CPU processes through torchrun without telling them to use the CPU, and
+    > without it every process would silently train alone.
+"""
+
+
+def _document_odc_fields(config_class: type) -> type:
+    """Put the shared ODC fields' documentation where ``config_class``'s docstring says ``{odc_parameters}``, so that
+    every ODC config documents every field and the text exists once."""
+    config_class.__doc__ = config_class.__doc__.replace("    {odc_parameters}", _ODC_PARAMETERS.strip("\n"))
+    return config_class
 
 
 @dataclass
@@ -109,8 +162,6 @@ class _ODCConfig:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}.")
         if self.packing_ratio is not None and not self.packing_ratio > 0:
             raise ValueError(f"packing_ratio must be > 0, got {self.packing_ratio}.")
-        if self.max_tokens_per_microbatch is None and self.max_length is None:
-            raise ValueError("Set max_tokens_per_microbatch when max_length is None (there is nothing to scale).")
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"{type(self).__name__} runs one global minibatch per optimizer step, cut into microbatches by the "
@@ -122,12 +173,12 @@ class _ODCConfig:
         """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe."""
         return ODCPlugin(enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport)
 
-    @property
-    def microbatch_token_cap(self) -> int:
-        """Tokens one packed microbatch may hold."""
+    def token_cap_for(self, longest_sample: int) -> int:
+        """Tokens one packed microbatch may hold: ``max_tokens_per_microbatch``, else ``packing_ratio`` (default 1)
+        times ``longest_sample``, the longest sample the microbatches must fit."""
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
-        return token_cap(self.max_length, self.packing_ratio or 1.0)
+        return token_cap(longest_sample, self.packing_ratio or 1.0)
 
 
 class _ODCTrainer:
@@ -163,55 +214,68 @@ class _ODCTrainer:
         self, model: nn.Module, microbatches: list[dict[str, Any]], loss_of: Callable[[dict[str, Any]], torch.Tensor]
     ) -> torch.Tensor:
         """Forward and backward of this rank's ``microbatches`` (``loss_of`` gives each one's already normalised
-        loss) inside the minibatch context; without ODC, FSDP2's reduce-scatter runs once, in the last backward.
-        Returns the summed loss, detached."""
+        loss, given it on the device) inside the minibatch context; without ODC, FSDP2's reduce-scatter runs once, in
+        the last backward. Returns the summed loss, detached."""
         defer_reduction = not self.odc.active and isinstance(model, FSDPModule)
         loss = torch.zeros((), device=self.args.device)
-        with self.maybe_activation_offload_context, self.odc.minibatch():
+        offload = getattr(self, "maybe_activation_offload_context", contextlib.nullcontext())  # SFT's option
+        with offload, self.odc.minibatch():
             for index, microbatch in enumerate(microbatches):
                 if defer_reduction:
                     model.set_requires_gradient_sync(index == len(microbatches) - 1)
-                microbatch_loss = loss_of(self._prepare_inputs(microbatch))
+                # The Trainer's device move, not a subclass's ``_prepare_inputs`` (GRPO's generates rollouts there).
+                microbatch_loss = loss_of(Trainer._prepare_inputs(self, microbatch))
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
         return loss
 
-    def _log_minibatch(self, inputs: dict[str, Any], sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _log_minibatch(
+        self,
+        microbatches: list[dict[str, Any]],
+        num_tokens: int,
+        predicted_bubble_rate: float,
+        values: dict[str, torch.Tensor],
+    ) -> dict[str, list[float]]:
         """Gather this step's values from every rank in one collective, after the minibatch; log the timings.
 
-        ``inputs`` is the planned minibatch (:class:`~hf_odc.trainer.PlannedMinibatchCollator`'s output); ``sums``
-        are per-rank scalars (kept on the device until now) to add up over the ranks, returned by name. Timings are
-        device-timed and mean the same with and without ODC (:mod:`hf_odc.engine.timing`)."""
+        ``microbatches`` are this rank's (model inputs, one packed row each), ``num_tokens`` the whole minibatch's
+        tokens, ``predicted_bubble_rate`` the plan's. ``values`` are per-rank scalars (kept on the device until now),
+        returned as per-rank lists by name for the caller to reduce. Timings are device-timed and mean the same with
+        and without ODC (:mod:`hf_odc.engine.timing`)."""
         stats = self.odc.last
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        own = {"busy": stats.busy, "wait": stats.wait, "microbatches": len(inputs["microbatches"]), "peak": peak_gib}
+        tokens = sum(microbatch["input_ids"].numel() for microbatch in microbatches)
+        own = {"busy": stats.busy, "wait": stats.wait, "microbatches": len(microbatches), "tokens": tokens}
+        own["peak"] = peak_gib
         device = self.args.device
-        values = [v.reshape(()).to(device, torch.float64) for v in sums.values()]
-        values += [torch.tensor(x, dtype=torch.float64, device=device) for x in own.values()]
-        gathered = self.accelerator.gather(torch.stack(values)[None]).cpu()  # (world size, values)
-        per_rank = dict(zip([*sums, *own], gathered.T.tolist(), strict=True))
-        num_tokens = int(inputs["num_tokens"])
+        stacked = [v.reshape(()).to(device, torch.float64) for v in values.values()]
+        stacked += [torch.tensor(x, dtype=torch.float64, device=device) for x in own.values()]
+        gathered = self.accelerator.gather(torch.stack(stacked)[None]).cpu()  # (world size, values)
+        per_rank = dict(zip([*values, *own], gathered.T.tolist(), strict=True))
         busy, wait = per_rank["busy"], per_rank["wait"]
         step = max(b + w for b, w in zip(busy, wait, strict=True))
         metrics = self._metrics["train"]
-        self._total_train_tokens += num_tokens
-        metrics["num_tokens"] = [self._total_train_tokens]
         metrics["step_s"].append(step)
         metrics["tokens_per_second"].append(num_tokens / max(step, 1e-9))
         metrics["bubble_rate"].append(idle_fraction(busy, step))
-        metrics["predicted_bubble_rate"].append(inputs["predicted_bubble_rate"])
+        metrics["predicted_bubble_rate"].append(predicted_bubble_rate)
         if torch.cuda.is_available():
             metrics["peak_memory_gib"].append(max(per_rank["peak"]))  # the largest rank's, since the start
         for rank in range(len(busy)):
             metrics[f"busy_s/rank_{rank}"].append(busy[rank])
             metrics[f"wait_s/rank_{rank}"].append(wait[rank])
             metrics[f"microbatches/rank_{rank}"].append(per_rank["microbatches"][rank])
-        return {name: sum(per_rank[name]) for name in sums}
+            metrics[f"tokens/rank_{rank}"].append(per_rank["tokens"][rank])
+        return {name: per_rank[name] for name in values}
+
+    def close_odc(self) -> None:
+        """Release ODC (collective), keeping the process group: the model then runs as plain FSDP2."""
+        self.odc.close()
 
     def end(self) -> None:
         """Release ODC, then finish the trackers and destroy the process group (``Trainer.end``). Collective: call it
         once, on every rank, at the very end of the script."""
-        self.odc.close()
+        self.close_odc()
         self.accelerator.end_training()
 
     # -- checkpoints --------------------------------------------------------------------------------------------------

@@ -145,9 +145,17 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
 
         loss = self._run_minibatch(model, inputs["microbatches"], loss_of)
         entropy, correct, targets = self._minibatch_sums
-        sums = self._log_minibatch(inputs, {"entropy": entropy, "correct": correct, "targets": targets})
+        per_rank = self._log_minibatch(
+            inputs["microbatches"],
+            int(inputs["num_tokens"]),
+            inputs["predicted_bubble_rate"],
+            {"entropy": entropy, "correct": correct, "targets": targets},
+        )
         self._minibatch_sums.zero_()
+        sums = {name: sum(values) for name, values in per_rank.items()}
+        self._total_train_tokens += int(inputs["num_tokens"])
         metrics, targets = self._metrics["train"], sums["targets"]
+        metrics["num_tokens"] = [self._total_train_tokens]
         metrics["entropy"].append(sums["entropy"] / targets if targets else 0.0)
         metrics["mean_token_accuracy"].append(sums["correct"] / targets if targets else 0.0)
         return loss

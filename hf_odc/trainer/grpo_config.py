@@ -1,0 +1,64 @@
+"""``ODCGRPOConfig``: TRL's ``GRPOConfig`` plus the ODC fields every ODC trainer shares (:class:`_ODCConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trl import GRPOConfig
+
+from ._base import _document_odc_fields, _ODCConfig
+
+
+@_document_odc_fields
+@dataclass
+class ODCGRPOConfig(_ODCConfig, GRPOConfig):
+    r"""
+    Configuration class for [`ODCGRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the ODC fields below.
+
+    Generation and scoring are TRL's. Then, once per generation batch, every rank gathers every rollout, the batch is
+    cut into `steps_per_generation` minibatches of `per_device_train_batch_size * world_size` rollouts (a seeded
+    permutation, the same on every rank), and each minibatch is planned with `hf_odc.packing` across the ranks: the
+    ranks' shares may hold different numbers of rollouts and microbatches, each microbatch a padding-free packed row.
+    `gradient_accumulation_steps` must stay 1 (grow `per_device_train_batch_size`; the planner cuts the minibatch into
+    microbatches). `steps_per_generation` and `num_iterations` keep TRL's meaning.
+
+    Every loss normaliser is global, computed once per minibatch from the gathered rollouts, so that the update equals
+    TRL's on one process holding the whole minibatch: with `B` the minibatch's rollouts and `N` its trained
+    completion tokens, `grpo` and `sapo` divide each rollout's token mean by `B`; `bnpo` divides the token sum by `N`;
+    `dr_grpo` by `B * max_completion_length`; `luspo` divides each rollout's token sum by `B`; `dapo`, `cispo` and
+    `vespo` divide the token sum by the generation batch's trained tokens over `steps_per_generation` (TRL's
+    definition); the entropy bonus is the mean entropy over the minibatch's trained tokens.
+
+    Parameters:
+    {odc_parameters}
+
+    > [!NOTE]
+    > Not supported, refused at construction: `use_vllm` (generation runs with transformers, in lockstep across ranks),
+    > `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its threshold is a quantile over the whole
+    > minibatch's entropies under the current policy, which an ODC minibatch has no collective to compute), PEFT with
+    > `beta > 0`, multimodal prompts and Mixture-of-Experts auxiliary losses. `model_init_kwargs` defaults
+    > `device_map` to `None`: every rank loads whole models and hf_odc shards them.
+    """
+
+    def __post_init__(self):
+        if self.use_vllm:
+            raise ValueError(
+                "ODCGRPOTrainer generates with transformers (use_vllm=False): a vLLM engine holds its own copy of the "
+                "weights, which ODC's one-sided reads do not update. Set use_vllm=False, or use trl.GRPOTrainer for "
+                "vLLM generation."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "ODCGRPOTrainer generates with transformers' generate(), in lockstep across the sharded ranks; "
+                "continuous batching runs each rank on its own. Set use_transformers_continuous_batching=False."
+            )
+        if self.top_entropy_quantile < 1.0:
+            raise ValueError(
+                "ODCGRPOTrainer does not support top_entropy_quantile < 1: the threshold is a quantile over the whole "
+                "minibatch's entropies under the current policy, which ranks cannot gather inside an ODC minibatch. "
+                "Set top_entropy_quantile=1.0."
+            )
+        super().__post_init__()
+        # Every rank loads the whole model (the policy given by name, the reference model) and hf_odc shards it:
+        # TRL's default device_map="auto" would spread it over all of this host's GPUs instead.
+        self.model_init_kwargs = {"device_map": None, **(self.model_init_kwargs or {})}

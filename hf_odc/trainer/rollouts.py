@@ -1,0 +1,232 @@
+"""The GRPO trainer's data path: scored rollouts, gathered once per generation batch, re-planned across ranks and
+packed padding-free.
+
+TRL's ``GRPOTrainer`` trains each rank on the rollouts it generated, cut into equal slices, so a rank that drew the
+long completions sets the pace of every step. Here, once a generation batch is generated and scored (its advantages
+final), every rank gathers every rollout (:func:`gather_rollouts`, one gather per generation batch), cuts the batch
+into ``steps_per_generation`` minibatches with the same seeded permutation, and plans each minibatch with the
+trainer's planner on the rollouts' lengths (:func:`plan_generation_batch`): every rank computes the same plan and keeps
+its own row, so rollouts move between ranks without any further communication. Each microbatch is one padding-free
+row (:func:`pack_rollouts`): each rollout's prompt and completion, ``position_ids`` restarting at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+
+from ..packing import CostLike, bubble_rate, get_planner
+
+__all__ = ["PlannedStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch"]
+
+
+@dataclass
+class Rollouts:
+    """Scored rollouts, one entry per sample, each unpadded (CPU tensors).
+
+    Attributes:
+        prompt_ids: each rollout's prompt token ids.
+        completion_ids: each rollout's completion token ids (up to and including its end-of-sequence token).
+        loss_mask: per completion token, 1.0 where it is trained: the completion mask times the tool mask (0 on tool
+            output), all zeros for a truncated completion with ``mask_truncated_completions``.
+        advantages: one per rollout, final (normalised over its group).
+        sampling_logps: per completion token, the generator's log-probabilities when it returned them
+            (a ``rollout_func``), else ``None``.
+    """
+
+    prompt_ids: list[torch.Tensor]
+    completion_ids: list[torch.Tensor]
+    loss_mask: list[torch.Tensor]
+    advantages: torch.Tensor
+    sampling_logps: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each rollout (prompt + completion): what a microbatch holds and the planner balances."""
+        return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Trained completion tokens over all rollouts (TRL's ``num_items_in_batch`` of a generation batch)."""
+        return int(sum(float(mask.sum()) for mask in self.loss_mask))
+
+    @classmethod
+    def from_scored(cls, scored: dict[str, Any], completion_lengths: Sequence[int]) -> Rollouts:
+        """This rank's rollouts from the padded output of ``GRPOTrainer._generate_and_score_completions``.
+
+        ``completion_lengths`` are the completions' true lengths (their padded width can be larger, and a truncated
+        completion's mask can be all zeros)."""
+        prompt_mask = scored["prompt_mask"].bool().cpu()
+        prompt_ids = [ids[mask] for ids, mask in zip(scored["prompt_ids"].cpu(), prompt_mask, strict=True)]
+        mask = scored["completion_mask"]
+        if scored.get("tool_mask") is not None:
+            mask = mask * scored["tool_mask"]
+        mask = mask.float().cpu()
+        completion_ids = scored["completion_ids"].cpu()
+        lengths = list(completion_lengths)
+        sampling = scored.get("sampling_per_token_logps")
+        return cls(
+            prompt_ids=prompt_ids,
+            completion_ids=[ids[:n] for ids, n in zip(completion_ids, lengths, strict=True)],
+            loss_mask=[m[:n] for m, n in zip(mask, lengths, strict=True)],
+            advantages=scored["advantages"].float().cpu(),
+            sampling_logps=None
+            if sampling is None
+            else [s[:n] for s, n in zip(sampling.float().cpu(), lengths, strict=True)],
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[Rollouts]) -> Rollouts:
+        """The rollouts of ``parts``, in order."""
+        sampling = [p.sampling_logps for p in parts]
+        return cls(
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            completion_ids=[x for p in parts for x in p.completion_ids],
+            loss_mask=[x for p in parts for x in p.loss_mask],
+            advantages=torch.cat([p.advantages for p in parts]),
+            sampling_logps=None if any(s is None for s in sampling) else [x for s in sampling for x in s],
+        )
+
+
+def gather_rollouts(local: Rollouts) -> Rollouts:
+    """Every rank's rollouts, in rank order (rank 0's first: the order of TRL's global generation batch).
+
+    One ``all_gather_object`` of CPU tensors, once per generation batch; with one process, ``local`` itself."""
+    return Rollouts.concat(gather_object([local]))
+
+
+@dataclass
+class PlannedStep:
+    """One optimizer step's minibatch, as this rank sees it.
+
+    Attributes:
+        microbatches: this rank's microbatches, each a list of rollout indices (into the generation batch).
+        num_rollouts: rollouts in the whole minibatch (over all ranks).
+        num_tokens: tokens of the whole minibatch.
+        num_loss_tokens: trained completion tokens of the whole minibatch.
+        predicted_bubble_rate: the plan's predicted idle fraction, under the run's synchronisation.
+        unbalanced_bubble_rate: the same prediction if each rank kept the rollouts it generated (TRL's split),
+            packed alike: what the rebalancing removed.
+        packed: this rank's packed microbatches (:func:`pack_rollouts`), filled in by the trainer.
+    """
+
+    microbatches: list[list[int]]
+    num_rollouts: int
+    num_tokens: int
+    num_loss_tokens: int
+    predicted_bubble_rate: float
+    unbalanced_bubble_rate: float
+    packed: list[dict[str, Any]] = field(default_factory=list)
+
+
+def plan_generation_batch(
+    rollouts: Rollouts,
+    *,
+    steps: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    balance: str,
+    cost: CostLike,
+    token_cap: Callable[[int], int],
+    sync: str,
+) -> list[PlannedStep]:
+    """Cut the generation batch into ``steps`` minibatches and plan each one; the same on every rank.
+
+    The rollouts (in rank order, ``len(rollouts) / world_size`` generated by each rank) are permuted with a generator
+    seeded by ``seed`` (TRL shuffles a generation batch before slicing it, too) and cut into ``steps`` equal
+    minibatches. Each is planned with the planner ``balance`` under the token cap ``token_cap(longest rollout of the
+    minibatch)``.
+    """
+    lengths = rollouts.lengths
+    total = len(lengths)
+    if total % (steps * world_size):
+        raise ValueError(f"{total} rollouts do not split into {steps} minibatches of {world_size} ranks.")
+    per_rank, size = total // world_size, total // steps
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    planner, own = get_planner(balance), get_planner("lb-mini")
+    planned = []
+    for start in range(0, total, size):
+        indices = order[start : start + size]
+        local_lengths = [lengths[i] for i in indices]
+        cap = token_cap(max(local_lengths))
+        plan = planner(local_lengths, world_size, cap, cost)
+        # TRL's split: every rank trains on the rollouts it generated, packed the same way.
+        generated_by = [[j for j, i in enumerate(indices) if i // per_rank == r] for r in range(world_size)]
+        unbalanced = [
+            [[share[j] for j in microbatch] for microbatch in own([local_lengths[j] for j in share], 1, cap, cost)[0]]
+            if share
+            else []
+            for share in generated_by
+        ]
+        planned.append(
+            PlannedStep(
+                microbatches=[sorted(indices[j] for j in microbatch) for microbatch in plan[rank]],
+                num_rollouts=size,
+                num_tokens=sum(local_lengths),
+                num_loss_tokens=int(sum(float(rollouts.loss_mask[i].sum()) for i in indices)),
+                predicted_bubble_rate=bubble_rate(plan, local_lengths, cost, sync=sync),
+                unbalanced_bubble_rate=bubble_rate(unbalanced, local_lengths, cost, sync=sync),
+            )
+        )
+    return planned
+
+
+def pack_rollouts(rollouts: Rollouts, indices: Sequence[int]) -> dict[str, Any]:
+    """One padding-free microbatch of the rollouts ``indices``.
+
+    Returns ``{"model": ..., "loss": ...}``. ``model`` holds the forward's inputs: one row of the rollouts' prompts
+    and completions, ``position_ids`` restarting at 0 for each, ``labels`` equal to the tokens on completions and -100
+    elsewhere (so a fused LM head scores only completions), and ``cu_seq_lens_q/k`` / ``max_length_q/k`` for varlen
+    kernels. ``loss`` holds ``(k, C)`` tensors for the ``k`` rollouts, ``C`` the longest completion: ``token_index``
+    (each completion token's position in the row's ``log_probs``, which score token ``t`` at ``t - 1``; padding
+    points at position 0), ``mask`` (the loss mask, 0 on padding),
+    ``sampling_logps`` (or ``None``), and ``advantages`` ``(k,)``.
+    """
+    ids, positions, labels, starts = [], [], [], [0]
+    token_index = []
+    for i in indices:
+        prompt, completion = rollouts.prompt_ids[i], rollouts.completion_ids[i]
+        offset = starts[-1]
+        sample = torch.cat([prompt, completion])
+        ids.append(sample)
+        positions.append(torch.arange(len(sample)))
+        labels.append(torch.cat([torch.full_like(prompt, -100), completion]))
+        first = offset + len(prompt)
+        token_index.append(torch.arange(first - 1, first - 1 + len(completion)))
+        starts.append(offset + len(sample))
+    cu_seq_lens = torch.tensor(starts, dtype=torch.int32)
+    max_length = int(cu_seq_lens.diff().max())
+    model_inputs = {
+        "input_ids": torch.cat(ids)[None],
+        "position_ids": torch.cat(positions)[None],
+        "labels": torch.cat(labels)[None],
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+    width = max(1, max(len(rollouts.completion_ids[i]) for i in indices))
+    loss = {
+        "token_index": _pad(token_index, width, 0).long(),
+        "mask": _pad([rollouts.loss_mask[i] for i in indices], width, 0.0).float(),
+        "advantages": rollouts.advantages[list(indices)].clone(),
+        "sampling_logps": None
+        if rollouts.sampling_logps is None
+        else _pad([rollouts.sampling_logps[i] for i in indices], width, 0.0).float(),
+    }
+    return {"model": model_inputs, "loss": loss}
+
+
+def _pad(rows: list[torch.Tensor], width: int, value: float) -> torch.Tensor:
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype if rows else torch.float32)
+    for row, values in zip(out, rows, strict=True):
+        row[: len(values)] = values
+    return out

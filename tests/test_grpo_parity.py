@@ -1,0 +1,92 @@
+"""ODCGRPOTrainer on 2 CPU processes against stock TRL GRPOTrainer on one process holding the whole minibatch, on
+fixed rollouts (``examples/grpo.py``'s synthetic ones), for every loss type TRL 1.16 offers, the KL term, the entropy
+bonus (static and adaptive), a second iteration on old log-probabilities and the off-policy mask: the loss, the
+gradient norm, TRL's metrics and the parameters after each step must agree (fp32). The re-planned minibatch gives the
+two ranks different numbers of microbatches in some of these steps, which the test requires."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _grpo_parity import CASES
+from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+SCRIPT = str(ROOT / "tests" / "_grpo_parity.py")
+TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
+QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
+ENV = {**os.environ, **QUIET, "PYTHONUNBUFFERED": "1"}
+
+
+def _launch(command: list[str], timeout: float = 600) -> None:
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("grpo_parity")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=507, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=3,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(directory / "model")
+    model, names = str(directory / "model"), list(CASES)
+    _launch([sys.executable, SCRIPT, "trl", model, str(directory / "trl.pt"), *names])
+    config_file = str(EXAMPLES / "odc_cpu.yaml")
+    _launch([str(ACCELERATE), "launch", "--config_file", config_file, SCRIPT, "odc", model, str(directory / "odc.pt"),
+             *names])  # fmt: skip
+    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_odc_grpo_matches_stock_trl_on_one_process(runs, case):
+    reference, ours = runs[0][case], runs[1][case]
+    assert len(ours["logs"]) == len(reference["logs"]) == CASES[case].get("max_steps", 1)
+    for expected, entry in zip(reference["logs"], ours["logs"], strict=True):
+        step = expected["step"]
+        assert entry["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6), f"loss at step {step}"
+        assert entry["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), f"grad norm at step {step}"
+        for name, value in expected.items():
+            if name in TIMINGS or not isinstance(value, float) or math.isnan(value):
+                continue
+            assert name in entry, f"TRL logs {name!r}, ODC does not"
+            assert entry[name] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{name} at step {step}"
+    for name, tensor in reference["params"].items():
+        torch.testing.assert_close(ours["params"][name], tensor, rtol=0, atol=5e-5, msg=name)
+
+
+def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
+    entries = [entry for result in runs[1].values() for entry in result["logs"]]
+    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in entries)
+
+
+def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
+    """Every completion drawn on rank 0 is long, rank 1's short: TRL's split would leave rank 1 idle most of the
+    step; the plan evens the ranks' tokens out (its predicted bubble before and after is printed)."""
+    run("grpo.py", "--rollouts", "skewed", "--max_steps", "3", "--max_completion_length", "96",
+        "--max_tokens_per_microbatch", "192", "--cost_model", "tokens", "--beta", "0.05", "--steps_per_generation",
+        "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2, env=QUIET)  # fmt: skip
+    logs = logged_steps(tmp_path)
+    assert sorted(logs) == [1, 2, 3]
+    for step, entry in logs.items():
+        before, after = entry["predicted_bubble_rate_unbalanced"], entry["predicted_bubble_rate"]
+        tokens = [entry["tokens/rank_0"], entry["tokens/rank_1"]]
+        print(f"step {step}: predicted bubble {before:.1%} with TRL's split, {after:.1%} planned; tokens {tokens}")
+        assert before > 0.2 and after < 0.05
+        assert max(tokens) <= 1.1 * min(tokens)
+
+
+def test_the_default_example_generates_and_trains_on_two_processes(tmp_path):
+    """No argument but the output: transformers generation (lockstep across the sharded ranks), then ODC updates."""
+    run("grpo.py", "--max_steps", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
+        env=QUIET)  # fmt: skip
+    logs = logged_steps(tmp_path)
+    assert sorted(logs) == [1, 2]
+    assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())

@@ -1,0 +1,90 @@
+"""The GRPO data path (:mod:`hf_odc.trainer.rollouts`) and ODCGRPOConfig's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_odc.trainer import ODCGRPOConfig
+from hf_odc.trainer.rollouts import Rollouts, pack_rollouts, plan_generation_batch
+
+
+def rollouts(prompt_lengths, completion_lengths) -> Rollouts:
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(10, 500, (n,), generator=g)  # noqa: E731
+    return Rollouts(
+        prompt_ids=[ids(p) for p in prompt_lengths],
+        completion_ids=[ids(c) for c in completion_lengths],
+        loss_mask=[torch.ones(c) for c in completion_lengths],
+        advantages=torch.linspace(-1, 1, len(prompt_lengths)),
+    )
+
+
+def test_pack_points_every_completion_token_at_the_log_prob_that_scores_it():
+    batch = rollouts([3, 1, 5], [4, 2, 6])
+    batch.loss_mask[1] = torch.tensor([1.0, 0.0])  # e.g. a tool token
+    packed = pack_rollouts(batch, [2, 0, 1])
+    model, loss = packed["model"], packed["loss"]
+    assert model["input_ids"].shape == (1, 21) and model["cu_seq_lens_q"].tolist() == [0, 11, 18, 21]
+    assert model["position_ids"][0].tolist() == list(range(11)) + list(range(7)) + list(range(3))
+    # log_probs[t] scores labels[t + 1]: each completion token, in order, and nothing else.
+    shifted = model["labels"][0, 1:]
+    for row, i in enumerate([2, 0, 1]):
+        n = len(batch.completion_ids[i])
+        positions = loss["token_index"][row, :n]
+        assert torch.equal(shifted[positions], batch.completion_ids[i])
+        assert torch.equal(loss["mask"][row, :n], batch.loss_mask[i]) and not loss["mask"][row, n:].any()
+    assert int((shifted != -100).sum()) == 12
+    assert torch.equal(loss["advantages"], batch.advantages[[2, 0, 1]])
+
+
+def plan(batch, rank, world_size=2, steps=2, balance="lb-mini"):
+    return plan_generation_batch(
+        batch, steps=steps, world_size=world_size, rank=rank, seed=3, balance=balance, cost="tokens",
+        token_cap=lambda longest: 2 * longest, sync="minibatch",
+    )  # fmt: skip
+
+
+def test_every_rank_plans_the_same_minibatches_and_each_rollout_runs_once():
+    batch = rollouts([5] * 16, [3, 90, 4, 80, 2, 70, 6, 60, 5, 50, 7, 40, 8, 30, 9, 20])
+    shares = [plan(batch, rank) for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == 2
+    seen = []
+    for step in range(2):
+        mine = [[i for mb in shares[rank][step].microbatches for i in mb] for rank in (0, 1)]
+        assert len(mine[0]) + len(mine[1]) == 8 == shares[0][step].num_rollouts
+        seen += mine[0] + mine[1]
+        assert shares[0][step].num_tokens == shares[1][step].num_tokens
+    assert sorted(seen) == list(range(16))
+
+
+def test_skewed_rollouts_are_rebalanced():
+    """Rank 0 generated the long completions (the first half, rank-major): TRL's split leaves rank 1 idle."""
+    batch = rollouts([4] * 8, [100, 90, 95, 85, 5, 6, 4, 7])
+    (step,) = plan(batch, 0, steps=1)
+    assert step.unbalanced_bubble_rate > 0.3 and step.predicted_bubble_rate < 0.05
+
+
+def test_a_generation_batch_that_does_not_split_is_refused():
+    with pytest.raises(ValueError, match="do not split into 3 minibatches"):
+        plan(rollouts([2] * 8, [2] * 8), 0, steps=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"use_vllm": True}, "use_vllm=False"),
+        ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
+        ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=1.0"),
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
+        ({"odc": False, "balance": "lb-mini"}, "balance='lb-micro'"),
+    ],
+)
+def test_unsupported_settings_are_refused_naming_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, **kwargs)
+
+
+def test_models_are_loaded_whole_for_sharding(tmp_path):
+    args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4)
+    assert args.model_init_kwargs["device_map"] is None and args.steps_per_generation == 1
