@@ -223,11 +223,15 @@ class _ODCTrainer:
             for index, microbatch in enumerate(microbatches):
                 if defer_reduction:
                     model.set_requires_gradient_sync(index == len(microbatches) - 1)
-                # The Trainer's device move, not a subclass's ``_prepare_inputs`` (GRPO's generates rollouts there).
-                microbatch_loss = loss_of(Trainer._prepare_inputs(self, microbatch))
+                microbatch_loss = loss_of(self._to_device(microbatch))
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
         return loss
+
+    def _to_device(self, inputs: Any) -> Any:
+        """``inputs`` on the training device: the Trainer's ``_prepare_inputs``, not a subclass's (GRPO's generates
+        rollouts there)."""
+        return Trainer._prepare_inputs(self, inputs)
 
     def _log_minibatch(
         self,

@@ -33,7 +33,7 @@ from trl import GRPOTrainer
 from ..accelerate_plugin import ODCRuntime
 from ._base import _ODCTrainer
 from .grpo_config import ODCGRPOConfig
-from .rollouts import PlannedStep, Rollouts, gather_rollouts, pack_rollouts, plan_generation_batch
+from .rollouts import PlannedStep, Rollouts, gather_rollouts, plan_generation_batch
 
 __all__ = ["ODCGRPOTrainer"]
 
@@ -150,11 +150,6 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             sync="minibatch" if self.odc.active else "layer",
         )
         self._generation_index += 1
-        normaliser = max(rollouts.num_loss_tokens, 1) / args.steps_per_generation
-        for step in planned:
-            step.packed = [pack_rollouts(rollouts, microbatch) for microbatch in step.microbatches]
-            for microbatch in step.packed:
-                microbatch["loss"]["token_normaliser"] = normaliser
         microbatches = [microbatch for step in planned for microbatch in step.packed]
         passes = [(self.model, self.odc, "old_logps")] if "old_per_token_logps" in scored else []
         if "ref_per_token_logps" in scored:
@@ -170,14 +165,10 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         one's loss inputs, in one forward-only minibatch; returns its device-timed span (seconds)."""
         with runtime.minibatch(backward=False), self.accelerator.autocast():
             for microbatch in microbatches:
-                inputs = self._on_device(microbatch)
+                inputs = self._to_device(microbatch)
                 outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
                 microbatch["loss"][key] = outputs.log_probs[0][inputs["loss"]["token_index"]].float()
-        stats = runtime.last
-        return stats.step if stats is not None else 0.0
-
-    def _on_device(self, microbatch: dict[str, Any]) -> dict[str, Any]:
-        return super(GRPOTrainer, self)._prepare_inputs(microbatch)
+        return runtime.last.step
 
     # -- one optimizer step -------------------------------------------------------------------------------------------
 
@@ -256,7 +247,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
-        policy_loss = self._normalised(per_token_loss, mask, step, inputs["token_normaliser"])
+        policy_loss = self._normalised(per_token_loss, mask, step)
         loss = policy_loss
         if self._entropy_bonus_enabled:
             coef = self.entropy_coef
@@ -284,9 +275,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 self._accumulate_mean("vespo/phi_seq_mean", phi_seq, mask)
         return loss * self.accelerator.num_processes
 
-    def _normalised(
-        self, per_token_loss: torch.Tensor, mask: torch.Tensor, step: PlannedStep, token_normaliser: float
-    ) -> torch.Tensor:
+    def _normalised(self, per_token_loss: torch.Tensor, mask: torch.Tensor, step: PlannedStep) -> torch.Tensor:
         """This microbatch's share of the minibatch's loss (see :class:`ODCGRPOConfig` for each definition)."""
         loss_type, rollouts, masked_loss = self.loss_type, step.num_rollouts, per_token_loss * mask
         if loss_type in ("grpo", "sapo"):
@@ -295,8 +284,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             return masked_loss.sum() / max(step.num_loss_tokens, 1)
         if loss_type == "dr_grpo":
             return masked_loss.sum() / (rollouts * self.max_completion_length)
-        if loss_type in ("dapo", "cispo", "vespo"):
-            return masked_loss.sum() / token_normaliser
+        if loss_type in ("dapo", "cispo", "vespo"):  # TRL's: the generation batch's tokens per optimizer step
+            return masked_loss.sum() * self.args.steps_per_generation / max(step.generation_loss_tokens, 1)
         if loss_type == "luspo":
             return masked_loss.sum() / rollouts
         raise ValueError(f"Unknown loss_type {loss_type!r}.")
