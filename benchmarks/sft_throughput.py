@@ -13,7 +13,7 @@ microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.ti
 
 Per configuration (samples per device x packing ratio) and scheme it prints the median step time, tokens/s over the
 timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, and
-the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits ``CalibratedCost`` to the measured
+the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits a ``Calibration`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
 for 8, 32 and 128 GPUs (``hf_odc.packing.planning_cli.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -39,8 +38,10 @@ from hf_odc.packing import (
     BASELINE,
     DISTRIBUTIONS,
     SCHEMES,
-    CalibratedCost,
+    Calibration,
+    MinibatchPlanner,
     idle_fraction,
+    microbatch_features,
     named_cost,
     plan_costs,
     sample_lengths,
@@ -84,53 +85,27 @@ def build(args, device: torch.device):
     return model, optimizer, config
 
 
-class Timeline:
-    """Device time at which each microbatch of this rank ended, from the minibatch's start (CUDA events)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def ends(self) -> list[float]:
-        """Seconds from the first mark to each later one (call after the device drained)."""
-        first = self.marks[0]
-        if self.cuda:
-            return [first.elapsed_time(m) / 1e3 for m in self.marks[1:]]
-        return [m - first for m in self.marks[1:]]
-
-
 def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
     """One optimizer step of this rank's microbatches; returns its timings and microbatch features."""
     microbatches = batch["microbatches"]
-    timeline = Timeline(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with runner.minibatch():
-        timeline.mark()
         for index, microbatch in enumerate(microbatches):
             if not odc:  # plain FSDP2: reduce-scatter once, in the last microbatch's backward (as the trainer does)
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
             inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
             out = model(**inputs, use_cache=False, fused_lm_head=True)
             (-out.log_probs.float().sum() * (world_size / batch["num_target_tokens"])).backward()
-            timeline.mark()
+            runner.lap()
     model.set_requires_gradient_sync(True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    ends = timeline.ends()
     lengths = [np.diff(mb["cu_seq_lens_q"].numpy()).tolist() for mb in microbatches]
     return {
         "busy": runner.last.busy,
         "wait": runner.last.wait,
-        "microbatch_ends": ends,
+        "microbatch_s": runner.last.microbatches,
         "microbatch_lengths": lengths,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
     }
@@ -141,22 +116,15 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     dist_info = DISTRIBUTIONS[args.distribution]
     minibatch_size = samples_per_device * world_size
     steps = args.warmup + args.steps
-    lengths = _lengths(args, minibatch_size * steps, seed=[args.seed, samples_per_device])
     cap = int(packing_ratio * dist_info.max_length * args.length_scale)
     cost = named_cost("attention", model.config)  # the trainer's default cost model
-    vocab = model.config.vocab_size
-    pool = torch.randint(4, vocab, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
     collators = {
-        s.name: PlannedMinibatchCollator(
-            rank, world_size, s.balance, cap, cost, "minibatch" if s.odc else "layer", pad_token_id=0
-        )
+        s.name: PlannedMinibatchCollator(rank, MinibatchPlanner(s.balance, world_size, s.sync, cost), cap, 0)
         for s in SCHEMES
         if s.name in args.schemes
     }
     records: dict[str, list[dict]] = {name: [] for name in collators}
-    for step in range(steps):
-        chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
-        examples = [{"input_ids": pool[i : i + n].tolist()} for i, n in enumerate(chunk)]
+    for step, (chunk, examples) in enumerate(minibatches(args, model.config.vocab_size, minibatch_size, steps)):
         for scheme in SCHEMES:
             if scheme.name not in collators:
                 continue
@@ -183,6 +151,16 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     }
 
 
+def minibatches(args, vocab_size: int, minibatch_size: int, steps: int, seed=None):
+    """``steps`` global minibatches of the distribution: ``(lengths, examples)``, the same on every rank."""
+    seed = seed if seed is not None else [args.seed, minibatch_size // dist.get_world_size()]
+    lengths = _lengths(args, minibatch_size * steps, seed=seed)
+    pool = torch.randint(4, vocab_size, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
+    for step in range(steps):
+        chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
+        yield chunk, [{"input_ids": pool[i : i + n].tolist()} for i, n in enumerate(chunk)]
+
+
 def _lengths(args, n: int, seed) -> list[int]:
     lengths = sample_lengths(args.distribution, n, seed=seed)
     return [max(2, round(length * args.length_scale)) for length in lengths]
@@ -192,16 +170,14 @@ def summarize(config: dict, args, world_size: int) -> dict:
     """Per scheme: measured and predicted numbers over the timed steps (every rank's records, gathered)."""
     per_rank = config["records"]  # [rank][scheme] -> steps
     names = list(per_rank[0])
-    samples = []  # (tokens, sum_sq, seconds) of every microbatch of every scheme, rank and step
+    features, seconds = [], []  # every microbatch of every scheme, rank and step
     for rank_records in per_rank:
         for steps in rank_records.values():
             for step in steps:
-                starts = [0.0, *step["microbatch_ends"][:-1]]
-                for lengths, start, end in zip(
-                    step["microbatch_lengths"], starts, step["microbatch_ends"], strict=True
-                ):
-                    samples.append((sum(lengths), sum(n * n for n in lengths), end - start))
-    calibrated = CalibratedCost.fit(samples)
+                features += map(microbatch_features, step["microbatch_lengths"])
+                seconds += step["microbatch_s"]
+    calibration = Calibration.fit(features, seconds)
+    calibrated = calibration.cost.amortised(config["max_tokens"])
     summary: dict[str, dict] = {}
     for name in names:
         scheme = next(s for s in SCHEMES if s.name == name)
@@ -221,7 +197,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
             "bubble_predicted": statistics.mean(s["predicted_bubble"] for s in first),
             "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
             "predicted_time": predicted,
-            "microbatches": [[len(r["microbatch_ends"]) for r in ranks] for ranks in steps],
+            "microbatches": [[len(r["microbatch_s"]) for r in ranks] for ranks in steps],
         }
     for row in summary.values():
         for ref in (BASELINE, UNBALANCED):
@@ -240,7 +216,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
         f"{r.world_size}:{r.scheme}": r.speedup for r in simulation.results
     }  # speedup over Collective+LB-Micro
     return {
-        "calibration": {"linear": calibrated.linear, "quadratic": calibrated.quadratic, "microbatches": len(samples)},
+        "calibration": calibration.to_dict(),
         "schemes": summary,
         "predicted_speedups_vs_lb_micro": predictions,
     }
@@ -272,8 +248,9 @@ def print_table(results: list[dict], args, world_size: int) -> None:
             cells.append(f"{w} GPUs {mini:.3f}x ({mini / local:.3f}x)")
         label = f"{result['samples_per_device']}/dev x{result['packing_ratio']:g}"
         calibration = result["summary"]["calibration"]
-        print(f"{label:>9}: " + ", ".join(cells) + f"   [fit: {calibration['linear']:.3g} s/token, "
-              f"{calibration['quadratic']:.3g} s/token^2]")  # fmt: skip
+        fit = calibration["cost"]
+        print(f"{label:>9}: " + ", ".join(cells) + f"   [fit: {fit['per_microbatch']:.3g} s/microbatch, "
+              f"{fit['linear']:.3g} s/token, {fit['quadratic']:.3g} s/token^2]")  # fmt: skip
 
 
 def plot(results: list[dict], path: str, world_size: int) -> None:
@@ -300,9 +277,9 @@ def plot(results: list[dict], path: str, world_size: int) -> None:
             continue
         for rank in range(world_size):
             step = first["records"][rank][name][0]
-            starts = [0.0, *step["microbatch_ends"][:-1]]
+            starts = np.cumsum([0.0, *step["microbatch_s"][:-1]])
             timeline.broken_barh(
-                [(s, e - s) for s, e in zip(starts, step["microbatch_ends"], strict=True)],
+                list(zip(starts, step["microbatch_s"], strict=True)),
                 (y, 0.8), facecolors=color, edgecolors="black", linewidth=0.5,
             )  # fmt: skip
             timeline.broken_barh([(step["busy"], step["wait"])], (y, 0.8), facecolors="lightgrey")
@@ -314,6 +291,22 @@ def plot(results: list[dict], path: str, world_size: int) -> None:
     timeline.set_title(f"First timed step, {labels[-1]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def init_distributed(args) -> torch.device:
+    """The process group (gloo on CPUs, gloo and NCCL on GPUs) and this rank's device; sets ``args.device_name``."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        args.device_name = torch.cuda.get_device_name()
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        args.device_name = "CPU"
+    if dist.get_world_size() < 2:
+        raise SystemExit("Run on at least 2 processes (torchrun --nproc_per_node N): the schemes differ across ranks.")
+    return device
 
 
 def main() -> None:
@@ -334,20 +327,8 @@ def main() -> None:
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
     args.predict_world_sizes = [int(w) for w in args.predict_world_sizes.split(",")]
-    cuda = torch.cuda.is_available()
-    if cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-        args.device_name = torch.cuda.get_device_name()
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-        args.device_name = "CPU"
+    device = init_distributed(args)
     world_size = dist.get_world_size()
-    if world_size < 2:
-        raise SystemExit("Run on at least 2 processes (torchrun --nproc_per_node N): the schemes differ across ranks.")
     model, optimizer, _ = build(args, device)
     odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
     results = []

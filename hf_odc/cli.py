@@ -94,7 +94,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     exclusive.add_argument(
         "--calibration",
         metavar="FILE",
-        help="fit to measured microbatches: JSON list of [tokens, sum_sq_lengths, seconds]",
+        help="a trainer's odc_calibration.json (cost_model='calibrated'), or a JSON list of measured microbatches "
+        "[sequences, tokens, sum_sq_lengths, seconds] to fit",
     )
 
     run = plan.add_argument_group("simulation and output")
@@ -119,7 +120,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split)
     max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
     _check_cap(source, max_tokens)
-    cost = choose_cost(args.cost, args.model_config, args.calibration)
+    cost = choose_cost(args.cost, args.model_config, args.calibration, max_tokens)
     simulation = simulate(
         source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed
     )

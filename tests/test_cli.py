@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hf_odc.cli import main
+from hf_odc.packing import CalibratedCost, Calibration
 
 SCHEMES = ("Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini")
 RESULT_KEYS = {"world_size", "scheme", "sync", "bubble_rate", "speedup", "time", "min_microbatches", "max_microbatches"}
@@ -144,9 +145,18 @@ def test_token_cap_packing_ratio_and_cost_options(tmp_path, capsys):
     assert by_model["config"]["cost"].startswith("AttentionCost(")
 
     calibration = tmp_path / "calibration.json"
-    calibration.write_text(json.dumps([[4096, 4096**2, 0.5], [8192, 2 * 4096**2, 1.0], [8192, 8192**2, 1.5]]))
+    rows = [[1, 4096, 4096**2, 0.5], [2, 8192, 2 * 4096**2, 1.0], [1, 8192, 8192**2, 1.5], [3, 6000, 1.2e7, 0.6]]
+    calibration.write_text(json.dumps(rows))
     by_fit = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--calibration", str(calibration))
     assert by_fit["config"]["cost"].startswith("CalibratedCost(")
+    saved = tmp_path / "odc_calibration.json"
+    Calibration(CalibratedCost(linear=1e-5, quadratic=1e-9, per_microbatch=0.01), speeds=(1.0, 1.0)).save(saved)
+    by_file = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--calibration", str(saved))
+    assert f"linear={1e-5 + 0.01 / 24000!r}" in by_file["config"]["cost"], "the microbatch cost spread over the cap"
+    assert by_file["results"] != by_fit["results"]
+    calibration.write_text(json.dumps([[4096, 4096**2, 0.5]]))
+    assert "nor a JSON list of measured microbatches" in _fails(capsys, "--lengths", str(lengths_file),
+                                                                "--calibration", str(calibration))  # fmt: skip
     by_tokens = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--cost", "tokens")
     assert by_fit["results"] != by_tokens["results"]
 

@@ -17,6 +17,7 @@ from hf_odc.packing import (
     sample_lengths,
     sync_time,
 )
+from hf_odc.packing.bubble import step_times
 from hf_odc.packing.planning_cli import simulate
 
 # Four ranks: rank 0 runs two microbatches, rank 1 two, rank 2 one, rank 3 none.
@@ -47,6 +48,38 @@ def test_plan_costs_sum_each_microbatch():
 def test_bubble_on_a_hand_computed_plan(cost, sync, time, bubble):
     assert predicted_time(PLAN, LENGTHS, cost, sync) == time
     assert bubble_rate(PLAN, LENGTHS, cost, sync) == pytest.approx(float(bubble), abs=1e-15)
+
+
+# With speeds 1, 2, 0.5, 1 the microbatches take [5, 5], [2, 0.5], [12], []: layer sync max(5, 2, 12) + max(5, 0.5)
+# = 17, minibatch sync max(10, 2.5, 12, 0) = 12; the ranks are busy 10 + 2.5 + 12 + 0 = 24.5 in all.
+@pytest.mark.parametrize(("sync", "time"), [("layer", 17), ("minibatch", 12)])
+def test_bubble_with_speeds_on_a_hand_computed_plan(sync, time):
+    speeds = [1, 2, 0.5, 1]
+    assert step_times(plan_costs(PLAN, LENGTHS), speeds) == [12, 5]
+    assert sync_time(plan_costs(PLAN, LENGTHS), sync, speeds) == time
+    assert predicted_time(PLAN, LENGTHS, "tokens", sync, speeds) == time
+    assert bubble_rate(PLAN, LENGTHS, "tokens", sync, speeds) == pytest.approx(1 - 24.5 / (4 * time), abs=1e-15)
+    # Equal speeds of 1 are no speeds at all.
+    for predict in (predicted_time, bubble_rate):
+        assert predict(PLAN, LENGTHS, _squares, sync, [1.0] * 4) == predict(PLAN, LENGTHS, _squares, sync)
+
+
+def test_planning_for_the_speeds_removes_the_bubble_that_ignoring_them_leaves():
+    """A straggler at half speed: LB-Mini planned for the speeds keeps ODC's bubble small; planned without them, the
+    straggler takes twice as long over its equal share and the others idle half the time: 1 - (7 + 2) / (8 * 2)."""
+    lengths = sample_lengths("longalign", 128, seed=3)
+    speeds = [1.0] * 7 + [0.5]
+    cap = DISTRIBUTIONS["longalign"].max_length
+    aware = bubble_rate(lb_mini(lengths, 8, cap, "attention", speeds), lengths, "attention", "minibatch", speeds)
+    blind = bubble_rate(lb_mini(lengths, 8, cap, "attention"), lengths, "attention", "minibatch", speeds)
+    assert aware < 0.01
+    assert blind == pytest.approx(7 / 16, abs=0.01)
+
+
+@pytest.mark.parametrize("speeds", [[1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+def test_bubble_needs_one_positive_speed_per_rank(speeds):
+    with pytest.raises(ValueError, match=r"speeds must be 4 positive, finite numbers"):
+        bubble_rate(PLAN, LENGTHS, speeds=speeds)
 
 
 def test_a_balanced_plan_has_no_bubble_and_layer_sync_never_beats_minibatch_sync():

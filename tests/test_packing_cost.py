@@ -1,4 +1,4 @@
-"""Cost models (tokens, attention FLOPs, calibrated fit, callables) and the seeded synthetic length distributions."""
+"""Cost models (tokens, attention FLOPs, callables) and the seeded synthetic length distributions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hf_odc.packing import (
     DEFAULT_ATTENTION_SHAPE,
     DISTRIBUTIONS,
     AttentionCost,
-    CalibratedCost,
     TokenCost,
     evaluate_costs,
     lb_micro,
@@ -74,51 +73,6 @@ def test_attention_config_checks():
     assert gqa.linear > resolve_cost("attention").linear  # more k/v heads, more projection weights
     with pytest.raises(ValueError, match="non-negative coefficients, not both zero"):
         AttentionCost(linear=0.0, quadratic=0.0)
-
-
-# --- calibrated --------------------------------------------------------------------------------------------------
-
-
-def _measurements(linear: float, quadratic: float, n: int = 40, seed: int = 0) -> list[tuple[float, float, float]]:
-    """Microbatches of 1-8 random samples, timed exactly by ``linear * tokens + quadratic * sum of squares``."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        lengths = rng.integers(256, 32768, size=rng.integers(1, 9))
-        tokens, squares = float(lengths.sum()), float((lengths.astype(np.float64) ** 2).sum())
-        rows.append((tokens, squares, linear * tokens + quadratic * squares))
-    return rows
-
-
-@pytest.mark.parametrize(("linear", "quadratic"), [(2e-6, 5e-11), (1e-5, 0.0), (0.0, 3e-10), (0.7, 1e-4)])
-def test_calibrated_fit_recovers_known_coefficients(linear, quadratic):
-    fitted = CalibratedCost.fit(_measurements(linear, quadratic))
-    assert fitted.linear == pytest.approx(linear, rel=1e-9, abs=1e-18)
-    assert fitted.quadratic == pytest.approx(quadratic, rel=1e-9, abs=1e-22)
-    assert fitted([1000, 4000]) == pytest.approx([linear * 1000 + quadratic * 1e6, linear * 4000 + quadratic * 16e6])
-
-
-def test_calibrated_fit_clamps_a_negative_coefficient():
-    # Times that fall with tokens at fixed sum of squares would need a negative linear term: it is pinned to 0.
-    rows = [(t, s, 1e-9 * s - 1e-6 * t) for t, s, _ in _measurements(1.0, 1.0)]
-    rows = [(t, s, max(time, 0.0)) for t, s, time in rows]
-    fitted = CalibratedCost.fit(rows)
-    assert fitted.linear == 0.0
-    assert fitted.quadratic > 0.0
-
-
-@pytest.mark.parametrize(
-    ("samples", "message"),
-    [
-        ([(1, 1, 1)], "at least 2 measured samples"),
-        ([(1, 1), (2, 4)], "at least 2 measured samples"),
-        ([(1, 1, 1), (2, 4, -1)], "finite, non-negative"),
-        ([(1, 1, 1), (2, float("nan"), 1)], "finite, non-negative"),
-    ],
-)
-def test_calibrated_fit_rejects_bad_measurements(samples, message):
-    with pytest.raises(ValueError, match=message):
-        CalibratedCost.fit(samples)
 
 
 # --- callables and names -----------------------------------------------------------------------------------------

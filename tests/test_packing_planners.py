@@ -218,6 +218,64 @@ def test_lb_mini_lets_ranks_differ_and_leaves_ranks_empty():
     assert lb_mini([], 3, 100) == [[], [], []]
 
 
+# --- lb_mini with ranks of different speeds ------------------------------------------------------------------
+
+
+def _speeds(world_size: int, kind: str) -> list[float]:
+    """Speeds spread evenly over [0.5, 1) in a shuffled rank order, or one straggler at 0.6 of the others' speed."""
+    if kind == "spread":
+        return [0.5 + 0.5 * ((7 * rank + 3) % world_size) / world_size for rank in range(world_size)]
+    return [0.6 if rank == world_size // 2 else 1.0 for rank in range(world_size)]
+
+
+def _time_bound(costs, speeds) -> float:
+    """No plan finishes sooner: all the work on all the ranks, or the ``j`` costliest samples on the ``j`` fastest."""
+    descending, fastest = sorted(costs, reverse=True), sorted(speeds, reverse=True)
+    prefixes = [math.fsum(descending[:j]) / math.fsum(fastest[:j]) for j in range(1, len(speeds) + 1)]
+    return max(math.fsum(costs) / math.fsum(speeds), *prefixes)
+
+
+@pytest.mark.parametrize("kind", ["spread", "straggler"])
+@pytest.mark.parametrize("cost", ["tokens", "attention"])
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_lb_mini_with_speeds_balances_predicted_times_under_the_cap(kind, cost, name):
+    """16 samples per rank: the slowest rank's predicted time (cost / speed) is within 1% of the bound, every sample
+    runs once, every microbatch is under the cap, and microbatches still descend in cost."""
+    for world_size in (4, 16):
+        lengths = _lengths(name, world_size, 16, seed=2)
+        costs, speeds = evaluate_costs(lengths, cost), _speeds(world_size, kind)
+        plan = lb_mini(lengths, world_size, _cap(name), cost, speeds=speeds)
+        _assert_every_index_once(plan, len(lengths))
+        times = [total / speed for total, speed in zip(_totals(plan, costs), speeds, strict=True)]
+        assert max(times) <= 1.01 * _time_bound(costs, speeds)
+        for rank in plan:
+            assert all(sum(lengths[i] for i in microbatch) <= _cap(name) for microbatch in rank)
+            microbatch_costs = [math.fsum(costs[i] for i in microbatch) for microbatch in rank]
+            assert microbatch_costs == sorted(microbatch_costs, reverse=True)
+
+
+def test_lb_mini_gives_a_twice_as_fast_rank_two_thirds_of_the_work():
+    lengths = _lengths("longalign", 2, 32, seed=4)
+    costs = evaluate_costs(lengths, "attention")
+    for speeds in ([1.0, 0.5], [0.5, 1.0]):
+        totals = _totals(lb_mini(lengths, 2, _cap("longalign"), "attention", speeds=speeds), costs)
+        assert totals[speeds.index(1.0)] / math.fsum(costs) == pytest.approx(2 / 3, abs=0.01)
+
+
+def test_lb_mini_with_equal_speeds_is_lb_mini():
+    lengths = _lengths("swe-smith", 8, 8)
+    for speeds in ([1.0] * 8, [0.25] * 8):
+        assert lb_mini(lengths, 8, _cap("swe-smith"), "attention", speeds) == lb_mini(
+            lengths, 8, _cap("swe-smith"), "attention"
+        )
+
+
+@pytest.mark.parametrize("speeds", [[1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, -2.0]])
+def test_lb_mini_needs_one_positive_speed_per_rank(speeds):
+    with pytest.raises(ValueError, match=r"speeds must be 3 positive, finite numbers"):
+        lb_mini([10, 20, 30], 3, 100, speeds=speeds)
+
+
 # --- errors ----------------------------------------------------------------------------------------------------
 
 
@@ -278,17 +336,22 @@ for name, cap in (("longalign", 65536), ("swe-smith", 131072), ("uniform", 32768
         "local_sort": local_sort(lengths, 16),
         "karmarkar_karp": karmarkar_karp(evaluate_costs(lengths, "attention"), 16),
         "equal_size": karmarkar_karp(lengths, 16, equal_size=True),
+        "lb_mini_speeds": lb_mini(lengths, 16, cap, "attention", speeds=SPEEDS),
+        "karmarkar_karp_speeds": karmarkar_karp(evaluate_costs(lengths, "attention"), 16, speeds=SPEEDS),
+        "few_per_part_speeds": karmarkar_karp(lengths, 64, speeds=SPEEDS * 4),
     }
 json.dump(plans, sys.stdout, sort_keys=True)
 """
+_SPEEDS = [0.5 + (7 * rank % 16) / 32 for rank in range(16)]
 
 
 def test_plans_are_identical_across_processes_and_hash_seeds():
     outputs = []
     for hash_seed in ("0", "4242"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        script = f"SPEEDS = {_SPEEDS!r}\n{_PLAN_SCRIPT}"
         result = subprocess.run(
-            [sys.executable, "-c", _PLAN_SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=True
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
         )
         outputs.append(result.stdout)
     assert outputs[0] == outputs[1]
@@ -297,4 +360,6 @@ def test_plans_are_identical_across_processes_and_hash_seeds():
         lengths = plans[name]["lengths"]
         assert plans[name]["lb_mini"] == lb_mini(lengths, 16, _cap(name), "attention")  # and this process too
         assert plans[name]["lb_micro"] == lb_micro(lengths, 16, _cap(name), "attention")
+        assert plans[name]["lb_mini_speeds"] == lb_mini(lengths, 16, _cap(name), "attention", speeds=_SPEEDS)
         _assert_every_index_once(plans[name]["lb_mini"], 256)
+        _assert_every_index_once(plans[name]["lb_mini_speeds"], 256)

@@ -16,7 +16,7 @@ def config(tmp_path, **kwargs) -> ODCSFTConfig:
 def test_defaults(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_ODC_ENABLED", raising=False)
     args = config(tmp_path)
-    assert args.odc is True and args.balance == "lb-mini" and args.cost_model == "attention" and args.packed_attention
+    assert args.odc is True and args.balance == "lb-mini" and args.cost_model == "calibrated" and args.packed_attention
     assert args.microbatch_token_cap == args.max_length == 1024
     # CPU processes must know it, whatever the launcher told them; CUDA ones keep TrainingArguments' defaults
     cpu = not torch.cuda.is_available()
@@ -41,6 +41,8 @@ def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
         ({"odc": False, "balance": "lb-mini"}, "deadlock"),
         ({"balance": "greedy"}, "balance must be one of"),
         ({"cost_model": "flops"}, "cost_model must be one of"),
+        ({"cost_model": "attention", "calibration_file": "c.json"}, "starting point of cost_model='calibrated'"),
+        ({"freeze_calibration": True}, "freeze_calibration keeps a calibration as it is: pass calibration_file"),
         ({"max_tokens_per_microbatch": 10, "packing_ratio": 1.0}, "not both"),
         ({"max_tokens_per_microbatch": 0}, ">= 1"),
         ({"packing_ratio": 0.0}, "> 0"),

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import GlobalMinibatchSampler, PlannedMinibatchCollator, count_target_tokens
 
 
@@ -25,7 +26,8 @@ def _examples(n: int, seed: int = 0) -> list[dict]:
 
 def _collator(rank: int, world_size: int, balance: str = "lb-mini", max_tokens: int = 64) -> PlannedMinibatchCollator:
     sync = "minibatch" if balance == "lb-mini" else "layer"
-    return PlannedMinibatchCollator(rank, world_size, balance, max_tokens, "tokens", sync, pad_token_id=0)
+    planner = MinibatchPlanner(balance, world_size, sync, TokenCost())
+    return PlannedMinibatchCollator(rank, planner, max_tokens, pad_token_id=0)
 
 
 def test_sampler_is_identical_across_ranks_and_reshuffles_per_epoch():
@@ -69,6 +71,10 @@ def test_every_sample_is_packed_once_across_ranks(balance):
                 assert mb["labels"][0, begin] == -100  # no target across the boundary with the previous sample
             assert mb["cu_seq_lens_q"].tolist() == starts
     assert sorted(seen) == sorted(tuple(e["input_ids"]) for e in examples)
+    for rank, item in enumerate(items):  # every rank knows every rank's microbatch lengths (what times calibrate)
+        assert item["microbatch_lengths"] == items[0]["microbatch_lengths"]
+        packed = [mb["cu_seq_lens_q"].diff().tolist() for mb in item["microbatches"]]
+        assert [sorted(lengths) for lengths in item["microbatch_lengths"][rank]] == [sorted(p) for p in packed]
     counts = [len(item["microbatches"]) for item in items]
     if balance != "lb-mini":  # collective FSDP needs the same number of microbatches on every rank
         assert len(set(counts)) == 1
@@ -95,7 +101,7 @@ def test_a_rank_with_no_sample_gets_no_microbatch():
 
 
 def test_unknown_balance_is_refused():
-    with pytest.raises(ValueError, match="balance"):
+    with pytest.raises(ValueError, match="Unknown planner 'greedy'"):
         _collator(0, 2, "greedy")
 
 

@@ -5,8 +5,10 @@ with ODC + LB-Mini, and with LB-Micro with and without ODC; it must save and res
 from __future__ import annotations
 
 import pytest
-from _trainer_launch import logged_steps, run
+from _trainer_launch import ROOT, logged_steps, run
 from safetensors.torch import load_file
+
+from hf_odc.packing import Calibration
 
 STEPS = 5
 # A higher learning rate than the demo's, so that five steps move the weights enough for a wrong gradient to show.
@@ -97,3 +99,29 @@ def test_lora_with_gradient_checkpointing_and_assistant_only_loss(tmp_path):
     single = train(tmp_path / "single", *LORA, processes=1)
     assert_same_training(train(tmp_path / "odc", *LORA, processes=2), single)
     assert (tmp_path / "odc" / "adapter_model.safetensors").exists()
+
+
+def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(reference, tmp_path):
+    """``cost_model="calibrated"`` with rank 1 slowed to about a third of rank 0's speed: the first steps split the
+    minibatch evenly (the attention cost), the calibration's first fit follows step 3 (step 1 is warm-up), and from
+    step 4 rank 1 gets proportionally fewer tokens and the minibatch finishes sooner. Every rank must plan the same
+    from the same gathered times, which the loss and gradient norms of a single process prove."""
+    batch = str(16 // 2)
+    run(str(ROOT / "tests" / "_straggler_sft.py"), *COMMON, "--per_device_train_batch_size", batch, "--output_dir",
+        str(tmp_path), "--cost_model", "calibrated", processes=2,
+        env={"HF_ODC_TEST_SLOW_RANK": "1", "HF_ODC_TEST_SLOWDOWN": "6"})  # fmt: skip
+    ours = logged_steps(tmp_path)
+    assert_same_training(ours, reference[1])
+
+    def share(step: int) -> float:
+        return ours[step]["tokens/rank_1"] / (ours[step]["tokens/rank_0"] + ours[step]["tokens/rank_1"])
+
+    assert all(0.4 < share(step) < 0.6 for step in (1, 2, 3)), [share(step) for step in (1, 2, 3)]
+    assert "calibration/speed/rank_1" not in ours[2] and ours[3]["calibration/speed/rank_1"] < 0.8
+    assert all(share(step) < 0.4 for step in (4, 5)), [share(step) for step in (4, 5)]
+    before = [ours[step]["tokens_per_second"] for step in (2, 3)]
+    after = [ours[step]["tokens_per_second"] for step in (4, 5)]
+    assert min(after) > 1.1 * max(before), (before, after)
+    saved = Calibration.load(tmp_path / "odc_calibration.json")
+    assert saved.speeds[1] == pytest.approx(ours[STEPS]["calibration/speed/rank_1"])  # the last step's fit
+    assert saved.cost.quadratic == pytest.approx(ours[STEPS]["calibration/quadratic"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import ODCGRPOConfig
 from hf_odc.trainer.rollouts import Rollouts, pack_rollouts, plan_generation_batch
 
@@ -39,10 +40,8 @@ def test_pack_points_every_completion_token_at_the_log_prob_that_scores_it():
 
 
 def plan(batch, rank, world_size=2, steps=2, balance="lb-mini"):
-    return plan_generation_batch(
-        batch, steps=steps, world_size=world_size, rank=rank, seed=3, balance=balance, cost="tokens",
-        token_cap=lambda longest: 2 * longest, sync="minibatch",
-    )  # fmt: skip
+    planner = MinibatchPlanner(balance, world_size, "minibatch", TokenCost())
+    return plan_generation_batch(batch, steps=steps, rank=rank, seed=3, planner=planner, token_cap=lambda n: 2 * n)
 
 
 def test_every_rank_plans_the_same_minibatches_and_each_rollout_runs_once():

@@ -117,6 +117,12 @@ class ODCRuntime:
             return torch.no_grad() if not backward else contextlib.nullcontext()
         return self._runner.minibatch(backward=backward)
 
+    def lap(self) -> None:
+        """Mark the end of a microbatch inside :meth:`minibatch`, so that :attr:`last` holds each one's device time
+        (what a calibrated cost model learns from); a no-op before :meth:`enable`."""
+        if self._runner is not None:
+            self._runner.lap()
+
     def close(self) -> None:
         """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""
         if self._odc is not None:

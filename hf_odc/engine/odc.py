@@ -58,6 +58,7 @@ class ODC:
         self._failed = False  # this rank saw a peer fail, or failed itself: close() then waits for nobody
         self._requires_grad = [tuple(p.trainable for p in s.params) for s in specs]
         self.last = MinibatchStats()
+        self._clock = MinibatchClock(self.device)
         self._grads: dict[int, DTensor] = {}  # param id -> its .grad as a DTensor over the accumulator (built once)
         self._sinks = self._make_sinks()
         for slots in self._slots:
@@ -182,8 +183,7 @@ class ODC:
         self._publish(clear_accumulators=backward)
         self._barrier()
         self._in_minibatch = True
-        clock = MinibatchClock(self.device)
-        clock.start()
+        self._clock.start()
         try:
             with contextlib.nullcontext() if backward else torch.no_grad():
                 yield self
@@ -193,11 +193,15 @@ class ODC:
             self.transport.abort(f"{type(e).__name__}: {e}")
             raise
         self._in_minibatch = False
-        clock.done()
+        self._clock.done()
         self._barrier()
-        self.last = clock.stop()
+        self.last = self._clock.stop()
         if backward:
             self._install_grads()
+
+    def lap(self) -> None:
+        """Mark the end of a microbatch inside :meth:`minibatch` (its device time lands in ``last.microbatches``)."""
+        self._clock.lap()
 
     def _barrier(self) -> None:
         try:

@@ -8,6 +8,7 @@ recorded on the compute stream, with no synchronisation inside the minibatch.
 * ``step``: from the entry meeting point to the exit meeting point, the same span on every rank.
 * ``busy``: from the entry until this rank's last microbatch has finished on its device.
 * ``wait``: ``step - busy``, the time this rank idled at the exit meeting point for slower peers.
+* ``microbatches``: each microbatch's device time, where the loop marks their ends (``lap()``).
 
 The measured bubble of a minibatch is ``hf_odc.packing.idle_fraction(busy of every rank, step)``.
 """
@@ -15,9 +16,10 @@ The measured bubble of a minibatch is ``hf_odc.packing.idle_fraction(busy of eve
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,9 @@ class MinibatchStats:
 
     busy: float = 0.0
     wait: float = 0.0
+    microbatches: list[float] = field(default_factory=list)
+    """Device seconds of each microbatch marked with :meth:`MinibatchClock.lap`, in order (the first from the
+    entry meeting point), what the cost model is calibrated on."""
 
     @property
     def step(self) -> float:
@@ -38,38 +43,47 @@ class MinibatchStats:
 
 
 class MinibatchClock:
-    """Times one minibatch on ``device``: :meth:`start` after the entry meeting point, :meth:`done` after the last
-    microbatch is enqueued, :meth:`stop` after the exit meeting point."""
+    """Times one minibatch on ``device``: :meth:`start` after the entry meeting point, :meth:`lap` after each
+    microbatch is enqueued, :meth:`done` after the last one, :meth:`stop` after the exit meeting point."""
 
     def __init__(self, device: torch.device):
         self._cuda = torch.device(device).type == "cuda"
         self._device = device
-        self._events = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
-        )
-        self._start = self._done = 0.0
+        self._start = 0.0
+        self._marks: list = []  # CUDA events, or host times on a CPU: start, each lap, done
+
+    def _mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self._device))
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())  # CPU ops run synchronously: the host clock is the device's
 
     def start(self) -> None:
         """The device must be idle here (the meeting point drained it), so the event and the host clock agree."""
         self._start = time.perf_counter()
-        if self._events is not None:
-            self._events[0].record(torch.cuda.current_stream(self._device))
+        self._marks = []
+        self._mark()
+
+    def lap(self) -> None:
+        """One more microbatch has been enqueued (no synchronisation: an event on the compute stream)."""
+        self._mark()
 
     def done(self) -> None:
-        if self._events is not None:
-            self._events[1].record(torch.cuda.current_stream(self._device))
-        else:
-            self._done = time.perf_counter()  # CPU ops run synchronously: the host clock is the device's
+        self._mark()
 
     def stop(self) -> MinibatchStats:
         """After the exit meeting point (the device drained, so the events have completed)."""
         step = time.perf_counter() - self._start
-        if self._events is not None:
-            busy = self._events[0].elapsed_time(self._events[1]) / 1e3
+        first, *laps, last = self._marks
+        if self._cuda:
+            since = [first.elapsed_time(mark) / 1e3 for mark in (*laps, last)]
         else:
-            busy = self._done - self._start
-        busy = min(max(busy, 0.0), step)
-        return MinibatchStats(busy=busy, wait=step - busy)
+            since = [mark - first for mark in (*laps, last)]
+        busy = min(max(since[-1], 0.0), step)
+        ends = [0.0, *since[:-1]]
+        return MinibatchStats(busy=busy, wait=step - busy, microbatches=[b - a for a, b in itertools.pairwise(ends)])
 
 
 class CollectiveMinibatch:
@@ -88,6 +102,7 @@ class CollectiveMinibatch:
         self.device = torch.device(device)
         self.group = group
         self.last = MinibatchStats()
+        self._clock = MinibatchClock(self.device)
 
     def _meet(self) -> None:
         if self.device.type == "cuda":
@@ -103,11 +118,14 @@ class CollectiveMinibatch:
     def minibatch(self, *, backward: bool = True) -> Iterator[CollectiveMinibatch]:
         """Run this rank's microbatches (every rank the same number: FSDP2's collectives pair them up);
         ``backward=False``: forwards only, under ``torch.no_grad()``."""
-        clock = MinibatchClock(self.device)
         self._meet()
-        clock.start()
+        self._clock.start()
         with contextlib.nullcontext() if backward else torch.no_grad():
             yield self
-        clock.done()
+        self._clock.done()
         self._meet()
-        self.last = clock.stop()
+        self.last = self._clock.stop()
+
+    def lap(self) -> None:
+        """Mark the end of a microbatch (its device time lands in ``last.microbatches``)."""
+        self._clock.lap()

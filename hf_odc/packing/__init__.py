@@ -2,12 +2,14 @@
 
 Collective FSDP synchronises every layer, so every microbatch step waits for its slowest rank; ODC synchronises once
 per minibatch, so only each rank's total must be balanced (LB-Mini). This package holds the planners, the cost
-models they balance, the bubble model that predicts idle time, the four schemes every comparison names, and the
-built-in length distributions. The simulator and the rest of ``hf-odc plan``'s back end are in
-:mod:`hf_odc.packing.planning_cli`.
+models they balance, the bubble model that predicts idle time, the four schemes every comparison names, the
+built-in length distributions, and the calibration that fits the cost model (and each rank's speed) to measured
+microbatch times while training (:class:`MinibatchPlanner` plans with it). The simulator and the rest of
+``hf-odc plan``'s back end are in :mod:`hf_odc.packing.planning_cli`.
 """
 
 from .bubble import bubble_rate, idle_fraction, plan_costs, predicted_time, sync_time
+from .calibration import Calibration, Calibrator, microbatch_features
 from .cost import (
     COSTS,
     DEFAULT_ATTENTION_SHAPE,
@@ -22,6 +24,7 @@ from .cost import (
     resolve_cost,
 )
 from .distributions import DISTRIBUTIONS, LengthDistribution, sample_lengths
+from .online import MinibatchPlanner
 from .partition import karmarkar_karp
 from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, token_cap
 from .schemes import BASELINE, SCHEMES, Scheme
@@ -35,9 +38,12 @@ __all__ = [
     "SCHEMES",
     "AttentionCost",
     "CalibratedCost",
+    "Calibration",
+    "Calibrator",
     "CostLike",
     "CostModel",
     "LengthDistribution",
+    "MinibatchPlanner",
     "Plan",
     "Planner",
     "QuadraticCost",
@@ -51,6 +57,7 @@ __all__ = [
     "lb_micro",
     "lb_mini",
     "local_sort",
+    "microbatch_features",
     "named_cost",
     "plan_costs",
     "predicted_time",

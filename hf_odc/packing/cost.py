@@ -3,7 +3,7 @@
 Balancing only needs *relative* costs, so every model here is a per-sample function ``list[int] -> list[float]``
 whose sum over a microbatch predicts that microbatch's compute time. Token count is the classic proxy; it is wrong
 for long sequences, where attention's quadratic term dominates, so two quadratic models are provided: one derived
-from a model's shape (FLOP counting) and one fitted to measured step times.
+from a model's shape (FLOP counting) and one fitted to measured microbatch times (:mod:`hf_odc.packing.calibration`).
 """
 
 from __future__ import annotations
@@ -112,42 +112,42 @@ class AttentionCost(QuadraticCost):
         return cls(linear=linear, quadratic=quadratic)
 
 
+@dataclass(frozen=True)
 class CalibratedCost(QuadraticCost):
-    """Coefficients fitted to measured microbatch times, so the model matches the actual kernels and hardware."""
+    """A cost in seconds, fitted to measured microbatch times (:class:`hf_odc.packing.Calibration`).
 
-    @classmethod
-    def fit(cls, samples: Sequence[Sequence[float]]) -> CalibratedCost:
-        """Least-squares fit of ``time ~ linear * tokens + quadratic * sum_sq`` with non-negative coefficients.
+    Besides the linear and quadratic terms it carries what a FLOP count cannot see: a fixed cost per sequence
+    (``per_sequence``, e.g. per-document kernel launches of varlen attention) and per microbatch (``per_microbatch``:
+    the parameter reads, gradient pushes and launches every microbatch pays whatever it holds). A sample's cost
+    includes its sequence term; the microbatch term belongs to no sample, so a planner sees it spread over the tokens
+    of a full microbatch (:meth:`amortised`).
+    """
 
-        ``samples`` are measured microbatches ``(tokens, sum of squared sample lengths, seconds)``. There is no
-        intercept: a per-microbatch constant cannot be attributed to samples, and planners only need per-sample
-        costs. A negative unconstrained coefficient (noise) is clamped by refitting on the other term alone.
-        """
-        data = np.asarray(samples, dtype=np.float64)
-        if data.ndim != 2 or data.shape[1] != 3 or data.shape[0] < 2:
+    per_sequence: float = 0.0
+    per_microbatch: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.per_sequence >= 0 and self.per_microbatch >= 0):
             raise ValueError(
-                "CalibratedCost.fit needs at least 2 measured samples, each (tokens, sum_of_squared_lengths, time); "
-                f"got an array of shape {data.shape}."
+                f"CalibratedCost needs non-negative fixed costs; got per_sequence={self.per_sequence}, "
+                f"per_microbatch={self.per_microbatch}."
             )
-        if not np.isfinite(data).all() or (data < 0).any():
-            raise ValueError("CalibratedCost.fit needs finite, non-negative (tokens, sum_sq, time) measurements.")
-        features, times = data[:, :2], data[:, 2]
-        coefficients, *_ = np.linalg.lstsq(features, times, rcond=None)
-        if (coefficients < 0).any():
-            coefficients = min(
-                (_fit_single(features, times, column) for column in (0, 1)),
-                key=lambda fitted: float(np.sum((features @ fitted - times) ** 2)),
-            )
-        return cls(linear=float(coefficients[0]), quadratic=float(coefficients[1]))
 
+    def __call__(self, lengths: Sequence[int]) -> list[float]:
+        return [self.per_sequence + self.linear * length + self.quadratic * length * length for length in lengths]
 
-def _fit_single(features: np.ndarray, times: np.ndarray, column: int) -> np.ndarray:
-    """Non-negative least squares on one feature alone (the other coefficient pinned to zero)."""
-    x = features[:, column]
-    denominator = float(x @ x)
-    fitted = np.zeros(2)
-    fitted[column] = max(float(x @ times) / denominator, 0.0) if denominator > 0 else 0.0
-    return fitted
+    def amortised(self, max_tokens: int) -> CalibratedCost:
+        """The per-sample cost a planner balances when microbatches hold up to ``max_tokens``: the microbatch term
+        spread over that many tokens. Planners fill microbatches close to the cap, so a rank's share of ``N`` tokens
+        runs about ``N / max_tokens`` of them."""
+        if not max_tokens >= 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
+        return CalibratedCost(
+            linear=self.linear + self.per_microbatch / max_tokens,
+            quadratic=self.quadratic,
+            per_sequence=self.per_sequence,
+        )
 
 
 def _config_int(config: Any, key: str, default: int | None = None) -> int:
@@ -174,7 +174,7 @@ def named_cost(name: str, config: Any = None) -> CostModel:
     if name not in COSTS:
         raise ValueError(
             f"Unknown cost model {name!r}: use one of {sorted(COSTS)}, a CostModel such as "
-            "AttentionCost.from_config(config) or CalibratedCost.fit(samples), or a callable list[int] -> list[float]."
+            "AttentionCost.from_config(config) or Calibration.fit(...).cost, or a callable list[int] -> list[float]."
         )
     return COSTS[name](config)
 

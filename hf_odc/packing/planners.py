@@ -8,7 +8,9 @@ communication, no unseeded randomness, ties broken by index), so all ranks compu
 * :func:`lb_micro`: what collective FSDP allows. Every rank must run the same number of microbatches (each one a
   round of per-layer collectives), so the best one can do is balance each microbatch *step* across ranks.
 * :func:`lb_mini`: what ODC allows. Ranks meet once per minibatch, so only each rank's *total* has to be balanced;
-  ranks may run different numbers of samples and microbatches.
+  ranks may run different numbers of samples and microbatches. Given the ranks' speeds, it balances their predicted
+  times instead (total cost / speed), so a slow rank gets less work. The other two take no speeds: they plan for
+  per-layer collectives, which run every step at the slowest rank's pace.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ Plan = list[list[list[int]]]
 """``plan[rank][microbatch]`` is the list of sample indices that rank runs in that microbatch."""
 
 Planner = Callable[[Sequence[int], int, int | None, CostLike], Plan]
-"""Every planner's signature: ``(lengths, world_size, max_tokens, cost) -> Plan``."""
+"""Every planner's signature: ``(lengths, world_size, max_tokens, cost) -> Plan``. :func:`lb_mini` also takes the
+ranks' ``speeds`` (a keyword with a default, so it is still a ``Planner``); callers that have speeds call it by
+name."""
 
 
 def local_sort(
@@ -49,7 +53,13 @@ def local_sort(
     ]
 
 
-def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, cost: CostLike = "tokens") -> Plan:
+def lb_mini(
+    lengths: Sequence[int],
+    world_size: int,
+    max_tokens: int,
+    cost: CostLike = "tokens",
+    speeds: Sequence[float] | None = None,
+) -> Plan:
     """LB-Mini: balance the whole minibatch's cost across ranks, then pack each rank's share into microbatches.
 
     Each rank's share is split into as few microbatches as ``max_tokens`` allows (by LPT, see
@@ -58,12 +68,17 @@ def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cost
     grouped, so within a rank only memory, i.e. tokens, is worth evening out, and that is also what lets the
     fewest microbatches fit the cap. Ranks may get different
     numbers of samples and of microbatches; with fewer samples than ranks, some ranks get none.
+
+    With ``speeds`` (``world_size`` positive numbers, rank ``r``'s relative speed: it runs a cost ``c`` in time
+    ``c / speeds[r]``) the ranks' predicted times are balanced instead of their costs, so that with ODC's one sync
+    per minibatch the faster ranks take on more and all finish together; rank ``r`` gets the share made for
+    ``speeds[r]``. Equal speeds give the plan of ``speeds=None``.
     """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
     _check_token_cap(lengths, max_tokens)
     costs = evaluate_costs(lengths, cost)
-    shares = karmarkar_karp(costs, world_size)
+    shares = karmarkar_karp(costs, world_size, speeds=speeds)  # with speeds, share r is rank r's
     return [_pack_share(share, lengths, costs, max_tokens) for share in shares]
 
 

@@ -16,7 +16,13 @@ from .attention import (
     use_packed_attention,
 )
 from .config import ODCSFTConfig
-from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator, count_target_tokens
+from .data import (
+    GlobalMinibatchSampler,
+    MinibatchDataLoader,
+    PlannedMinibatchCollator,
+    count_target_tokens,
+    global_minibatch,
+)
 from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
 from .sft_trainer import ODCSFTTrainer
@@ -33,6 +39,7 @@ __all__ = [
     "PlannedMinibatchCollator",
     "check_packed_attention",
     "count_target_tokens",
+    "global_minibatch",
     "packed_attention_forward",
     "register_packed_attention",
     "use_packed_attention",

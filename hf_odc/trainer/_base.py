@@ -22,9 +22,15 @@ from transformers.trainer import SCHEDULER_NAME
 
 from ..accelerate_plugin import ODCPlugin, ODCRuntime
 from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
-from ..packing import COSTS, PLANNERS, idle_fraction, named_cost, token_cap
+from ..packing import COSTS, PLANNERS, Calibration, Calibrator, MinibatchPlanner, idle_fraction, named_cost, token_cap
+from ..packing.calibration import FEATURES
 from . import _checkpoint
 from .attention import use_packed_attention
+
+CALIBRATION_FILE = "odc_calibration.json"
+"""Where the ODC trainers save the calibrated cost model, beside the model (and in every checkpoint)."""
+
+_COST_MODELS = (*COSTS, "calibrated")
 
 _ODC_PARAMETERS = """
         > Parameters of On-Demand Communication and the minibatch plan
@@ -52,10 +58,21 @@ _ODC_PARAMETERS = """
             Token capacity of one packed microbatch as a multiple of the longest sample it must fit (SFT:
             `max_length`; GRPO: the minibatch's longest rollout), so `1.0` fits exactly one longest sample. Used when
             `max_tokens_per_microbatch` is not set; defaults to `1.0`.
-        cost_model (`str`, *optional*, defaults to `"attention"`):
-            Per-sample cost the planner balances (a name of `hf_odc.packing.COSTS`): `"attention"` (FLOPs of the
-            trained model's shape, linear plus quadratic in the length; see `hf_odc.packing.AttentionCost`) or
-            `"tokens"` (sequence length).
+        cost_model (`str`, *optional*, defaults to `"calibrated"`):
+            Per-sample cost the planner balances. `"calibrated"`: start from `"attention"` (or from
+            `calibration_file`) and refit after every step to the microbatch times every rank measured
+            (`hf_odc.packing.Calibrator`: fixed costs per microbatch and per sequence, per token and per squared
+            token); with ODC and `balance="lb-mini"`, each rank also gets work in proportion to its measured speed.
+            The fit is logged (`calibration/*`) and saved with the model as `odc_calibration.json`, which
+            `hf-odc plan --calibration` reads. Plans then depend on measured times, so two runs may group samples
+            differently (same gradients up to floating-point summation order); `"attention"` (FLOPs of the trained
+            model's shape, linear plus quadratic in the length; see `hf_odc.packing.AttentionCost`) and `"tokens"`
+            (sequence length) plan identically in every run.
+        calibration_file (`str`, *optional*):
+            A calibration to start from (`odc_calibration.json` of an earlier run; its speeds are kept only with the
+            same number of ranks). Needs `cost_model="calibrated"`.
+        freeze_calibration (`bool`, *optional*, defaults to `False`):
+            Plan with `calibration_file` as it is, without refitting. Needs `calibration_file`.
         packed_attention (`bool`, *optional*, defaults to `True`):
             Switch a model whose attention implementation is `"sdpa"` or `"eager"` (transformers' default) to
             hf_odc's `"odc_packed"` (`hf_odc.trainer.attention`): each packed sample is attended on its own, so a
@@ -124,11 +141,20 @@ class _ODCConfig:
         metadata={"help": "Microbatch capacity as a multiple of max_length (default 1.0 when no token cap is set)."},
     )
     cost_model: str = field(
-        default="attention",
+        default="calibrated",
         metadata={
-            "help": "Per-sample cost to balance: 'attention' (FLOPs of the model's shape) or 'tokens'.",
-            "choices": list(COSTS),
+            "help": "Per-sample cost to balance: 'attention' (FLOPs of the model's shape), 'tokens', or 'calibrated' "
+            "(fitted to measured microbatch times while training, with a speed per rank for LB-Mini).",
+            "choices": list(_COST_MODELS),
         },
+    )
+    calibration_file: str | None = field(
+        default=None,
+        metadata={"help": "odc_calibration.json of an earlier run to start from (cost_model='calibrated')."},
+    )
+    freeze_calibration: bool = field(
+        default=False,
+        metadata={"help": "Plan with calibration_file as it is, without refitting."},
     )
     packed_attention: bool = field(
         default=True,
@@ -154,8 +180,15 @@ class _ODCConfig:
                 "balance='lb-mini' gives ranks different numbers of microbatches, which plain FSDP2 (odc=False) "
                 "cannot run: its per-layer collectives would deadlock. Use balance='lb-micro' for the baseline."
             )
-        if self.cost_model not in COSTS:
-            raise ValueError(f"cost_model must be one of {tuple(COSTS)}, got {self.cost_model!r}.")
+        if self.cost_model not in _COST_MODELS:
+            raise ValueError(f"cost_model must be one of {_COST_MODELS}, got {self.cost_model!r}.")
+        if self.calibration_file is not None and self.cost_model != "calibrated":
+            raise ValueError("calibration_file is the starting point of cost_model='calibrated'; set that too.")
+        if self.freeze_calibration and self.calibration_file is None:
+            raise ValueError(
+                "freeze_calibration keeps a calibration as it is: pass calibration_file (an earlier run's "
+                "odc_calibration.json), or unset freeze_calibration to calibrate during this run."
+            )
         if self.max_tokens_per_microbatch is not None and self.packing_ratio is not None:
             raise ValueError("Set max_tokens_per_microbatch or packing_ratio, not both.")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
@@ -204,7 +237,20 @@ class _ODCTrainer:
                 # The model manages its own placement and gradient reduction: Accelerate only adds autocast.
                 self.is_distributed_loading_by_transformers = True
         self.odc.enable(self.model)
-        self._cost = named_cost(args.cost_model, self.model.config.get_text_config())
+        self._planner = self._minibatch_planner()
+
+    def _minibatch_planner(self) -> MinibatchPlanner:
+        """The run's planner: ``balance`` with the configured cost model (a calibrated one starts from the attention
+        cost, or from ``calibration_file``) under the synchronisation the run uses."""
+        args, world_size = self.args, self.accelerator.num_processes
+        calibrator = None
+        if args.cost_model == "calibrated":
+            initial = Calibration.load(args.calibration_file) if args.calibration_file is not None else None
+            calibrator = Calibrator(world_size, initial=initial, frozen=args.freeze_calibration)
+        analytical = "attention" if args.cost_model == "calibrated" else args.cost_model
+        cost = named_cost(analytical, self.model.config.get_text_config())
+        sync = "minibatch" if self.odc.active else "layer"
+        return MinibatchPlanner(args.balance, world_size, sync, cost, calibrator)
 
     @property
     def _is_sharded(self) -> bool:
@@ -226,6 +272,7 @@ class _ODCTrainer:
                 microbatch_loss = loss_of(self._to_device(microbatch))
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
+                self.odc.lap()
         return loss
 
     def _to_device(self, inputs: Any) -> Any:
@@ -235,28 +282,30 @@ class _ODCTrainer:
 
     def _log_minibatch(
         self,
-        microbatches: list[dict[str, Any]],
+        microbatch_lengths: list[list[list[int]]],
         num_tokens: int,
         predicted_bubble_rate: float,
         values: dict[str, torch.Tensor],
     ) -> dict[str, list[float]]:
-        """Gather this step's values from every rank in one collective, after the minibatch; log the timings.
+        """Gather this step's values from every rank in one collective, after the minibatch; log the timings and feed
+        the measured microbatch times to the calibration.
 
-        ``microbatches`` are this rank's (model inputs, one packed row each), ``num_tokens`` the whole minibatch's
-        tokens, ``predicted_bubble_rate`` the plan's. ``values`` are per-rank scalars (kept on the device until now),
-        returned as per-rank lists by name for the caller to reduce. Timings are device-timed and mean the same with
-        and without ODC (:mod:`hf_odc.engine.timing`)."""
+        ``microbatch_lengths[rank][m]`` are the sample lengths of every rank's microbatches (the plan, known on every
+        rank), ``num_tokens`` the whole minibatch's tokens, ``predicted_bubble_rate`` the plan's. ``values`` are
+        per-rank scalars (kept on the device until now), returned as per-rank lists by name for the caller to reduce.
+        Timings are device-timed and mean the same with and without ODC (:mod:`hf_odc.engine.timing`)."""
         stats = self.odc.last
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        tokens = sum(microbatch["input_ids"].numel() for microbatch in microbatches)
-        own = {"busy": stats.busy, "wait": stats.wait, "microbatches": len(microbatches), "tokens": tokens}
-        own["peak"] = peak_gib
+        counts = [len(rank) for rank in microbatch_lengths]
+        times = stats.microbatches + [0.0] * (max(counts) - len(stats.microbatches))  # the same width on every rank
         device = self.args.device
         stacked = [v.reshape(()).to(device, torch.float64) for v in values.values()]
-        stacked += [torch.tensor(x, dtype=torch.float64, device=device) for x in own.values()]
-        gathered = self.accelerator.gather(torch.stack(stacked)[None]).cpu()  # (world size, values)
-        per_rank = dict(zip([*values, *own], gathered.T.tolist(), strict=True))
-        busy, wait = per_rank["busy"], per_rank["wait"]
+        stacked.append(torch.tensor([stats.busy, stats.wait, peak_gib, *times], dtype=torch.float64, device=device))
+        gathered = self.accelerator.gather(torch.cat([v.reshape(-1) for v in stacked])[None]).cpu().tolist()
+        per_rank = {name: [row[i] for row in gathered] for i, name in enumerate(values)}
+        first = len(values)  # then busy, wait, peak, and the microbatch times
+        busy, wait, peak = ([row[first + i] for row in gathered] for i in range(3))
+        times = [row[first + 3 :] for row in gathered]
         step = max(b + w for b, w in zip(busy, wait, strict=True))
         metrics = self._metrics["train"]
         metrics["step_s"].append(step)
@@ -264,13 +313,21 @@ class _ODCTrainer:
         metrics["bubble_rate"].append(idle_fraction(busy, step))
         metrics["predicted_bubble_rate"].append(predicted_bubble_rate)
         if torch.cuda.is_available():
-            metrics["peak_memory_gib"].append(max(per_rank["peak"]))  # the largest rank's, since the start
-        for rank in range(len(busy)):
+            metrics["peak_memory_gib"].append(max(peak))  # the largest rank's, since the start
+        for rank, lengths in enumerate(microbatch_lengths):
             metrics[f"busy_s/rank_{rank}"].append(busy[rank])
             metrics[f"wait_s/rank_{rank}"].append(wait[rank])
-            metrics[f"microbatches/rank_{rank}"].append(per_rank["microbatches"][rank])
-            metrics[f"tokens/rank_{rank}"].append(per_rank["tokens"][rank])
-        return {name: per_rank[name] for name in values}
+            metrics[f"microbatches/rank_{rank}"].append(counts[rank])
+            metrics[f"tokens/rank_{rank}"].append(sum(map(sum, lengths)))
+        self._planner.record(microbatch_lengths, [times[rank][:count] for rank, count in enumerate(counts)])
+        calibration = self._planner.calibration
+        if calibration is not None:
+            for name in FEATURES:
+                metrics[f"calibration/{name}"].append(getattr(calibration.cost, name))
+            metrics["calibration/error"].append(calibration.error)
+            for rank, speed in enumerate(calibration.speeds):
+                metrics[f"calibration/speed/rank_{rank}"].append(speed)
+        return per_rank
 
     def close_odc(self) -> None:
         """Release ODC (collective), keeping the process group: the model then runs as plain FSDP2."""
@@ -285,10 +342,15 @@ class _ODCTrainer:
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``save_pretrained`` of the unsharded model (collective: every rank must call it)."""
+        """``save_pretrained`` of the unsharded model (collective: every rank must call it), and the calibrated cost
+        model beside it (:data:`CALIBRATION_FILE`)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        calibration = self._planner.calibration
+        if calibration is not None and self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            calibration.save(os.path.join(output_dir, CALIBRATION_FILE))
         if not self._is_sharded:
             return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = _checkpoint.full_model_state_dict(self.model)
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
@@ -303,6 +365,11 @@ class _ODCTrainer:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The model's weights, and the checkpoint's calibration (newer than ``calibration_file``) unless frozen."""
+        saved = os.path.join(resume_from_checkpoint, CALIBRATION_FILE)
+        calibrator = self._planner.calibrator
+        if calibrator is not None and not calibrator.frozen and os.path.isfile(saved):
+            self._planner.calibrator = Calibrator(calibrator.world_size, initial=Calibration.load(saved))
         if not self._is_sharded:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         _checkpoint.load_sharded_model(model if model is not None else self.model, _state_dir(resume_from_checkpoint))

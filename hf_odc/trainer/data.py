@@ -16,9 +16,15 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from ..packing import PLANNERS, bubble_rate, get_planner
+from ..packing import MinibatchPlanner, Plan
 
-__all__ = ["GlobalMinibatchSampler", "MinibatchDataLoader", "PlannedMinibatchCollator", "count_target_tokens"]
+__all__ = [
+    "GlobalMinibatchSampler",
+    "MinibatchDataLoader",
+    "PlannedMinibatchCollator",
+    "count_target_tokens",
+    "global_minibatch",
+]
 
 
 class GlobalMinibatchSampler(Sampler[list[int]]):
@@ -68,39 +74,43 @@ def count_target_tokens(example: dict[str, Any]) -> int:
     return sum(1 for label in labels[1:] if label != -100)
 
 
+def global_minibatch(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The data loader's ``collate_fn``: the global minibatch's examples as they are, under ``"examples"``. Planning
+    happens in the training process (:class:`PlannedMinibatchCollator`), with the cost model of that step: a
+    calibrated model changes between steps, and loader workers would hold stale copies of it."""
+    return {"examples": examples}
+
+
 @dataclass
 class PlannedMinibatchCollator:
     """Turns one global minibatch (a list of tokenized samples) into this rank's packed microbatches.
 
     Returns a dict with ``microbatches`` (a list, possibly empty, of padding-free batches from TRL's
     ``DataCollatorForLanguageModeling``: one row, ``position_ids`` restarting at 0 for each sample, the label at each
-    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels), ``num_target_tokens`` and
-    ``num_tokens`` of the whole global minibatch, and the plan's ``predicted_bubble_rate`` under the synchronisation
-    the run uses (``"minibatch"`` with ODC, ``"layer"`` with collective FSDP).
+    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels), ``microbatch_lengths`` (every
+    rank's microbatches as lists of sample lengths, what measured times are calibrated against),
+    ``num_target_tokens`` and ``num_tokens`` of the whole global minibatch, and the plan's
+    ``predicted_bubble_rate``.
     """
 
     rank: int
-    world_size: int
-    balance: str
+    planner: MinibatchPlanner
     max_tokens: int
-    cost: Any
-    sync: str
     pad_token_id: int
 
     def __post_init__(self) -> None:
-        if self.balance not in PLANNERS:
-            raise ValueError(f"balance must be one of {sorted(PLANNERS)}, got {self.balance!r}.")
         self._pack = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
 
-    def plan(self, lengths: Sequence[int]) -> list[list[list[int]]]:
-        return get_planner(self.balance)(lengths, self.world_size, self.max_tokens, self.cost)
+    def plan(self, lengths: Sequence[int]) -> Plan:
+        return self.planner.plan(lengths, self.max_tokens)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         lengths = [len(example["input_ids"]) for example in examples]
         plan = self.plan(lengths)
         return {
             "microbatches": [self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
+            "microbatch_lengths": [[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
             "num_target_tokens": sum(count_target_tokens(example) for example in examples),
             "num_tokens": sum(lengths),
-            "predicted_bubble_rate": bubble_rate(plan, lengths, self.cost, sync=self.sync),
+            "predicted_bubble_rate": self.planner.predicted_bubble(plan, lengths, self.max_tokens),
         }

@@ -141,13 +141,10 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         planned = plan_generation_batch(
             rollouts,
             steps=args.steps_per_generation,
-            world_size=self.accelerator.num_processes,
             rank=self.accelerator.process_index,
             seed=args.seed + self._generation_index,
-            balance=args.balance,
-            cost=self._cost,
+            planner=self._planner,
             token_cap=args.token_cap_for,
-            sync="minibatch" if self.odc.active else "layer",
         )
         self._generation_index += 1
         microbatches = [microbatch for step in planned for microbatch in step.packed]
@@ -331,8 +328,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
     def _log_step(self, step: PlannedStep) -> None:
         """One gather for the step's timings and TRL's metrics (same names and meaning as one process logs)."""
         values = self._step_values
-        model_inputs = [microbatch["model"] for microbatch in step.packed]
-        per_rank = self._log_minibatch(model_inputs, step.num_tokens, step.predicted_bubble_rate, values)
+        per_rank = self._log_minibatch(step.microbatch_lengths, step.num_tokens, step.predicted_bubble_rate, values)
         metrics = self._metrics["train"]
         metrics["predicted_bubble_rate_unbalanced"].append(step.unbalanced_bubble_rate)
         for name in [key.removesuffix("/sum") for key in values if key.endswith("/sum")]:

@@ -6,9 +6,10 @@ What changes with respect to ``SFTTrainer``, hook by hook (the hooks every ODC t
 * ``__init__``: packed attention, and with several processes the model is sharded by hf_odc (one FSDP2 group per
   decoder layer, then the root; see :mod:`hf_odc.accelerate_plugin.sharding`) before the optimizer exists, and ODC
   is installed on it (``_setup_odc``).
-* ``get_train_dataloader``: one item per optimizer step; every rank draws the same global minibatch and keeps its
-  packed microbatches from the plan (:mod:`hf_odc.trainer.data`).
-* ``training_step``: runs the rank's microbatches inside ``odc.minibatch()`` (no collective inside), or, without
+* ``get_train_dataloader``: one item per optimizer step, the same global minibatch on every rank
+  (:mod:`hf_odc.trainer.data`).
+* ``training_step``: plans the minibatch (every rank the same plan, with the step's cost model) and runs the rank's
+  packed microbatches inside ``odc.minibatch()`` (no collective inside), or, without
   ODC, with FSDP2's gradient reduction deferred to the last microbatch, between the same two meeting points
   (:class:`~hf_odc.engine.CollectiveMinibatch`), so that both modes' device-timed metrics cover the same span.
   Metrics are gathered once, afterwards.
@@ -31,7 +32,7 @@ from trl import SFTTrainer
 
 from ._base import _ODCTrainer
 from .config import ODCSFTConfig
-from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator
+from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator, global_minibatch
 
 __all__ = ["ODCSFTTrainer"]
 
@@ -108,20 +109,17 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=strategy == "random",
         )
-        collator = PlannedMinibatchCollator(
+        self._collator = PlannedMinibatchCollator(
             rank=self.accelerator.process_index,
-            world_size=world_size,
-            balance=args.balance,
+            planner=self._planner,
             max_tokens=args.microbatch_token_cap,
-            cost=self._cost,
-            sync="minibatch" if self.odc.active else "layer",
             pad_token_id=self._tokenizer.pad_token_id,
         )
         workers = args.dataloader_num_workers
         return MinibatchDataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=collator,
+            collate_fn=global_minibatch,
             num_workers=workers,
             pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers and workers > 0,
@@ -133,7 +131,9 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """Forward and backward of this rank's microbatches; returns their summed (already normalised) loss."""
+        """Plan the global minibatch (in place: the Trainer's later hooks see this rank's ``microbatches``), then
+        forward and backward of this rank's microbatches; returns their summed (already normalised) loss."""
+        inputs.update(self._collator(inputs.pop("examples")))
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -146,7 +146,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         loss = self._run_minibatch(model, inputs["microbatches"], loss_of)
         entropy, correct, targets = self._minibatch_sums
         per_rank = self._log_minibatch(
-            inputs["microbatches"],
+            inputs["microbatch_lengths"],
             int(inputs["num_tokens"]),
             inputs["predicted_bubble_rate"],
             {"entropy": entropy, "correct": correct, "targets": targets},

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..calibration import Calibration
 from ..cost import CalibratedCost, CostLike, named_cost
 from ..distributions import get_distribution
 
@@ -76,11 +77,16 @@ def choose_source(
 
 
 def choose_cost(
-    cost: str = "attention", model_config: str | Path | None = None, calibration: str | Path | None = None
+    cost: str = "attention",
+    model_config: str | Path | None = None,
+    calibration: str | Path | None = None,
+    max_tokens: int | None = None,
 ) -> CostLike:
-    """A calibrated model if measurements are given, else the named ``cost`` for a given model config, else ``cost``."""
+    """A calibration if one is given (its per-microbatch cost spread over ``max_tokens``, the token cap), else the
+    named ``cost`` for a given model config, else ``cost``."""
     if calibration is not None:
-        return load_calibration(calibration)
+        fitted = load_calibration(calibration)
+        return fitted.amortised(max_tokens) if max_tokens is not None else fitted
     if model_config is not None:
         return named_cost(cost, load_model_config(model_config))
     return cost
@@ -125,8 +131,18 @@ def load_model_config(path: str | Path) -> dict[str, Any]:
 
 
 def load_calibration(path: str | Path) -> CalibratedCost:
-    """Fit a cost model from a JSON list of measured microbatches ``[tokens, sum_of_squared_lengths, seconds]``."""
-    return CalibratedCost.fit(json.loads(Path(path).read_text()))
+    """The cost model of a calibration file: an ODC trainer's ``odc_calibration.json`` (a JSON object), or a JSON list
+    of measured microbatches ``[sequences, tokens, sum_of_squared_lengths, seconds]`` to fit."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        return Calibration.from_dict(data).cost
+    rows = [row for row in data if isinstance(row, list) and len(row) == 4] if isinstance(data, list) else []
+    if not data or len(rows) != len(data):
+        raise ValueError(
+            f"{path} is neither an odc_calibration.json (a JSON object) nor a JSON list of measured microbatches "
+            "[sequences, tokens, sum_of_squared_lengths, seconds]."
+        )
+    return Calibration.fit([(1.0, *row[:3]) for row in rows], [row[3] for row in rows]).cost
 
 
 def _csv_column(rows: list[list[str]], column: str | None, path: Path) -> list[str]:

@@ -1,0 +1,298 @@
+"""Calibrating the cost model from measured microbatch times, with a speed per rank.
+
+Every microbatch a rank runs is a sample: its features (one microbatch, its sequences, its tokens, the sum of its
+sequences' squared lengths) and its device time. The model is::
+
+    seconds = (per_microbatch + per_sequence * sequences + linear * tokens + quadratic * sum_sq) / speed[rank]
+
+with non-negative coefficients (a :class:`~hf_odc.packing.CalibratedCost`) and speeds averaging 1. Where a FLOP
+count balances the work, this balances what the ranks measure: the fixed costs no per-token formula sees, the real
+ratio of attention's kernels to the matmuls', and a rank that runs slower than the others (a throttled GPU, a noisy
+neighbour, an older card), which LB-Mini then gives less (``lb_mini(..., speeds=...)``).
+
+The fit minimises the squared *relative* error (long and short microbatches count alike), drops outliers (the first
+steps' compilation, a hiccup: more than ``_OUTLIER_MADS`` median absolute deviations off) and alternates between the
+coefficients and the speeds, which are each rank's predicted over measured seconds on its recent samples.
+
+Every rank fits the same gathered samples and must reach bit-identical numbers, or the ranks would plan differently
+and drop or duplicate samples. So nothing here depends on summation order or on the machine: sums are ``math.fsum``
+(exactly rounded), the small linear systems are solved in Python floats, and numpy only does element-wise
+arithmetic and medians, which are exact per element.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cost import CalibratedCost
+
+__all__ = ["FEATURES", "Calibration", "Calibrator", "microbatch_features"]
+
+FEATURES = ("per_microbatch", "per_sequence", "linear", "quadratic")
+"""The coefficients, in the order of :func:`microbatch_features`' columns."""
+
+_FORMAT = "hf_odc.calibration/1"
+_ROUNDS = 6  # alternations of coefficients, speeds and outlier trimming
+_OUTLIER_MADS = 4.0  # a sample this many scaled median absolute deviations off the median relative error is dropped
+_NOISE_FLOOR = 0.02  # ... but never one within 2% of it
+_SINGULAR = 1e-12  # a pivot this small (relative to the diagonal) makes a subset of the coefficients unidentifiable
+
+
+def microbatch_features(lengths: Sequence[int]) -> tuple[float, float, float, float]:
+    """The features of one microbatch of sequences of ``lengths``: ``(1, sequences, tokens, sum of squares)``."""
+    return (1.0, float(len(lengths)), float(sum(lengths)), float(sum(length * length for length in lengths)))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted cost model and each rank's speed.
+
+    Attributes:
+        cost: seconds of a microbatch on a rank of speed 1 (see :class:`~hf_odc.packing.CalibratedCost`).
+        speeds: per rank, its work per second relative to the mean (a rank at 0.5 takes twice as long).
+        samples: microbatches the fit kept (outliers dropped).
+        error: median absolute relative error of the kept samples' predicted times.
+    """
+
+    cost: CalibratedCost
+    speeds: tuple[float, ...]
+    samples: int = 0
+    error: float = 0.0
+
+    @classmethod
+    def fit(
+        cls,
+        features: Sequence[Sequence[float]],
+        seconds: Sequence[float],
+        ranks: Sequence[int] | None = None,
+        *,
+        world_size: int = 1,
+        recent: Sequence[bool] | None = None,
+        speeds: Sequence[float] | None = None,
+    ) -> Calibration:
+        """Fit measured microbatches: ``features`` (rows of :func:`microbatch_features`), their ``seconds`` and the
+        ``ranks`` that ran them (default: all rank 0 of ``world_size``).
+
+        Speeds are estimated from the ``recent`` samples only (default: all), so that a rank that slows down or
+        recovers is followed without forgetting the coefficients; a rank with no recent sample keeps its starting
+        speed from ``speeds`` (default 1).
+        """
+        x = np.asarray(features, dtype=np.float64)
+        t = np.asarray(seconds, dtype=np.float64)
+        r = np.zeros(len(t), dtype=np.int64) if ranks is None else np.asarray(ranks, dtype=np.int64)
+        if x.ndim != 2 or x.shape[1] != len(FEATURES) or not (len(x) == len(t) == len(r)):
+            raise ValueError(
+                f"Calibration.fit needs one row of {len(FEATURES)} features (microbatch_features), one time and one "
+                f"rank per microbatch; got features of shape {x.shape}, {len(t)} times and {len(r)} ranks."
+            )
+        if len(t) < len(FEATURES):
+            raise ValueError(f"Calibration.fit needs at least {len(FEATURES)} measured microbatches, got {len(t)}.")
+        if not (np.isfinite(x).all() and np.isfinite(t).all() and (x >= 0).all() and (t > 0).all()):
+            raise ValueError("Calibration.fit needs finite, non-negative features and positive times.")
+        if world_size < 1 or (r < 0).any() or (r >= world_size).any():
+            raise ValueError(f"Every rank must be in [0, world_size={world_size}).")
+        recent_rows = np.ones(len(t), dtype=bool) if recent is None else np.asarray(recent, dtype=bool)
+        rank_speeds = np.ones(world_size) if speeds is None else np.asarray(speeds, dtype=np.float64)
+        if rank_speeds.shape != (world_size,) or not (rank_speeds > 0).all():
+            raise ValueError(f"speeds must hold {world_size} positive values, got {list(rank_speeds)}.")
+        keep = np.ones(len(t), dtype=bool)
+        for _ in range(_ROUNDS):
+            coefficients = _nnls(x[keep], t[keep] * rank_speeds[r[keep]])
+            predicted = _predict(x, coefficients)  # seconds at speed 1
+            rank_speeds = _speeds(predicted, t, r, keep & recent_rows, rank_speeds)
+            relative = predicted / (t * rank_speeds[r]) - 1.0
+            centre = float(np.median(relative[keep]))
+            spread = float(np.median(np.abs(relative[keep] - centre)))
+            kept = np.abs(relative - centre) <= max(_OUTLIER_MADS * 1.4826 * spread, _NOISE_FLOOR)
+            if kept.sum() < len(FEATURES) or (kept == keep).all():
+                break
+            keep = kept
+        coefficients = _nnls(x[keep], t[keep] * rank_speeds[r[keep]])
+        relative = _predict(x, coefficients) / (t * rank_speeds[r]) - 1.0
+        cost = CalibratedCost(**dict(zip(FEATURES, coefficients, strict=True)))
+        error = float(np.median(np.abs(relative[keep])))
+        return cls(cost=cost, speeds=tuple(rank_speeds.tolist()), samples=int(keep.sum()), error=error)
+
+    # -- files ------------------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        cost = {name: getattr(self.cost, name) for name in FEATURES}
+        return {"format": _FORMAT, "cost": cost, "speeds": list(self.speeds), "samples": self.samples,
+                "error": self.error}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(
+                f"Not an hf_odc calibration (expected a JSON object with format {_FORMAT!r}, as the ODC trainers "
+                "write to output_dir/odc_calibration.json)."
+            )
+        return cls(
+            cost=CalibratedCost(**{name: float(data["cost"][name]) for name in FEATURES}),
+            speeds=tuple(float(s) for s in data["speeds"]),
+            samples=int(data.get("samples", 0)),
+            error=float(data.get("error", 0.0)),
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+class Calibrator:
+    """The samples of a run's last ``window`` steps, refitted after every step.
+
+    Every rank feeds it the same gathered samples (:meth:`record`) and so holds the same :attr:`calibration`. The
+    first ``warmup`` steps are not recorded (compilation, allocator growth); no fit is made before ``min_steps`` steps
+    and ``min_samples`` microbatches. Speeds follow the last ``speed_window`` steps. A refit is a few milliseconds
+    (exact sums over at most ``window`` steps' microbatches). ``frozen`` keeps ``initial`` as it is.
+
+    Args:
+        world_size: the number of ranks.
+        initial: the calibration to start from (e.g. :meth:`Calibration.load` of an earlier run's file); its speeds
+            are kept only if it has one per rank.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        initial: Calibration | None = None,
+        frozen: bool = False,
+        window: int = 16,
+        speed_window: int = 4,
+        warmup: int = 1,
+        min_steps: int = 2,
+        min_samples: int = 8,
+    ):
+        if frozen and initial is None:
+            raise ValueError("A frozen calibration needs an initial one to keep (e.g. Calibration.load(path)).")
+        if not 1 <= speed_window <= window:
+            raise ValueError(f"Need 1 <= speed_window <= window, got speed_window={speed_window}, window={window}.")
+        self.world_size, self.frozen, self.warmup = world_size, frozen, warmup
+        self.min_steps, self.min_samples, self.speed_window = min_steps, max(min_samples, len(FEATURES)), speed_window
+        if initial is not None and len(initial.speeds) != world_size:
+            initial = Calibration(initial.cost, (1.0,) * world_size, initial.samples, initial.error)
+        self.calibration = initial
+        self.steps_seen = 0
+        # Per recorded step: (features, seconds, ranks) of its microbatches.
+        self._steps: deque[tuple[list[tuple[float, ...]], list[float], list[int]]] = deque(maxlen=window)
+
+    def record(self, microbatch_lengths: Sequence[Sequence[Sequence[int]]], seconds: Sequence[Sequence[float]]) -> bool:
+        """Add one step: ``microbatch_lengths[rank][m]`` are the sequence lengths of that rank's microbatch ``m`` and
+        ``seconds[rank][m]`` its device time (every rank's, gathered). Returns whether the calibration changed."""
+        if len(microbatch_lengths) != self.world_size or len(seconds) != self.world_size:
+            raise ValueError(f"record needs every one of the {self.world_size} ranks' microbatches and times.")
+        self.steps_seen += 1
+        if self.frozen or self.steps_seen <= self.warmup:
+            return False
+        features, times, ranks = [], [], []
+        for rank, (lengths, durations) in enumerate(zip(microbatch_lengths, seconds, strict=True)):
+            if len(lengths) != len(durations):
+                raise ValueError(f"Rank {rank} has {len(lengths)} microbatches but {len(durations)} times.")
+            for microbatch, duration in zip(lengths, durations, strict=True):
+                if microbatch and duration > 0:
+                    features.append(microbatch_features(microbatch))
+                    times.append(float(duration))
+                    ranks.append(rank)
+        self._steps.append((features, times, ranks))
+        rows = sum(len(step[1]) for step in self._steps)
+        if len(self._steps) < self.min_steps or rows < self.min_samples:
+            return False
+        first_recent = len(self._steps) - self.speed_window
+        recent = [age >= first_recent for age, step in enumerate(self._steps) for _ in step[1]]
+        self.calibration = Calibration.fit(
+            [row for step in self._steps for row in step[0]],
+            [time for step in self._steps for time in step[1]],
+            [rank for step in self._steps for rank in step[2]],
+            world_size=self.world_size,
+            recent=recent,
+            speeds=self.calibration.speeds if self.calibration is not None else None,
+        )
+        return True
+
+
+def _predict(x: np.ndarray, coefficients: Sequence[float]) -> np.ndarray:
+    """``x @ coefficients`` column by column: element-wise products and sums, no BLAS reduction order."""
+    total = np.zeros(len(x))
+    for column, coefficient in enumerate(coefficients):
+        total = total + x[:, column] * coefficient
+    return total
+
+
+def _speeds(
+    predicted: np.ndarray, seconds: np.ndarray, ranks: np.ndarray, rows: np.ndarray, previous: np.ndarray
+) -> np.ndarray:
+    """Per rank, its predicted over its measured seconds on ``rows`` (the previous speed where it has none),
+    normalised to average 1."""
+    speeds = previous.copy()
+    for rank in range(len(previous)):
+        mine = rows & (ranks == rank)
+        if mine.any():
+            speeds[rank] = _exact_sum(predicted[mine]) / _exact_sum(seconds[mine])
+    return speeds * (len(speeds) / _exact_sum(speeds))
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Non-negative least squares of ``y ~ x @ c`` in relative terms (each row weighted by ``1 / y**2``).
+
+    With four coefficients the exact answer is found by trying every subset of them (the others pinned to zero)
+    and keeping the best feasible one. Columns are scaled to a maximum of 1 first, for conditioning.
+    """
+    scale = [float(np.max(x[:, j])) if len(x) else 0.0 for j in range(x.shape[1])]
+    xs = np.stack([x[:, j] / s if s > 0 else np.zeros(len(x)) for j, s in enumerate(scale)], axis=1) / y[:, None]
+    n = x.shape[1]
+    gram = [[_exact_sum(xs[:, i] * xs[:, j]) for j in range(n)] for i in range(n)]
+    rhs = [_exact_sum(xs[:, i]) for i in range(n)]  # the targets, divided by themselves, are 1
+    best, best_objective = None, math.inf
+    for size in range(1, n + 1):
+        for subset in itertools.combinations([j for j in range(n) if scale[j] > 0], size):
+            solution = _solve([[gram[i][j] for j in subset] for i in subset], [rhs[i] for i in subset])
+            if solution is None or min(solution) < 0:
+                continue
+            objective = math.fsum(
+                [solution[a] * solution[b] * gram[i][j] for a, i in enumerate(subset) for b, j in enumerate(subset)]
+                + [-2 * solution[a] * rhs[i] for a, i in enumerate(subset)]
+            )
+            if objective < best_objective:
+                best, best_objective = dict(zip(subset, solution, strict=True)), objective
+    if best is None:
+        raise ValueError("Calibration.fit: the measured microbatches have no usable features (all zero).")
+    return [best.get(j, 0.0) / scale[j] if scale[j] > 0 else 0.0 for j in range(n)]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting in Python floats; ``None`` if the system is (nearly) singular."""
+    n = len(b)
+    a = [[*row, b[i]] for i, row in enumerate(a)]
+    largest = max(abs(a[i][i]) for i in range(n))
+    for column in range(n):
+        pivot = max(range(column, n), key=lambda row: abs(a[row][column]))
+        if abs(a[pivot][column]) <= _SINGULAR * largest:
+            return None
+        a[column], a[pivot] = a[pivot], a[column]
+        for row in range(column + 1, n):
+            factor = a[row][column] / a[column][column]
+            a[row] = [value - factor * pivot_value for value, pivot_value in zip(a[row], a[column], strict=True)]
+    solution = [0.0] * n
+    for row in reversed(range(n)):
+        known = math.fsum(a[row][j] * solution[j] for j in range(row + 1, n))
+        solution[row] = (a[row][n] - known) / a[row][row]
+    return solution
+
+
+def _exact_sum(values: np.ndarray) -> float:
+    return math.fsum(values.tolist())

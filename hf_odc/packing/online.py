@@ -1,0 +1,69 @@
+"""``MinibatchPlanner``: how a training run plans each minibatch, with a fixed cost model or one it calibrates.
+
+A trainer plans every minibatch on every rank, the same way, from what every rank knows: the lengths, the planner
+and the cost model. With a calibrated cost (``cost_model="calibrated"``) the model also changes during the run, from
+microbatch times that every rank receives in the step's one metric gather, so every rank still holds the same model
+at every step (:class:`~hf_odc.packing.Calibrator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .bubble import bubble_rate
+from .calibration import Calibration, Calibrator
+from .cost import CostModel
+from .planners import Plan, get_planner
+
+__all__ = ["MinibatchPlanner"]
+
+
+class MinibatchPlanner:
+    """Plans minibatches with the planner ``balance`` for ``world_size`` ranks synchronised per ``sync``
+    (``"minibatch"`` with ODC, ``"layer"`` with collective FSDP).
+
+    Args:
+        cost: the cost model; with a ``calibrator``, the one used until its first fit (e.g. the analytical
+            :class:`~hf_odc.packing.AttentionCost`).
+        calibrator: learns the cost and each rank's speed from :meth:`record`. Speeds are used only by LB-Mini under
+            ODC: with per-layer collectives every microbatch step runs at the slowest rank's pace whatever the plan.
+    """
+
+    def __init__(self, balance: str, world_size: int, sync: str, cost: CostModel, calibrator: Calibrator | None = None):
+        self.balance, self.world_size, self.sync = balance, world_size, sync
+        self._planner = get_planner(balance)
+        self._cost = cost
+        self.calibrator = calibrator
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration plans are made with now (``None``: the fixed cost model)."""
+        return self.calibrator.calibration if self.calibrator is not None else None
+
+    @property
+    def speeds(self) -> tuple[float, ...] | None:
+        """Per-rank speeds LB-Mini balances for, or ``None`` (equal)."""
+        calibration = self.calibration
+        if calibration is None or self.balance != "lb-mini" or self.sync != "minibatch":
+            return None
+        return calibration.speeds
+
+    def cost_for(self, max_tokens: int) -> CostModel:
+        """The per-sample cost under a token cap of ``max_tokens`` (a calibrated per-microbatch cost is spread over a
+        full microbatch's tokens)."""
+        calibration = self.calibration
+        return calibration.cost.amortised(max_tokens) if calibration is not None else self._cost
+
+    def plan(self, lengths: Sequence[int], max_tokens: int) -> Plan:
+        """The plan of a minibatch of ``lengths`` under the token cap ``max_tokens``."""
+        speeds = self.speeds
+        extra = {"speeds": speeds} if speeds is not None else {}
+        return self._planner(lengths, self.world_size, max_tokens, self.cost_for(max_tokens), **extra)
+
+    def predicted_bubble(self, plan: Plan, lengths: Sequence[int], max_tokens: int) -> float:
+        """The idle fraction the cost model (and speeds) predict for ``plan``."""
+        return bubble_rate(plan, lengths, self.cost_for(max_tokens), sync=self.sync, speeds=self.speeds)
+
+    def record(self, microbatch_lengths: Sequence[Sequence[Sequence[int]]], seconds: Sequence[Sequence[float]]) -> bool:
+        """Feed one step's measured microbatches (every rank's) to the calibrator; whether the calibration changed."""
+        return self.calibrator.record(microbatch_lengths, seconds) if self.calibrator is not None else False
