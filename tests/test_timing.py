@@ -3,10 +3,14 @@ waits, both see the same step, and the measured bubble is ``idle_fraction(busy, 
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 from _dist import launch
 from _timing_workers import SLEEP_S, sleeping_rank
 
+from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import idle_fraction
 
 
@@ -27,3 +31,18 @@ def test_idle_fraction_edge_cases():
     assert idle_fraction([], 1.0) == 0.0 and idle_fraction([0.5, 0.5], 0.0) == 0.0
     assert idle_fraction([1.0, 1.0], 1.0) == 0.0
     assert idle_fraction([1.0, 0.0], 1.0) == pytest.approx(0.5)
+
+
+def test_laps_time_each_microbatch():
+    """``lap()`` after each microbatch gives each one's time (what the calibration learns from); busy covers them."""
+    runner = CollectiveMinibatch(torch.device("cpu"))
+    with runner.minibatch():
+        for seconds in (0.02, 0.06, 0.04):
+            time.sleep(seconds)
+            runner.lap()
+    laps = runner.last.microbatches
+    assert laps == pytest.approx([0.02, 0.06, 0.04], abs=0.015)
+    assert sum(laps) == pytest.approx(runner.last.busy, abs=0.005)
+    with runner.minibatch():
+        pass
+    assert runner.last.microbatches == [], "no lap, no microbatch time"
