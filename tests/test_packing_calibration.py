@@ -160,8 +160,22 @@ def test_amortised_cost_spreads_the_microbatch_term_over_the_cap():
     cost = TRUE.amortised(1000)
     assert cost.per_microbatch == 0.0
     assert cost([10]) == pytest.approx([TRUE([10])[0] + TRUE.per_microbatch * 10 / 1000])
-    with pytest.raises(ValueError, match="non-negative fixed costs"):
+    with pytest.raises(ValueError, match="non-negative coefficients, not all zero"):
         CalibratedCost(linear=1.0, quadratic=0.0, per_sequence=-1.0)
+    with pytest.raises(ValueError, match="non-negative coefficients, not all zero"):
+        CalibratedCost(linear=0.0, quadratic=0.0)
+    assert CalibratedCost(linear=0.0, quadratic=0.0, per_microbatch=0.1).amortised(100)([50]) == [0.05]
+
+
+def test_times_flat_in_the_length_fit_a_fixed_cost_and_still_plan():
+    """A launch-bound device: every microbatch takes the same time. Only the per-microbatch cost is fitted, and
+    planning with it (spread over the cap) still works (it failed in CI once: a fit with no per-token term)."""
+    lengths = _microbatches(20, seed=4)
+    fitted = Calibration.fit([microbatch_features(mb) for mb in lengths], [0.05] * 20)
+    assert fitted.cost.per_microbatch == pytest.approx(0.05) and fitted.cost([32768])[0] < 1e-12
+    planner = MinibatchPlanner("lb-mini", 2, "minibatch", TokenCost(), Calibrator(2, initial=fitted))
+    plan = planner.plan([100, 200, 300, 400], 1000)
+    assert sorted(i for rank in plan for mb in rank for i in mb) == [0, 1, 2, 3]
 
 
 # --- Calibrator and MinibatchPlanner ---------------------------------------------------------------------------

@@ -127,11 +127,13 @@ class CalibratedCost(QuadraticCost):
     per_microbatch: float = 0.0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if not (self.per_sequence >= 0 and self.per_microbatch >= 0):
+        # Any one term may carry the whole cost: measured times can be flat in the length (short samples, a
+        # launch-bound device), so that only the fixed costs are fitted.
+        terms = (self.linear, self.quadratic, self.per_sequence, self.per_microbatch)
+        if not (all(term >= 0 for term in terms) and sum(terms) > 0):
             raise ValueError(
-                f"CalibratedCost needs non-negative fixed costs; got per_sequence={self.per_sequence}, "
-                f"per_microbatch={self.per_microbatch}."
+                f"CalibratedCost needs non-negative coefficients, not all zero; got linear={self.linear}, "
+                f"quadratic={self.quadratic}, per_sequence={self.per_sequence}, per_microbatch={self.per_microbatch}."
             )
 
     def __call__(self, lengths: Sequence[int]) -> list[float]:
