@@ -35,4 +35,4 @@ def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
     assert all(counts == [4, 4] for counts in schemes["Collective+LocalSort"]["microbatches"])
     assert all(len(set(counts)) == 1 for counts in schemes["Collective+LB-Micro"]["microbatches"])
     calibration = result["summary"]["calibration"]
-    assert calibration["samples"] > 0 and calibration["cost"]["linear"] + calibration["cost"]["quadratic"] > 0
+    assert calibration["samples"] > 0 and sum(calibration["cost"].values()) > 0  # tiny CPU runs: maybe fixed costs only
