@@ -119,9 +119,11 @@ def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(re
     assert all(0.4 < share(step) < 0.6 for step in (1, 2, 3)), [share(step) for step in (1, 2, 3)]
     assert "calibration/speed/rank_1" not in ours[2] and ours[3]["calibration/speed/rank_1"] < 0.8
     assert all(share(step) < 0.4 for step in (4, 5)), [share(step) for step in (4, 5)]
-    before = [ours[step]["tokens_per_second"] for step in (2, 3)]
-    after = [ours[step]["tokens_per_second"] for step in (4, 5)]
-    assert min(after) > 1.1 * max(before), (before, after)
+    # The minibatch time drops towards the ranks' combined speed: the fast rank stops waiting for the slow one.
+    before = [ours[step]["bubble_rate"] for step in (2, 3)]
+    after = [ours[step]["bubble_rate"] for step in (4, 5)]
+    # Generous: the fits rest on a handful of CPU-timed microbatches (typically 0.34 -> 0.05, worst seen 0.33 -> 0.18).
+    assert min(before) > 0.2 and sum(after) < 0.65 * sum(before), (before, after)
     saved = Calibration.load(tmp_path / "odc_calibration.json")
     assert saved.speeds[1] == pytest.approx(ours[STEPS]["calibration/speed/rank_1"])  # the last step's fit
     assert saved.cost.quadratic == pytest.approx(ours[STEPS]["calibration/quadratic"])
