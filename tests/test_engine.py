@@ -178,7 +178,7 @@ def test_a_slow_rank_does_not_slow_the_others(device):
     [
         ("kill", r"rank 1 \(pid \d+\) died"),
         ("raise", "rank 1 aborted: ValueError: bad batch on purpose"),
-        ("stall", r"ranks \[1\] did not reach the minibatch barrier within 3 s"),
+        ("stall", r"ranks \[1\] did not reach the minibatch barrier within 3 s .*--odc_timeout .*HF_ODC_TIMEOUT"),
     ],
 )
 def test_a_failing_peer_ends_the_others_with_an_error_naming_it(fault, expected, device):

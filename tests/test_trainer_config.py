@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from _trainer_launch import run
 from datasets import Dataset
 
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
@@ -51,6 +54,7 @@ def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
         ({"packing": True}, "packs each microbatch itself"),
         ({"padding_free": True}, "packs each microbatch itself"),
         ({"odc_timeout": -5}, "positive"),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be >= 1"),
     ],
 )
 def test_invalid_configs_are_refused(tmp_path, kwargs, message):
@@ -76,3 +80,17 @@ def test_trainer_needs_its_own_config(tmp_path):
 
     with pytest.raises(TypeError, match="ODCSFTConfig"):
         ODCSFTTrainer(model="unused", args=SFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False))
+
+
+def test_a_token_cap_below_the_longest_sample_is_refused_before_the_first_step(tmp_path):
+    """The whole dataset is checked up front (the planner alone would only fail at the minibatch drawing it)."""
+    with pytest.raises(AssertionError) as failure:
+        run("sft.py", "--max_steps", "3", "--num_samples", "64", "--max_tokens_per_microbatch", "10",
+            "--output_dir", str(tmp_path), "--disable_tqdm", "true")  # fmt: skip
+    message = str(failure.value)
+    found = re.search(r"Sample (\d+) of the training dataset has (\d+) tokens, more than one microbatch holds \(10 "
+                      r"tokens, from max_tokens_per_microbatch=10\)\. Set --max_tokens_per_microbatch to at least "
+                      r"(\d+)", message)  # fmt: skip
+    assert found is not None, message[-2000:]
+    assert found.group(2) == found.group(3) and int(found.group(2)) > 10
+    assert "'loss'" not in message, "refused before any step ran"

@@ -122,8 +122,8 @@ class HostBarrier:
             if now - start > self.timeout:
                 raise PeerFailureError(
                     f"hf_odc: ranks {waiting_for} did not reach the minibatch barrier within {self.timeout:g} s "
-                    "(set a longer `timeout` in hf_odc.enable(...) or HF_ODC_TIMEOUT if their minibatches are that "
-                    "slow)."
+                    "(if their minibatches are that slow, raise the timeout: --odc_timeout / `odc_timeout` with the "
+                    "ODC trainers, `timeout` in hf_odc.enable(...), or the HF_ODC_TIMEOUT environment variable)."
                 )
             time.sleep(delay)
             delay = min(1e-3, delay * 2 + 2e-5)

@@ -195,6 +195,11 @@ class _ODCConfig:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}.")
         if self.packing_ratio is not None and not self.packing_ratio > 0:
             raise ValueError(f"packing_ratio must be > 0, got {self.packing_ratio}.")
+        if self.per_device_train_batch_size < 1:
+            raise ValueError(
+                f"per_device_train_batch_size must be >= 1 (samples per rank in each global minibatch), got "
+                f"{self.per_device_train_batch_size}."
+            )
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"{type(self).__name__} runs one global minibatch per optimizer step, cut into microbatches by the "

@@ -102,6 +102,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         dataset = self.train_dataset.select_columns(
             [c for c in ("input_ids", "labels") if c in self.train_dataset.column_names]
         )
+        self._check_token_cap(dataset)
         world_size = self.accelerator.num_processes
         sampler = GlobalMinibatchSampler(
             len(dataset),
@@ -124,6 +125,26 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers and workers > 0,
             prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+
+    def _check_token_cap(self, dataset: datasets.Dataset) -> None:
+        """Refuse, before the first step, a token cap that the dataset's longest sample does not fit (the planner would
+        only find out at the minibatch that draws it)."""
+        args, cap = self.args, self.args.microbatch_token_cap
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+        if longest is None or lengths[longest] <= cap:
+            return
+        setting = (
+            f"max_tokens_per_microbatch={args.max_tokens_per_microbatch}"
+            if args.max_tokens_per_microbatch is not None
+            else f"packing_ratio={args.packing_ratio or 1.0:g} x max_length={args.max_length}"
+        )
+        ratio = f", or --packing_ratio to at least {lengths[longest] / args.max_length:.3g}" if args.max_length else ""
+        raise ValueError(
+            f"Sample {longest} of the training dataset has {lengths[longest]} tokens, more than one microbatch holds "
+            f"({cap} tokens, from {setting}). Set --max_tokens_per_microbatch to at least {lengths[longest]}{ratio}, "
+            "or drop or truncate that sample."
         )
 
     # -- one optimizer step -------------------------------------------------------------------------------------------
