@@ -27,11 +27,11 @@ import threading
 
 import torch
 import torch.distributed as dist
-from sft_throughput import MODELS, build, init_distributed, minibatches, run_step
+from sft_throughput import MODELS, build, init_distributed, minibatches, run_step, timing_summary
 
 import hf_odc
 from hf_odc.engine import CollectiveMinibatch
-from hf_odc.packing import DISTRIBUTIONS, Calibrator, MinibatchPlanner, idle_fraction, named_cost
+from hf_odc.packing import DISTRIBUTIONS, Calibrator, MinibatchPlanner, named_cost
 from hf_odc.trainer import PlannedMinibatchCollator
 
 # (name, sync, balance, cost model)
@@ -117,24 +117,20 @@ def run(args, model, optimizer, device) -> dict:
     return records
 
 
-def summarise(records: dict[str, list[dict]], straggler: bool, calibrator_final: dict | None) -> dict:
+def summarise(records: dict[str, list[dict]], straggler: bool, calibration: dict | None) -> dict:
     summary = {}
     for name, steps in records.items():
         step_s = [max(b + w for b, w in zip(s["busy"], s["wait"], strict=True)) for s in steps]
         ranks = range(len(steps[0]["busy"]))
         busy = [sum(s["busy"][rank] for s in steps) for rank in ranks]
         summary[name] = {
-            "step_s_median": statistics.median(step_s),
-            "time_s": sum(step_s),
-            "tokens_per_second": sum(s["tokens"] for s in steps) / sum(step_s),
-            "bubble_measured": idle_fraction(busy, sum(step_s)),
-            "bubble_predicted": statistics.mean(s["predicted_bubble"] for s in steps),
+            **timing_summary(step_s, busy, [s["tokens"] for s in steps], [s["predicted_bubble"] for s in steps]),
             "busy_gap": statistics.mean(1 - min(s["busy"]) / max(s["busy"]) for s in steps),
             "busy_per_rank_s": busy,
             "tokens_per_rank": [sum(sum(map(sum, s["microbatch_lengths"][r])) for s in steps) for r in ranks],
         }
-    if straggler and calibrator_final is not None:
-        ideal = _ideal_time(records[CALIBRATED], calibrator_final)
+    if straggler and calibration is not None:
+        ideal = _ideal_time(records[CALIBRATED], calibration)
         for row in summary.values():
             row["ideal_over_time"] = ideal / row["time_s"]
         summary["ideal_time_s"] = ideal

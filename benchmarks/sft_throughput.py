@@ -151,10 +151,9 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     }
 
 
-def minibatches(args, vocab_size: int, minibatch_size: int, steps: int, seed=None):
+def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):
     """``steps`` global minibatches of the distribution: ``(lengths, examples)``, the same on every rank."""
-    seed = seed if seed is not None else [args.seed, minibatch_size // dist.get_world_size()]
-    lengths = _lengths(args, minibatch_size * steps, seed=seed)
+    lengths = _lengths(args, minibatch_size * steps, seed=[args.seed, minibatch_size // dist.get_world_size()])
     pool = torch.randint(4, vocab_size, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
     for step in range(steps):
         chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
@@ -164,6 +163,19 @@ def minibatches(args, vocab_size: int, minibatch_size: int, steps: int, seed=Non
 def _lengths(args, n: int, seed) -> list[int]:
     lengths = sample_lengths(args.distribution, n, seed=seed)
     return [max(2, round(length * args.length_scale)) for length in lengths]
+
+
+def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], predicted: list[float]) -> dict:
+    """What every benchmark table reports of a scheme's timed steps (``step_s`` per step, ``busy`` per rank summed
+    over the steps, ``tokens`` and ``predicted`` bubble per step): the bubble is measured over the summed steps, so
+    that long minibatches weigh more, as in training."""
+    return {
+        "step_s_median": statistics.median(step_s),
+        "time_s": sum(step_s),
+        "tokens_per_second": sum(tokens) / sum(step_s),
+        "bubble_measured": idle_fraction(busy, sum(step_s)),
+        "bubble_predicted": statistics.mean(predicted),
+    }
 
 
 def summarize(config: dict, args, world_size: int) -> dict:
@@ -190,11 +202,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
             for s in first
         )
         summary[name] = {
-            "step_s_median": statistics.median(step_s),
-            "time_s": sum(step_s),
-            "tokens_per_second": sum(s["tokens"] for s in first) / sum(step_s),
-            "bubble_measured": idle_fraction(busy, sum(step_s)),
-            "bubble_predicted": statistics.mean(s["predicted_bubble"] for s in first),
+            **timing_summary(step_s, busy, [s["tokens"] for s in first], [s["predicted_bubble"] for s in first]),
             "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
             "predicted_time": predicted,
             "microbatches": [[len(r["microbatch_s"]) for r in ranks] for ranks in steps],

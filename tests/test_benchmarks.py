@@ -36,3 +36,23 @@ def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
     assert all(len(set(counts)) == 1 for counts in schemes["Collective+LB-Micro"]["microbatches"])
     calibration = result["summary"]["calibration"]
     assert calibration["samples"] > 0 and sum(calibration["cost"].values()) > 0  # tiny CPU runs: maybe fixed costs only
+
+
+def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):
+    out = tmp_path / "calibrated.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "calibrated_balance.py"), "--model", "tiny", "--samples-per-device", "8",
+        "--length-scale", "0.004", "--steps", "2", "--warmup", "3", "--straggler", "--neighbour-size", "256",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["ideal_time_s"] > 0
+    for name in ("Collective+LB-Micro", "ODC+LB-Mini", "ODC+LB-Mini calibrated"):
+        row = summary[name]
+        assert row["tokens_per_second"] > 0 and 0 <= row["busy_gap"] < 1 and row["ideal_over_time"] > 0
+    records = json.loads(out.read_text())["records"]
+    assert all(step["calibration"] is not None for step in records["ODC+LB-Mini calibrated"]), "fitted by warm-up's end"
+    assert all(step["calibration"] is None for step in records["ODC+LB-Mini"])

@@ -239,13 +239,12 @@ class _Rescue:
        nowhere go to the lightest bins), then MULTIFIT: bisect that capacity between the bound and the best so far;
        each packing is polished by the exchange passes;
     2. trades of up to two items of the top part for up to two of a lighter part, on the best so far;
-    3. (free sizes, equal speeds) the largest items that cannot share a part with even the cheapest item within the
-       bound each in a part of its own, LDM and the exchange passes on the rest (LDM would give each a companion).
+    3. (free sizes) the largest items that cannot share a part with even the cheapest item within the bound each
+       in a part of its own, LDM and the exchange passes on the rest (LDM would give each a companion).
 
     With ``speeds`` the largest part is the one that takes longest, the capacities are times (bin ``r`` holds
-    ``capacity * speeds[r]``) and what fits nowhere goes where it finishes earliest. Step 3 has no counterpart:
-    with unequal speeds, which machines the lone items should take is part of the problem, and the packings of
-    step 1, whose bins differ in size, already decide it.
+    ``capacity * speeds[r]``) and what fits nowhere goes where it finishes earliest. In step 3 each lone item takes
+    the slowest free machine that runs it within the bound (:meth:`_lone_machines`), and LPT replaces LDM.
 
     Everything shares ``_RESCUE_WORK`` units per item, at most ``_RESCUE_WORK_CAP`` (a packing costs one per item,
     an LDM ``_LDM_WORK``, the exchange passes one per candidate group), so the rescue is deterministic (no clocks)
