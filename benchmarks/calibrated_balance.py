@@ -20,14 +20,13 @@ scheme's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import threading
 
 import torch
 import torch.distributed as dist
-from sft_throughput import MODELS, build, init_distributed, minibatches, run_step, timing_summary
+from sft_throughput import build, init_distributed, minibatches, run_step, timing_summary, workload_parser
 
 import hf_odc
 from hf_odc.engine import CollectiveMinibatch
@@ -168,20 +167,10 @@ def print_table(summary: dict, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
-    parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
-    parser.add_argument("--samples-per-device", type=int, default=8)
-    parser.add_argument("--packing-ratio", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per scheme")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (the calibration's first fits)")
-    parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
-    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser = workload_parser(__doc__.splitlines()[0], 8, 3, "untimed first steps (the calibration's first fits)")
     parser.add_argument("--straggler", action="store_true", help="slow one GPU with a noisy neighbour")
     parser.add_argument("--slow-rank", type=int, default=1)
     parser.add_argument("--neighbour-size", type=int, default=8192, help="the neighbour's square matmul size")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = init_distributed(args)
     model, optimizer, _ = build(args, device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
-# SFT-throughput, GRPO policy-update and calibration benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# SFT-throughput, GRPO policy-update, calibration and hybrid benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
 # STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
@@ -53,6 +53,11 @@ if [[ $STEPS == *grpo* ]]; then
   TRL_EXPERIMENTAL_SILENCE=1 timeout 540 python3 benchmarks/grpo_policy_update.py --num-processes "$nproc" --steps 5 \
     --timeout 140 --generate-steps 2 --generate-length 256 --logs "$OUT/grpo_logs" \
     --json "$OUT/grpo_policy_update.json" ${GRPO_ARGS:-} 2>&1 | tail -14
+fi
+if [[ $STEPS == *hybrid* ]]; then
+  # Hybrid ODC (each GPU a one-GPU "host", replicated) against ODC on one host and Collective HSDP; HYBRID_ARGS extra.
+  timeout "${HYBRID_TIMEOUT:-420}" torchrun --nproc_per_node "$nproc" benchmarks/hybrid_step.py ${HYBRID_ARGS:-} \
+    --json "$OUT/hybrid_step.json" 2>&1 | tee "$OUT/hybrid_step.log" | grep -v Warning | tail -8
 fi
 if [[ $STEPS == *calibration* ]]; then
   # LB-Mini with the calibrated cost model against the attention cost; CAL_ARGS="--straggler" slows one GPU.

@@ -66,7 +66,9 @@ MODELS = {
 UNBALANCED, HEADLINE = "Collective+LocalSort", "ODC+LB-Mini"
 
 
-def build(args, device: torch.device):
+def build(args, device: torch.device, shard_size: int | None = None):
+    """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
+    groups; ``None``: a host's ranks), its AdamW and its config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -80,7 +82,7 @@ def build(args, device: torch.device):
     add_fused_lm_head(model, outputs=("log_probs",))
     cuda = device.type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
-    model = shard_model(model, mp_policy=mp or MixedPrecisionPolicy())
+    model = shard_model(model, mp_policy=mp or MixedPrecisionPolicy(), shard_size=shard_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
     return model, optimizer, config
 
@@ -299,6 +301,23 @@ def plot(results: list[dict], path: str, world_size: int) -> None:
     timeline.set_title(f"First timed step, {labels[-1]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
+    """The arguments of the single-workload benchmarks (calibrated_balance.py, hybrid_step.py): one model, one
+    distribution, one samples-per-device and packing ratio, timed steps per scheme."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
+    parser.add_argument("--samples-per-device", type=int, default=8)
+    parser.add_argument("--packing-ratio", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per scheme")
+    parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    return parser
 
 
 def init_distributed(args) -> torch.device:

@@ -8,6 +8,8 @@ An explicit argument always wins; the variable is the fallback, the way Accelera
 | ``HF_ODC_TIMEOUT`` | seconds a minibatch barrier waits for a live peer (``hf_odc.enable``, the plugin, the configs) |
 | ``HF_ODC_RESHARD_AFTER_FORWARD`` | FSDP2's ``reshard_after_forward`` for the layers hf_odc shards |
 | ``HF_ODC_TRANSPORT`` | the transport by name (``hf_odc.kernels.TRANSPORTS``); unset: the device's |
+| ``HF_ODC_SHARD_SIZE`` | ranks per shard group, replicated across groups (hybrid ODC); unset: a host's ranks |
+| ``HF_ODC_HOST_ID`` | tests only: ranks with different values count as different hosts (:mod:`hf_odc.kernels.hosts`) |
 | ``HF_ODC_SCATTER_PROGRAMS`` | cap on the GPU accumulate kernel's programs (0: uncapped), a tuning knob |
 """
 
@@ -51,6 +53,21 @@ def parse_seconds(value: str | float, name: str) -> float:
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"{name} must be positive and finite, got {seconds}.")
     return seconds
+
+
+def parse_shard_size(value: str | int | None) -> int | None:
+    """``value`` as a positive number of ranks per shard group (``None`` stays ``None``); a clear error otherwise."""
+    if value is None:
+        return None
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(size) != str(value).strip():
+        raise ValueError(
+            f"The shard size (odc_shard_size / {PREFIX}SHARD_SIZE) must be a positive integer, got {value!r}."
+        )
+    return size
 
 
 def timeout_seconds(timeout: float | str | None, default: float) -> float:

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .packing.distributions import DISTRIBUTIONS
+
+if TYPE_CHECKING:
+    from .packing.cost import CostLike
+    from .packing.planning_cli import CrossHost
 
 _PLAN_EXAMPLES = """examples:
   hf-odc plan                                         # LongAlign-like lengths, world sizes 2-128
   hf-odc plan --distribution swe-smith --packing-ratio 2 --plot plan.png
   hf-odc plan --dataset ./my_sft --column input_ids --world-sizes 8,64 --max-tokens 32768 --json plan.json
+  hf-odc plan --world-sizes 16,64,256 --gpus-per-host 8 --cross-host-gbps 25 --model-config ./Qwen2-7B  # hybrid
+  hf-odc plan --world-sizes 16,64 --gpus-per-host 8 --calibration odc_calibration.json --params 1.5e9
 """
 
 
@@ -98,6 +106,33 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "[sequences, tokens, sum_sq_lengths, seconds] to fit",
     )
 
+    hybrid = plan.add_argument_group(
+        "hybrid ODC across hosts",
+        "Shard within hosts of G GPUs, replicate across them (HSDP's layout): adds HSDP+LB-Micro and "
+        "Hybrid ODC+LB-Mini rows, each paying one all-reduce of the fp32 gradient shards across hosts per minibatch, "
+        "for world sizes that are multiples of G above G.",
+    )
+    hybrid.add_argument("--gpus-per-host", type=_positive_int, metavar="G", help="GPUs per host: turns the rows on")
+    hybrid.add_argument(
+        "--cross-host-gbps",
+        type=_positive_float,
+        metavar="B",
+        help="cross-host bandwidth per GPU in GB/s (default: 50, one 400 Gb/s NIC per GPU)",
+    )
+    hybrid.add_argument(
+        "--params",
+        type=_positive_float,
+        metavar="P",
+        help="parameter count, e.g. 1.5e9 (default: from the attention cost; required with --calibration)",
+    )
+    hybrid.add_argument(
+        "--tflops",
+        type=_positive_float,
+        metavar="T",
+        help="achieved training TFLOP/s per GPU, the time scale of an attention cost: a step is 3x its forward "
+        "FLOPs (default: 200; not with --calibration, which is in seconds)",
+    )
+
     run = plan.add_argument_group("simulation and output")
     run.add_argument(
         "--minibatches",
@@ -121,8 +156,9 @@ def _run_plan(args: argparse.Namespace) -> None:
     max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
     _check_cap(source, max_tokens)
     cost = choose_cost(args.cost, args.model_config, args.calibration, max_tokens)
+    cross_host = _cross_host(args, cost)
     simulation = simulate(
-        source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed
+        source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed, cross_host
     )
     render_table(simulation)
     if args.json:
@@ -131,6 +167,26 @@ def _run_plan(args: argparse.Namespace) -> None:
         from .packing.planning_cli.plot import plot_simulation
 
         plot_simulation(simulation, args.plot)
+
+
+def _cross_host(args: argparse.Namespace, cost: CostLike) -> CrossHost | None:
+    """The hybrid layout, or ``None`` without ``--gpus-per-host``. Its other options alone would print nothing
+    different, and no world size spanning hosts would print no hybrid row: both are refused, not ignored."""
+    from .packing.planning_cli import CrossHost
+
+    options = {"--cross-host-gbps": args.cross_host_gbps, "--params": args.params, "--tflops": args.tflops}
+    if args.gpus_per_host is None:
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --gpus-per-host: they describe the hybrid layout across hosts.")
+        return None
+    cross_host = CrossHost.for_cost(cost, args.gpus_per_host, args.cross_host_gbps, args.params, args.tflops)
+    if not any(map(cross_host.spans_hosts, args.world_sizes)):
+        raise ValueError(
+            f"--gpus-per-host {args.gpus_per_host}: none of --world-sizes {','.join(map(str, args.world_sizes))} "
+            f"spans several hosts; give multiples of {args.gpus_per_host} above it."
+        )
+    return cross_host
 
 
 def _check_cap(source, max_tokens: int) -> None:
@@ -156,6 +212,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
 
 

@@ -71,6 +71,7 @@ class Case:
     device: str = "cpu"  # "cuda": rank r on GPU r, NCCL
     sleep_rank: int | None = None  # this rank sleeps `sleep_s` in every microbatch
     sleep_s: float = 0.0
+    hosts: int | None = None  # present the ranks as this many hosts (HF_ODC_HOST_ID): hybrid ODC / HSDP
     extra: dict = field(default_factory=dict)
 
     @property
@@ -106,7 +107,18 @@ def reference(case: Case) -> dict:
     return {"grads": grads0, "params": {k: p.detach().cpu() for k, p in params.items()}}
 
 
+def present_hosts(rank: int, world_size: int, case: Case) -> None:
+    """Ranks ``[h * W/H, (h + 1) * W/H)`` claim host ``h`` (the test-only override of host identity)."""
+    if case.hosts is not None:
+        os.environ["HF_ODC_HOST_ID"] = str(rank * case.hosts // world_size)
+
+
 def shard(model, case: Case):
+    """FSDP2 on every layer and the root: 1-D over all ranks, or HSDP's 2-D mesh (one shard group per presented
+    host, the mesh hf_odc's own sharding picks) when ``case.hosts`` is set."""
+    from hf_odc.accelerate_plugin import device_mesh
+
+    mesh = device_mesh(case.device) if case.hosts is not None else None
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if case.mixed_precision
@@ -114,8 +126,8 @@ def shard(model, case: Case):
     )
     layers = model.base_model.model.model.layers if case.lora else model.model.layers
     for layer in layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
     return model
 
 
@@ -123,6 +135,7 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
     """Sharded training on ``world_size`` ranks (ODC or plain FSDP2); returns full gradients/params on rank 0."""
     import hf_odc
 
+    present_hosts(rank, world_size, case)
     model = shard(tiny_model(lora=case.lora, checkpointing=case.checkpointing, device=case.device), case)
     params = trainable(model)
     opt = torch.optim.AdamW(params.values(), lr=case.lr)
@@ -142,7 +155,7 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
                     torch.cuda.synchronize()
                 times.append(time.monotonic())
         if grads0 is None:
-            grads0 = {k: p.grad.full_tensor().float().cpu() for k, p in params.items()}
+            grads0 = {k: p.grad.full_tensor().float().cpu().clone() for k, p in params.items()}
         opt.step()
         opt.zero_grad()
     final = {k: p.detach().full_tensor().float().cpu() for k, p in params.items()}
@@ -154,7 +167,8 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
 
 
 def faulty(rank: int, world_size: int, case: Case) -> dict:
-    """Rank 1 misbehaves inside the first minibatch (``case.extra["fault"]``); the others report what they saw.
+    """Rank ``case.extra["culprit"]`` (default 1) misbehaves inside the first minibatch (``case.extra["fault"]``);
+    the others report what they saw.
 
     ``kill``: SIGKILL itself; ``raise``: raise an exception out of ``minibatch()``; ``stall``: sleep past the timeout.
     """
@@ -162,6 +176,8 @@ def faulty(rank: int, world_size: int, case: Case) -> dict:
 
     import hf_odc
 
+    present_hosts(rank, world_size, case)
+    culprit = case.extra.get("culprit", 1)
     model = shard(tiny_model(device=case.device), case)
     odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60)))
     prefix = odc.transport.segment_prefix
@@ -173,11 +189,11 @@ def faulty(rank: int, world_size: int, case: Case) -> dict:
         with odc.minibatch():
             for i in case.splits[rank]:
                 (loss_sum(model, mbs[i]) * world_size / n).backward()
-            if rank == 1 and fault == "kill":
+            if rank == culprit and fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if rank == 1 and fault == "raise":
+            if rank == culprit and fault == "raise":
                 raise ValueError("bad batch on purpose")
-            if rank == 1 and fault == "stall":
+            if rank == culprit and fault == "stall":
                 time.sleep(float(case.extra["stall_s"]))
     except (hf_odc.PeerFailureError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
@@ -235,6 +251,6 @@ def forward_only(rank: int, world_size: int, case: Case) -> dict:
     with odc.minibatch():
         for i in mine:
             (loss_sum(model, mbs[i]) * world_size / n).backward()
-    grads = {k: p.grad.full_tensor().float().cpu() for k, p in params.items()}
+    grads = {k: p.grad.full_tensor().float().cpu().clone() for k, p in params.items()}
     odc.close()
     return {"losses": losses, "no_grad": inside_no_grad, "grads_after_forward": grads_after_forward, "grads": grads}

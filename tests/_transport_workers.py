@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hf_odc.kernels import CpuShmTransport
@@ -27,11 +29,8 @@ def hammer(rank: int, world_size: int, numel: int, rounds: int) -> dict:
 
 
 def two_hosts(rank: int, world_size: int) -> str:
-    """Rank 1 pretends to be on another host; building a transport must refuse, on every rank."""
-    import socket
-
-    if rank == 1:
-        socket.gethostname = lambda: "another-host"
+    """Rank 1 presents itself as another host (``HF_ODC_HOST_ID``); building a transport must refuse, on every rank."""
+    os.environ["HF_ODC_HOST_ID"] = str(rank)
     try:
         CpuShmTransport(timeout=5)
     except RuntimeError as e:

@@ -56,3 +56,19 @@ def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_p
     records = json.loads(out.read_text())["records"]
     assert all(step["calibration"] is not None for step in records["ODC+LB-Mini calibrated"]), "fitted by warm-up's end"
     assert all(step["calibration"] is None for step in records["ODC+LB-Mini"])
+
+
+def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
+    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step."""
+    out = tmp_path / "hybrid.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "hybrid_step.py"), "--model", "tiny", "--samples-per-device", "4",
+        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["Hybrid ODC+LB-Mini (2 hosts x 1)"]["all_reduce_s_median"] > 0
+    assert summary["ODC+LB-Mini (1 host x 2)"]["all_reduce_s_median"] == 0
+    assert all(row["tokens_per_second"] > 0 for row in summary.values())

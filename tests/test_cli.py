@@ -12,6 +12,7 @@ import pytest
 
 from hf_odc.cli import main
 from hf_odc.packing import CalibratedCost, Calibration
+from hf_odc.packing.cost import DEFAULT_ATTENTION_SHAPE, AttentionCost
 
 SCHEMES = ("Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini")
 RESULT_KEYS = {"world_size", "scheme", "sync", "bubble_rate", "speedup", "time", "min_microbatches", "max_microbatches"}
@@ -203,6 +204,102 @@ def test_bad_sources_exit_with_a_clear_message(tmp_path, capsys):
     wide.write_text("a,b\n1,2\n")
     assert "has 2 columns; name the one holding lengths with --column" in _fails(capsys, "--lengths", str(wide))
     assert "A dataset needs --column" in _fails(capsys, "--dataset", str(tmp_path))
+
+
+HYBRID = ("HSDP+LB-Micro", "Hybrid ODC+LB-Mini")
+NO_TIME_SCALE = (
+    "--gpus-per-host weighs the cross-host all-reduce against compute time, and cost='tokens' has no time scale: "
+    "give --calibration FILE (seconds) or an attention cost"
+)
+HYBRID_FAST = ["--world-sizes", "2,4,8", "--gpus-per-host", "2", "--samples-per-rank", "4", "--minibatches", "2"]
+
+
+def test_hybrid_rows_for_world_sizes_spanning_hosts(tmp_path, capsys):
+    lengths_file, out_json = str(_lengths_file(tmp_path)), tmp_path / "hybrid.json"
+    out = _plan(capsys, "--lengths", lengths_file, *HYBRID_FAST, "--json", str(out_json))
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    # 2 ranks are one host of 2 GPUs: no cross-host all-reduce, no hybrid rows.
+    assert [row[:2] for row in rows] == [["2", name] for name in SCHEMES] + [
+        [str(w), name] for w in (4, 8) for name in (*SCHEMES, *HYBRID)
+    ]
+    caption = " ".join(out.split())  # rich wraps the caption
+    assert "2 GPUs/host" in caption and "(50 GB/s per GPU)" in caption
+    assert "No hybrid rows for 2 ranks" in caption and "leaves out a flat FSDP's cross-host collectives" in caption
+
+    report = json.loads(out_json.read_text())
+    params = (
+        AttentionCost.from_config(DEFAULT_ATTENTION_SHAPE).linear / 2
+    )  # the default cost's model, as the parameter count
+    assert report["config"]["cross_host"] == {
+        "gpus_per_host": 2,
+        "gradient_bytes": 4 * params,
+        "bandwidth": 50e9,
+        "seconds_per_unit": 3 / 200e12,
+    }
+    results = {(r["world_size"], r["scheme"]): r for r in report["results"]}
+    for world_size in (4, 8):
+        hosts = world_size // 2
+        all_reduce = 2 * (hosts - 1) / hosts * 4 * params / 2 / 50e9 / (3 / 200e12)  # in forward FLOPs
+        for hybrid, compute in zip(HYBRID, ("Collective+LB-Micro", "ODC+LB-Mini"), strict=True):
+            expected = results[world_size, compute]["time"] + 2 * all_reduce  # one per minibatch
+            assert results[world_size, hybrid]["time"] == pytest.approx(expected, rel=1e-12)
+            assert set(results[world_size, hybrid]) == RESULT_KEYS
+
+
+def test_hybrid_rows_with_a_calibration_and_a_parameter_count(tmp_path, capsys):
+    calibration = tmp_path / "odc_calibration.json"
+    Calibration(CalibratedCost(linear=1e-5, quadratic=1e-10, per_microbatch=0.01), speeds=(1.0, 1.0)).save(calibration)
+    args = ["--lengths", str(_lengths_file(tmp_path)), "--calibration", str(calibration), *HYBRID_FAST]
+
+    def report(gbps: str) -> dict:
+        _plan(capsys, *args, "--params", "1.5e9", "--cross-host-gbps", gbps, "--json", str(tmp_path / "out.json"))
+        return json.loads((tmp_path / "out.json").read_text())
+
+    fast = report("1e9")
+    assert fast["config"]["cross_host"] == {
+        "gpus_per_host": 2,
+        "gradient_bytes": 6e9,
+        "bandwidth": 1e18,
+        "seconds_per_unit": 1.0,  # a calibration is in seconds
+    }
+    slow = report("0.01")
+    for world_size in (4, 8):  # the all-reduce free, or far slower than the compute
+        fast_rows = {r["scheme"]: r for r in fast["results"] if r["world_size"] == world_size}
+        slow_rows = {r["scheme"]: r for r in slow["results"] if r["world_size"] == world_size}
+        assert fast_rows["Hybrid ODC+LB-Mini"]["speedup"] == pytest.approx(
+            fast_rows["ODC+LB-Mini"]["speedup"], rel=1e-6
+        )
+        assert slow_rows["Hybrid ODC+LB-Mini"]["speedup"] < 1.0
+        assert slow_rows["ODC+LB-Mini"] == fast_rows["ODC+LB-Mini"]  # the compute rows do not see the hosts
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cost", "tokens"], NO_TIME_SCALE),
+        (["--world-sizes", "2,3,6", "--gpus-per-host", "4"], "--gpus-per-host 4: none of --world-sizes 2,3,6 spans"),
+        (["--gpus-per-host", "0"], "argument --gpus-per-host: expected a positive integer, got 0"),
+        (["--cross-host-gbps", "0"], "argument --cross-host-gbps: expected a positive number, got 0"),
+        (["--params=-1e9"], "argument --params: expected a positive number, got -1e9"),
+        (["--params", "lots"], "argument --params: expected a positive number, got lots"),
+        (["--tflops", "inf"], "argument --tflops: expected a positive number, got inf"),
+    ],
+)
+def test_bad_hybrid_options_exit_naming_the_flag(tmp_path, capsys, args, message):
+    err = _fails(capsys, "--lengths", str(_lengths_file(tmp_path)), *HYBRID_FAST, *args)
+    assert message in err
+
+
+def test_hybrid_options_need_gpus_per_host_and_fit_the_cost(tmp_path, capsys):
+    lengths_file = str(_lengths_file(tmp_path))
+    err = _fails(capsys, "--lengths", lengths_file, "--params", "1e9", "--tflops", "300")
+    assert "--params, --tflops need --gpus-per-host" in err
+    calibration = tmp_path / "odc_calibration.json"
+    Calibration(CalibratedCost(linear=1e-5, quadratic=1e-10), speeds=(1.0, 1.0)).save(calibration)
+    calibrated = ["--lengths", lengths_file, "--calibration", str(calibration), *HYBRID_FAST]
+    assert "--params is required with --calibration" in _fails(capsys, *calibrated)
+    err = _fails(capsys, *calibrated, "--params", "1e9", "--tflops", "300")
+    assert "--tflops does not apply to --calibration" in err
 
 
 def test_planning_does_not_import_torch():

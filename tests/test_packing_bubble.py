@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import pytest
@@ -18,7 +19,9 @@ from hf_odc.packing import (
     sync_time,
 )
 from hf_odc.packing.bubble import step_times
-from hf_odc.packing.planning_cli import simulate
+from hf_odc.packing.cost import AttentionCost, CalibratedCost
+from hf_odc.packing.planning_cli import CrossHost, simulate
+from hf_odc.packing.schemes import SCHEMES
 
 # Four ranks: rank 0 runs two microbatches, rank 1 two, rank 2 one, rank 3 none.
 LENGTHS = [5, 3, 2, 4, 1, 6]
@@ -137,3 +140,76 @@ def test_simulate_reports_every_scheme_consistently():
     # Reproducible, and a world size's minibatches do not depend on the other world sizes simulated.
     again = simulate(DISTRIBUTIONS["swe-smith"], [8], 8, 131072, "attention", num_minibatches=3, seed=5)
     assert again.results == [result for result in simulation.results if result.world_size == 8]
+
+
+def test_cross_host_all_reduce_is_one_ring_over_the_gradient_shards():
+    # 1.5e9 fp32 parameters over 8 GPUs/host: 0.75 GB shards. 4 hosts: 2 * 3/4 * 0.75e9 B / 50e9 B/s = 22.5 ms.
+    layout = CrossHost(gpus_per_host=8, gradient_bytes=6e9, bandwidth=50e9, seconds_per_unit=1e-3)
+    assert layout.all_reduce_time(32) == pytest.approx(22.5)  # in cost units of a millisecond
+    assert layout.all_reduce_time(16) == pytest.approx(15.0)  # 2 hosts: 2 * 1/2 * 0.75e9 / 50e9 = 15 ms
+    assert layout.all_reduce_time(8) == 0.0
+    assert [size for size in (4, 8, 12, 16, 32) if layout.spans_hosts(size)] == [16, 32]
+    with pytest.raises(ValueError, match="world_size=12 is not a multiple of gpus_per_host=8"):
+        layout.all_reduce_time(12)
+    for bad in ({"gpus_per_host": 0}, {"gradient_bytes": 0.0}, {"bandwidth": -1.0}, {"seconds_per_unit": math.inf}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            CrossHost(**{"gpus_per_host": 8, "gradient_bytes": 6e9, "bandwidth": 50e9, "seconds_per_unit": 1.0, **bad})
+
+
+def test_cross_host_takes_its_time_scale_from_the_cost_model():
+    flops = AttentionCost(linear=3e9, quadratic=1e5)  # 2 FLOPs per weight: 1.5e9 parameters
+    by_flops = CrossHost.for_cost(flops, 8, cross_host_gbps=25, tflops=300)
+    assert by_flops == CrossHost(8, 6e9, 25e9, 3 / 300e12)  # a step is 3x the forward FLOPs
+    assert CrossHost.for_cost(flops, 8, params=7e9).gradient_bytes == 28e9
+    assert CrossHost.for_cost("attention", 8).seconds_per_unit == 3 / 200e12  # default 200 TFLOP/s
+    seconds = CalibratedCost(linear=1e-5, quadratic=1e-10)
+    assert CrossHost.for_cost(seconds, 4, params=1e9) == CrossHost(4, 4e9, 50e9, 1.0)  # default 50 GB/s
+    with pytest.raises(ValueError, match="--params is required with --calibration"):
+        CrossHost.for_cost(seconds, 4)
+    with pytest.raises(ValueError, match="--tflops does not apply to --calibration"):
+        CrossHost.for_cost(seconds, 4, params=1e9, tflops=100)
+    with pytest.raises(ValueError, match="cost='tokens' has no time scale"):
+        CrossHost.for_cost("tokens", 4)
+
+
+def test_simulate_adds_hybrid_rows_from_the_same_plans():
+    source, args = DISTRIBUTIONS["swe-smith"], ([4, 8, 16], 4, 131072, "attention")
+    compute_names = {scheme.name for scheme in SCHEMES}
+    compute_only = simulate(source, *args, num_minibatches=2, seed=3)
+    assert "cross_host" not in compute_only.config
+
+    def hybrid(gbps):
+        layout = CrossHost.for_cost("attention", gpus_per_host=4, cross_host_gbps=gbps)
+        simulation = simulate(source, *args, num_minibatches=2, seed=3, cross_host=layout)
+        # The compute rows are untouched; every world size above one host gets the two hybrid rows after them.
+        assert [r for r in simulation.results if r.scheme in compute_names] == compute_only.results
+        assert [(r.world_size, r.scheme) for r in simulation.results if r.scheme not in compute_names] == [
+            (size, name) for size in (8, 16) for name in ("HSDP+LB-Micro", "Hybrid ODC+LB-Mini")
+        ]
+        assert simulation.config["cross_host"]["bandwidth"] == gbps * 1e9
+        return layout, {(r.world_size, r.scheme): r for r in simulation.results}
+
+    layout, results = hybrid(50)
+    for world_size in (8, 16):
+        all_reduces = 2 * layout.all_reduce_time(world_size)  # one per minibatch
+        mini = results[world_size, "ODC+LB-Mini"]
+        work = world_size * mini.time * (1 - mini.bubble_rate)
+        for name, compute in (("HSDP+LB-Micro", "Collective+LB-Micro"), ("Hybrid ODC+LB-Mini", "ODC+LB-Mini")):
+            row, base = results[world_size, name], results[world_size, compute]
+            assert row.time == pytest.approx(base.time + all_reduces, rel=1e-12)
+            assert row.sync == base.sync
+            assert (row.min_microbatches, row.max_microbatches) == (base.min_microbatches, base.max_microbatches)
+            assert row.speedup == pytest.approx(results[world_size, "Collective+LB-Micro"].time / row.time)
+            assert row.bubble_rate == pytest.approx(1 - work / (world_size * row.time))  # the all-reduce is idle
+            assert row.bubble_rate > base.bubble_rate
+    # 4 hosts move 2 * 3/4 of a shard, 2 hosts 2 * 1/2: the all-reduce grows with H at a fixed shard size.
+    assert layout.all_reduce_time(16) == pytest.approx(1.5 * layout.all_reduce_time(8))
+
+    _, fast = hybrid(1e9)
+    _, slow = hybrid(1e-3)
+    for world_size in (8, 16):
+        assert fast[world_size, "Hybrid ODC+LB-Mini"].speedup == pytest.approx(
+            fast[world_size, "ODC+LB-Mini"].speedup, rel=1e-6
+        )
+        assert slow[world_size, "Hybrid ODC+LB-Mini"].speedup < 1.0
+        assert slow[world_size, "HSDP+LB-Micro"].speedup < slow[world_size, "Hybrid ODC+LB-Mini"].speedup

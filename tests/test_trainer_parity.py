@@ -127,3 +127,11 @@ def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(re
     saved = Calibration.load(tmp_path / "odc_calibration.json")
     assert saved.speeds[1] == pytest.approx(ours[STEPS]["calibration/speed/rank_1"])  # the last step's fit
     assert saved.cost.quadratic == pytest.approx(ours[STEPS]["calibration/quadratic"])
+
+
+def test_hybrid_odc_on_two_replicas_matches_a_single_process(reference, tmp_path):
+    """4 processes with `--odc_shard_size 2`: two shard groups of 2 (hybrid ODC, HSDP's layout: what a job over two
+    hosts gets by itself), LB-Mini over all 4 ranks, one all-reduce across replicas per step."""
+    logs = train(tmp_path, "--odc_shard_size", "2", "--cost_model", "tokens", processes=4)
+    assert_same_training(logs, reference[1])
+    assert all(entry["all_reduce_s"] > 0 for entry in logs.values())  # the cross-replica step ran every minibatch

@@ -7,6 +7,6 @@ minibatch, close; see :mod:`hf_odc.accelerate_plugin.runtime` for the two lines 
 
 from .plugin import ODCPlugin
 from .runtime import ODCRuntime
-from .sharding import mixed_precision_policy, remap_optimizer, shard_model
+from .sharding import device_mesh, mixed_precision_policy, remap_optimizer, shard_model
 
-__all__ = ["ODCPlugin", "ODCRuntime", "mixed_precision_policy", "remap_optimizer", "shard_model"]
+__all__ = ["ODCPlugin", "ODCRuntime", "device_mesh", "mixed_precision_policy", "remap_optimizer", "shard_model"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._env import env, parse_bool, timeout_seconds
+from .._env import env, parse_bool, parse_shard_size, timeout_seconds
 from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
 
 __all__ = ["ODCPlugin"]
@@ -33,6 +33,10 @@ class ODCPlugin:
         transport (`str`, *optional*):
             The transport ODC reads and pushes through, a name of ``hf_odc.kernels.TRANSPORTS``. ``None`` reads
             ``HF_ODC_TRANSPORT``, else the one for the model's device.
+        shard_size (`int`, *optional*):
+            Ranks per shard group. Parameters are sharded within a group and replicated across groups (hybrid ODC:
+            one-sided inside a group, one all-reduce across replicas per minibatch). A group must lie within one
+            host. ``None`` reads ``HF_ODC_SHARD_SIZE``, else a host's ranks (every rank when the job runs on one host).
     """
 
     enabled: bool | None = field(default=None, metadata={"help": "Run with ODC (env HF_ODC_ENABLED, default true)."})
@@ -52,6 +56,11 @@ class ODCPlugin:
         },
     )
 
+    shard_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks per shard group, replicated across groups (env HF_ODC_SHARD_SIZE; default a host's)."},
+    )
+
     def __post_init__(self) -> None:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"
         self.enabled = parse_bool(enabled, "ODCPlugin.enabled / HF_ODC_ENABLED")
@@ -67,3 +76,4 @@ class ODCPlugin:
             raise ValueError(
                 f"ODCPlugin.transport / HF_ODC_TRANSPORT must be one of {sorted(TRANSPORTS)}, got {self.transport!r}."
             )
+        self.shard_size = parse_shard_size(self.shard_size if self.shard_size is not None else env("SHARD_SIZE"))

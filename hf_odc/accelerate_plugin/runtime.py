@@ -56,7 +56,10 @@ class ODCRuntime:
         with one process the model is returned as is."""
         if self.accelerator is None or self.accelerator.num_processes == 1:
             return model
-        return shard_model(model, self.accelerator, reshard_after_forward=self.plugin.reshard_after_forward)
+        plugin = self.plugin
+        return shard_model(
+            model, self.accelerator, reshard_after_forward=plugin.reshard_after_forward, shard_size=plugin.shard_size
+        )
 
     def enable(self, model: nn.Module) -> ODC | None:
         """Install ODC on the sharded ``model`` (collective) if the plugin enables it; after :meth:`shard`, before any
@@ -97,6 +100,11 @@ class ODCRuntime:
     def active(self) -> bool:
         """Whether minibatches run with ODC (``False``: plain FSDP2, or one process, or not enabled yet)."""
         return self._odc is not None
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ODC runs hybrid: shard groups replicated across hosts, all-reduced once per minibatch."""
+        return self._odc is not None and self._odc.replicas is not None
 
     @property
     def odc(self) -> ODC | None:

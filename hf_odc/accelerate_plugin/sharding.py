@@ -16,12 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .._env import parse_bool
+from ..kernels.hosts import host_ranks
 
-__all__ = ["mixed_precision_policy", "remap_optimizer", "shard_model"]
+__all__ = ["device_mesh", "mixed_precision_policy", "remap_optimizer", "shard_model"]
 
 
 def shard_model(
@@ -30,8 +31,12 @@ def shard_model(
     *,
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    shard_size: int | None = None,
 ) -> nn.Module:
     """``fully_shard`` every decoder layer of ``model``, then the root; return ``model`` (sharded in place).
+
+    The mesh is :func:`device_mesh`'s: one shard group over every rank within one host, one per host (replicated
+    across hosts, HSDP's layout, which hybrid ODC runs on) when the job spans hosts.
 
     A model that is already an ``FSDPModule`` is returned unchanged. The decoder-layer classes come from the
     Accelerate FSDP plugin (``fsdp_transformer_layer_cls_to_wrap``), the ``FSDP_TRANSFORMER_CLS_TO_WRAP`` variable, or
@@ -45,6 +50,7 @@ def shard_model(
         reshard_after_forward: FSDP's option; ``None`` takes the FSDP plugin's value, then
             ``FSDP_RESHARD_AFTER_FORWARD``, then ``True``.
         mp_policy: FSDP2's mixed-precision policy; ``None`` derives it (see :func:`mixed_precision_policy`).
+        shard_size: ranks per shard group (see :func:`device_mesh`); ``None``: a host's ranks.
     """
     if isinstance(model, FSDPModule):
         return model
@@ -66,7 +72,7 @@ def shard_model(
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
     device_type = accelerator.device.type if accelerator is not None else _default_device_type()
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = device_mesh(device_type, shard_size)
     layers = _decoder_layers(model, fsdp_plugin)
     kwargs = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
     for layer in layers:
@@ -76,6 +82,47 @@ def shard_model(
     # it, a rank whose sequences finish first stops calling forward and its peers' all-gathers wait for it forever.
     model._is_fsdp_managed_module = True
     return model
+
+
+def device_mesh(device_type: str, shard_size: int | None = None) -> DeviceMesh:
+    """Collective: FSDP2's mesh for ODC over every rank of the job.
+
+    ODC reads and pushes one-sidedly only within a shard group, so a shard group must lie within one host. Within one
+    host the mesh is 1-D over every rank (plain FSDP2 sharding). A job that spans hosts gets a 2-D mesh
+    ``("replicate", "shard")``: each host's ranks form one shard group and hosts hold replicas, as FSDP2's HSDP
+    lays them out, and hybrid ODC all-reduces each gradient shard across the replicas once per minibatch.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        shard_size: ranks per shard group, overriding the host's rank count (e.g. 4 to run two hybrid replicas on one
+            8-GPU host); it must divide the world size, and each group of consecutive ranks must share a host.
+    """
+    world_size = dist.get_world_size()
+    hosts = host_ranks()
+    if shard_size is None:
+        shard_size = len(hosts[0]) if len(hosts) > 1 else world_size
+        if any(len(ranks) != shard_size for ranks in hosts):
+            raise ValueError(
+                f"hf_odc shards within each host and replicates across hosts, which needs the same number of ranks "
+                f"on every host; the ranks by host are {hosts}. Launch as many processes on every machine."
+            )
+    if not isinstance(shard_size, int) or shard_size < 1 or world_size % shard_size:
+        raise ValueError(
+            f"The shard group size (odc_shard_size / HF_ODC_SHARD_SIZE) must divide the world size {world_size}; "
+            f"got {shard_size!r}."
+        )
+    host_of = {rank: index for index, ranks in enumerate(hosts) for rank in ranks}
+    for start in range(0, world_size, shard_size):
+        group = range(start, start + shard_size)
+        if len({host_of[rank] for rank in group}) > 1:
+            raise ValueError(
+                f"hf_odc's shard group of ranks {list(group)} spans hosts (the ranks by host are {hosts}): ODC reads "
+                "peers' memory only within a host. Number the ranks host by host (as `accelerate launch` and torchrun "
+                f"do), and pick a shard size that divides the ranks of a host ({len(hosts[0])})."
+            )
+    if shard_size == world_size:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def mixed_precision_policy(accelerator: Any = None) -> MixedPrecisionPolicy:

@@ -7,8 +7,9 @@ module reads, and nothing else does:
 
 * ``FSDPModule._get_fsdp_state()`` and the state's parameter group(s) (``_fsdp_param_groups`` in torch 2.13, a single
   ``_fsdp_param_group`` in 2.11);
-* per group: ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``, ``gradient_divide_factor``,
-  ``force_sum_reduction_for_comms`` and the ``mp_policy`` (the group's up to torch 2.14, each parameter's from 2.15,
+* per group: ``fsdp_params``, ``mesh_info`` (with HSDP, its ``replicate_process_group``), ``post_forward_mesh_info``,
+  ``gradient_divide_factor``, ``force_sum_reduction_for_comms``, ``_partial_reduce_output`` (where HSDP keeps gradients
+  it has not all-reduced yet) and the ``mp_policy`` (the group's up to torch 2.14, each parameter's from 2.15,
   when FSDP2 also began reducing in each parameter's ``grad_dtype``);
 * per parameter: ``sharded_param``, ``sharded_size``, ``padded_sharded_param_size``, ``fsdp_placement``,
   ``offload_to_cpu`` and whether its local shard has an all-gather extension (``fsdp_pre_all_gather``);
@@ -48,6 +49,8 @@ __all__ = [
     "describe_groups",
     "gradient_divisor",
     "install_comms",
+    "set_replica_all_reduce",
+    "take_unreduced_gradient",
 ]
 
 _GROUP_ATTRS = (
@@ -112,13 +115,18 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One FSDP parameter group (the parameters of one ``fully_shard`` call), with what ODC needs to know of it."""
+    """One FSDP parameter group (the parameters of one ``fully_shard`` call), with what ODC needs to know of it.
+
+    ``process_group`` is the shard group (the ranks ODC reads from and pushes to); ``replicate_group``, with HSDP's 2-D
+    mesh, the ranks holding the same shard on the other hosts (``None`` on a 1-D mesh).
+    """
 
     fqn: str
     params: tuple[ParamSpec, ...]
     gather_dtype: torch.dtype
     reduce_dtype: torch.dtype
     process_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
     module: FSDPModule
     handle: object  # the FSDPParamGroup, opaque outside this module
 
@@ -203,8 +211,12 @@ def _check_supported(group, fqn: str) -> None:
             f"hf_odc: {fqn!r} reshards to a smaller mesh after forward (reshard_after_forward=<int>); ODC supports "
             "reshard_after_forward=True or False."
         )
-    if getattr(group.mesh_info, "replicate_mesh_dim", None) is not None:
-        raise ValueError(f"hf_odc: {fqn!r} uses HSDP (a 2-D mesh); ODC supports a 1-D FSDP mesh.")
+    single = group.mesh_info.shard_process_group.size() == 1
+    if single and _replicate_group(group) is not None and group.gradient_divide_factor is not None:
+        raise ValueError(
+            f"hf_odc: {fqn!r} sets a gradient divide factor on a one-rank shard group, where FSDP2 divides before ODC "
+            "sees the gradient; keep the default factor, or shard over more ranks."
+        )
     for fsdp_param in group.fsdp_params:
         if fsdp_param.offload_to_cpu:
             raise ValueError(f"hf_odc: {fqn!r} uses CPUOffloadPolicy, which ODC does not support.")
@@ -215,6 +227,15 @@ def _check_supported(group, fqn: str) -> None:
             )
         if hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
             raise ValueError(f"hf_odc: {fqn!r} has a parameter with an FSDP all-gather extension (e.g. float8).")
+
+
+def _replicate_group(group) -> dist.ProcessGroup | None:
+    mesh_info = group.mesh_info
+    if getattr(mesh_info, "replicate_mesh_dim", None) is None:
+        return None
+    require(mesh_info, ("replicate_process_group",), "FSDP's HSDPMeshInfo")
+    require(group, ("_partial_reduce_output", "all_reduce_grads"), "FSDPParamGroup")
+    return mesh_info.replicate_process_group
 
 
 def describe_groups(model: nn.Module) -> list[GroupSpec]:
@@ -249,6 +270,7 @@ def describe_groups(model: nn.Module) -> list[GroupSpec]:
                     gather_dtype=gather_dtype,
                     reduce_dtype=_reduce_dtype(group, fqn, gather_dtype),
                     process_group=group.mesh_info.shard_process_group,
+                    replicate_group=_replicate_group(group),
                     module=module,
                     handle=group,
                 )
@@ -272,7 +294,8 @@ def install_comms(spec: GroupSpec, all_gather, reduce_scatter=None) -> None:
 
 
 def gradient_divisor(spec: GroupSpec, device_type: str) -> float:
-    """What FSDP divides the *sum* of the ranks' reduce-scatter inputs by, minus what it already divided them by.
+    """What FSDP divides the *sum* of the ranks' reduce-scatter inputs (over every replica too, with HSDP) by, minus
+    what it already divided them by.
 
     FSDP may pre-divide the reduce-scatter input (fp16 overflow guard) and divides the rest after the collective,
     or lets the collective average. ODC sums raw pushes, so it divides by the remainder once, at the minibatch's end.
@@ -281,10 +304,28 @@ def gradient_divisor(spec: GroupSpec, device_type: str) -> float:
 
     group = spec.handle
     pg = spec.process_group
+    replicas = spec.replicate_group
     pre, _post, _rs_op, _ar_op = _get_gradient_divide_factors(
-        pg, None, spec.reduce_dtype, device_type, group.gradient_divide_factor, group.force_sum_reduction_for_comms
+        pg, replicas, spec.reduce_dtype, device_type, group.gradient_divide_factor, group.force_sum_reduction_for_comms
     )
     factor = group.gradient_divide_factor
     if factor is None:
-        factor = float(pg.size())
+        factor = float(pg.size() * (replicas.size() if replicas is not None else 1))
     return factor / (pre or 1.0)
+
+
+def set_replica_all_reduce(spec: GroupSpec, enabled: bool) -> None:
+    """HSDP's all-reduce across replicas after each backward on or off (FSDP2's public switch); hybrid ODC turns it
+    off inside a minibatch and reduces across replicas itself, once, at the exit."""
+    spec.module.set_requires_all_reduce(enabled, recurse=False)
+
+
+def take_unreduced_gradient(spec: GroupSpec) -> torch.Tensor | None:
+    """What HSDP accumulated for ``spec`` without all-reducing it (the all-reduce off), and forget it.
+
+    With a shard group of one rank FSDP2 skips the reduce-scatter (ODC's push) and keeps the group's gradient
+    shard here instead, summed over the backwards; with more ranks it holds ODC's all-zero sink."""
+    group = spec.handle
+    unreduced = group._partial_reduce_output
+    group._partial_reduce_output = None
+    return unreduced

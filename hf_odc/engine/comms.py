@@ -88,6 +88,7 @@ class ODCReduceScatter(ReduceScatter):
             numel *= int(s)
         if (
             self._in_minibatch()
+            and self.transport.world_size > 1  # a one-rank group skips the comm: FSDP copies its gradient in
             and numel == self.slots.spec.grad_numel
             and dtype == self._sink.dtype
             and numel <= self._sink.numel()

@@ -16,7 +16,11 @@ same DTensor placement and FSDP's divide factor ``F`` (the data-parallel world s
 
     grad = (1 / F) * sum over ranks r, sum over r's microbatches m of d(loss_m) / d(param)
 
-and it is *added* to a ``.grad`` that was not cleared, as FSDP accumulates. With FSDP's default ``F = W`` and
+and it is *added* to a ``.grad`` that was not cleared, as FSDP accumulates. With HSDP's 2-D mesh (hybrid ODC: shard
+groups within hosts, replicated across hosts; :mod:`hf_odc.engine.hybrid`) the sum runs over every rank of every
+host, ``W`` is the whole job's rank count, and the exit all-reduces each shard across the replicas after the barrier.
+
+With FSDP's default ``F = W`` and
 ``loss_m`` the *sum* of the per-token losses of microbatch ``m``, the update equals full-minibatch training on the
 mean token loss when every rank scales by the global count of target tokens ``N`` of the minibatch::
 
@@ -29,6 +33,7 @@ minibatch, including empty ones, do not change the result.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -39,18 +44,32 @@ from torch.distributed.tensor import DTensor
 
 from .._env import timeout_seconds
 from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, make_transport
-from ._fsdp_internals import GroupSpec, check_fsdp_layout, describe_groups, gradient_divisor, install_comms
+from ._fsdp_internals import (
+    GroupSpec,
+    check_fsdp_layout,
+    describe_groups,
+    gradient_divisor,
+    install_comms,
+    set_replica_all_reduce,
+    take_unreduced_gradient,
+)
 from .buffers import GroupSlots, allocate_slots
 from .comms import ODCAllGather, ODCReduceScatter
+from .hybrid import ReplicaGroup
 from .timing import MinibatchClock, MinibatchStats
 
 
 class ODC:
     """The handle :func:`enable` returns. Use :meth:`minibatch` around each rank's share of a minibatch."""
 
-    def __init__(self, model: nn.Module, specs: list[GroupSpec], transport: Transport):
+    def __init__(
+        self, model: nn.Module, specs: list[GroupSpec], transport: Transport, replicas: ReplicaGroup | None = None
+    ):
         self.model = model
         self.transport = transport
+        self.replicas = replicas
+        if replicas is not None:
+            transport.watch(replicas.check)  # a rank that gave up on another host ends this host's barriers too
         self.rank, self.world_size = transport.rank, transport.world_size
         self._slots: list[GroupSlots] = allocate_slots(specs, transport)
         self._in_minibatch = False
@@ -182,6 +201,8 @@ class ODC:
         self._check_frozen_set_unchanged()
         self._publish(clear_accumulators=backward)
         self._barrier()
+        hybrid = backward and self.replicas is not None
+        self._replica_all_reduce(not hybrid)
         self._in_minibatch = True
         self._clock.start()
         try:
@@ -189,13 +210,15 @@ class ODC:
                 yield self
         except BaseException as e:
             self._in_minibatch = False
-            self._failed = True
-            self.transport.abort(f"{type(e).__name__}: {e}")
+            self._replica_all_reduce(True)
+            self._give_up(f"{type(e).__name__}: {e}")
             raise
         self._in_minibatch = False
         self._clock.done()
         self._barrier()
+        all_reduce_s = self._reduce_across_replicas() if hybrid else 0.0
         self.last = self._clock.stop()
+        self.last.all_reduce = all_reduce_s
         if backward:
             self._install_grads()
 
@@ -203,11 +226,51 @@ class ODC:
         """Mark the end of a microbatch inside :meth:`minibatch` (its device time lands in ``last.microbatches``)."""
         self._clock.lap()
 
+    def _replica_all_reduce(self, enabled: bool) -> None:
+        """HSDP's per-backward all-reduce across hosts: off inside a hybrid training minibatch, on elsewhere."""
+        if self.replicas is not None:
+            for slots in self._slots:
+                if slots.accum is not None:
+                    set_replica_all_reduce(slots.spec, enabled)
+
+    @torch.no_grad()
+    def _reduce_across_replicas(self) -> float:
+        """After the host barrier: sum each accumulator with its replicas on the other hosts; returns the seconds.
+
+        A one-rank shard group has no pushes: FSDP kept its gradient shard in HSDP's unreduced buffer instead, so it
+        is moved into the accumulator first (with more ranks that buffer is ODC's all-zero sink)."""
+        start = time.perf_counter()
+        single = self.transport.world_size == 1
+        buffers = {}
+        for slots in self._slots:
+            if slots.accum is None:
+                continue
+            unreduced = take_unreduced_gradient(slots.spec)
+            if single and unreduced is not None:
+                slots.accum_slot().add_(unreduced)
+            buffers[slots.accum.index] = slots.accum.local
+        self._replica_all_reduce(True)
+        try:
+            self.replicas.all_reduce([buffers[i] for i in sorted(buffers)])
+        except PeerFailureError as e:
+            self._give_up(str(e))
+            raise
+        return time.perf_counter() - start
+
+    def _give_up(self, reason: str) -> None:
+        """This rank stops: tell the peers of its host (their barrier fails at once) and, in hybrid ODC, every rank."""
+        self._failed = True
+        self.transport.abort(reason)
+        if self.replicas is not None:
+            self.replicas.abort(reason)
+
     def _barrier(self) -> None:
         try:
             self.transport.barrier()
-        except PeerFailureError:
+        except PeerFailureError as e:
             self._failed = True
+            if self.replicas is not None:
+                self.replicas.abort(str(e))
             raise
 
     def close(self) -> None:
@@ -225,6 +288,8 @@ class ODC:
             with contextlib.suppress(PeerFailureError):
                 self.transport.barrier()
         self.transport.close()
+        if self.replicas is not None and not self._failed:
+            self.replicas.close()  # after a failure a communicator's teardown may block on the dead peer
 
 
 def enable(
@@ -236,13 +301,14 @@ def enable(
     """Install On-Demand Communication on ``model``, already sharded with FSDP2's ``fully_shard``.
 
     Call it after every ``fully_shard`` (and after freezing parameters, e.g. PEFT), before the first forward. It is
-    collective over the FSDP mesh's ranks.
+    collective over the FSDP mesh's ranks. On HSDP's 2-D mesh (``fully_shard(mesh=...)`` with a replicate and a shard
+    dimension) it runs hybrid ODC: one-sided within each shard group, one all-reduce across replicas per minibatch.
 
     Args:
         model: the root module; every :class:`~torch.distributed.fsdp.FSDPModule` in it is switched to ODC.
-        timeout: seconds a minibatch barrier waits for a live peer before raising
-            :class:`~hf_odc.kernels.PeerFailureError` (a dead peer is reported at once). Default: ``HF_ODC_TIMEOUT``
-            or ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
+        timeout: seconds a minibatch barrier (and hybrid ODC's cross-host all-reduce) waits for a live peer before
+            raising :class:`~hf_odc.kernels.PeerFailureError` (a dead peer on the same host is reported at once).
+            Default: ``HF_ODC_TIMEOUT`` or ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
         transport: a transport, or the name of one (``hf_odc.kernels.TRANSPORTS``), instead of the device's default
             (tests, new hardware).
 
@@ -256,11 +322,20 @@ def enable(
             f"{type(model).__name__}. Shard it with torch.distributed.fsdp.fully_shard first."
         )
     specs = describe_groups(model)
-    groups = {tuple(dist.get_process_group_ranks(s.process_group)) for s in specs}
-    if len(groups) != 1:
-        raise ValueError(f"hf_odc: every fully_shard call must use the same mesh; got rank groups {sorted(groups)}.")
+    meshes = {(_ranks(s.process_group), _ranks(s.replicate_group)) for s in specs}
+    if len(meshes) != 1:
+        raise ValueError(
+            f"hf_odc: every fully_shard call must use the same mesh; got (shard, replicate) rank groups "
+            f"{sorted(meshes, key=str)}."
+        )
+    replicate_group = specs[0].replicate_group
     timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
     if transport is None or isinstance(transport, str):
         device = specs[0].params[0].param.device
         transport = make_transport(device, specs[0].process_group, timeout=timeout, kind=transport)
-    return ODC(model, specs, transport)
+    replicas = ReplicaGroup.create(replicate_group, timeout) if replicate_group is not None else None
+    return ODC(model, specs, transport, replicas)
+
+
+def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else ()

@@ -37,6 +37,9 @@ class MinibatchStats:
     """Device seconds of each microbatch marked with :meth:`MinibatchClock.lap`, in order (the first from the
     entry meeting point), what the cost model is calibrated on."""
 
+    all_reduce: float = 0.0
+    """Seconds of hybrid ODC's all-reduce across hosts at the exit (part of ``wait``; 0 within one host)."""
+
     @property
     def step(self) -> float:
         return self.busy + self.wait

@@ -13,11 +13,12 @@ import contextlib
 import errno
 import mmap
 import os
-import socket
 import uuid
 
 import torch
 import torch.distributed as dist
+
+from .hosts import host_id
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "hf_odc_"
@@ -35,14 +36,6 @@ def _unlink_pending() -> None:
 atexit.register(_unlink_pending)
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 class ShmJob:
     """The shared-memory namespace of one ODC instance: a unique prefix agreed on by every rank of ``group``.
 
@@ -55,19 +48,21 @@ class ShmJob:
         self.world_size = dist.get_world_size(group)
         if not os.path.isdir(SHM_DIR):
             raise RuntimeError(f"hf_odc's host transport needs {SHM_DIR} (a tmpfs); it does not exist on this system.")
-        me = (socket.gethostname(), _boot_id(), os.getpid(), uuid.uuid4().hex)
+        me = (host_id(), os.getpid(), uuid.uuid4().hex)
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, me, group=group)
-        hosts = {(h, b) for h, b, _, _ in everyone}
+        hosts = {h for h, _, _ in everyone}
         if len(hosts) > 1:
-            by_host = {h: [r for r, e in enumerate(everyone) if e[0] == h] for h, _ in hosts}
+            by_host = {h: [r for r, e in enumerate(everyone) if e[0] == h] for h in sorted(hosts)}
             raise RuntimeError(
                 "hf_odc's transports (CPU shared memory, CUDA symmetric memory) reach peers within one host, but "
-                f"the ranks span {len(hosts)} hosts ({by_host}). Run ODC within one host; docs/multi_host.md says "
-                "how a multi-host (NVSHMEM) transport would plug in."
+                f"the ranks span {len(hosts)} hosts ({by_host}). Shard within each host and replicate across hosts "
+                "(hybrid ODC: hf_odc.accelerate_plugin.shard_model does it when the job spans hosts); "
+                "docs/multi_host.md has the design of a cross-host transport."
             )
-        self.pids: tuple[int, ...] = tuple(e[2] for e in everyone)
-        self.prefix = f"{SHM_PREFIX}{everyone[0][3][:16]}"
+        self.pids: tuple[int, ...] = tuple(e[1] for e in everyone)
+        self.global_ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self.prefix = f"{SHM_PREFIX}{everyone[0][2][:16]}"
         self._count = 0
 
     def _path(self, tag: str, rank: int) -> str:

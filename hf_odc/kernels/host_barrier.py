@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -44,9 +45,18 @@ class HostBarrier:
         pids: every rank's process id, to detect a dead peer; liveness is only checked when every pid is visible
             from this process (one pid namespace), otherwise the timeout alone bounds the wait.
         timeout: seconds a barrier waits for a live peer before it raises :class:`PeerFailureError`.
+        names: what errors call each rank (its rank in the job, when the barrier's group is a subgroup); default
+            the indices.
     """
 
-    def __init__(self, blocks: tuple[torch.Tensor, ...], rank: int, pids: tuple[int, ...], timeout: float):
+    def __init__(
+        self,
+        blocks: tuple[torch.Tensor, ...],
+        rank: int,
+        pids: tuple[int, ...],
+        timeout: float,
+        names: tuple[int, ...] | None = None,
+    ):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self._blocks = blocks
@@ -54,6 +64,8 @@ class HostBarrier:
         self._pids = pids
         self._check_pids = all(os.path.exists(f"/proc/{p}") for p in pids)
         self.timeout = timeout
+        self._names = names if names is not None else tuple(range(len(blocks)))
+        self._watchers: list[Callable[[], None]] = []
         self._arrivals = 0
         own = blocks[rank]
         own.zero_()
@@ -62,7 +74,7 @@ class HostBarrier:
     @classmethod
     def create(cls, job: ShmJob, timeout: float) -> HostBarrier:
         """Collective: a barrier among ``job``'s ranks, its control blocks in ``job``'s shared memory."""
-        return cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout)
+        return cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout, job.global_ranks)
 
     def _reason(self, r: int) -> str:
         raw = self._blocks[r][_REASON_OFFSET:].numpy().tobytes()
@@ -76,10 +88,14 @@ class HostBarrier:
         reason_bytes[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         own[_ABORTED] = 1
 
+    def watch(self, check: Callable[[], None]) -> None:
+        """Also call ``check()`` at every liveness check while waiting (it raises :class:`PeerFailureError`)."""
+        self._watchers.append(check)
+
     def _check_aborts(self) -> None:
         for r, block in enumerate(self._blocks):
             if r != self._rank and int(block[_ABORTED]):
-                raise PeerFailureError(f"hf_odc: rank {r} aborted: {self._reason(r)}")
+                raise PeerFailureError(f"hf_odc: rank {self._names[r]} aborted: {self._reason(r)}")
 
     def _check_alive(self, waiting_for: list[int]) -> None:
         if not self._check_pids:
@@ -87,7 +103,7 @@ class HostBarrier:
         for r in waiting_for:
             if not _process_alive(self._pids[r]):
                 raise PeerFailureError(
-                    f"hf_odc: rank {r} (pid {self._pids[r]}) died before reaching the minibatch barrier; "
+                    f"hf_odc: rank {self._names[r]} (pid {self._pids[r]}) died before reaching the minibatch barrier; "
                     "its error, if any, is in its own log."
                 )
 
@@ -118,10 +134,13 @@ class HostBarrier:
             now = time.monotonic()
             if now >= next_liveness_check:
                 self._check_alive(waiting_for)
+                for check in self._watchers:
+                    check()
                 next_liveness_check = now + 0.05
             if now - start > self.timeout:
                 raise PeerFailureError(
-                    f"hf_odc: ranks {waiting_for} did not reach the minibatch barrier within {self.timeout:g} s "
+                    f"hf_odc: ranks {[self._names[r] for r in waiting_for]} did not reach the minibatch barrier within "
+                    f"{self.timeout:g} s "
                     "(if their minibatches are that slow, raise the timeout: --odc_timeout / `odc_timeout` with the "
                     "ODC trainers, `timeout` in hf_odc.enable(...), or the HF_ODC_TIMEOUT environment variable)."
                 )

@@ -7,6 +7,8 @@ memory and the accumulate, and says how to wait for its device before meeting (:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 
 from ._dev_shm import ShmJob
@@ -40,6 +42,9 @@ class HostLocalTransport(Transport):
     def barrier(self) -> None:
         self._drain()
         self._barrier.wait()
+
+    def watch(self, check: Callable[[], None]) -> None:
+        self._barrier.watch(check)
 
     def abort(self, reason: str) -> None:
         self._barrier.abort(reason)

@@ -17,6 +17,7 @@ this interface, and only ever touches a buffer's ``local`` block: how peers' blo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,12 @@ class Transport(ABC):
         Raises :class:`PeerFailureError` naming the rank if a peer died, aborted, or did not arrive within the
         transport's timeout.
         """
+
+    @abstractmethod
+    def watch(self, check: Callable[[], None]) -> None:
+        """While waiting in :meth:`barrier`, also call ``check()`` every few milliseconds; it raises
+        :class:`PeerFailureError` to end the wait (a failure reported beyond this transport's ranks, e.g. on another
+        host)."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:

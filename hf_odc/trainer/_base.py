@@ -46,6 +46,11 @@ _ODC_PARAMETERS = """
         odc_transport (`str`, *optional*):
             The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
             `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
+        odc_shard_size (`int`, *optional*):
+            Ranks per shard group: parameters are sharded within a group and replicated across groups (hybrid ODC,
+            FSDP2's HSDP layout: one-sided reads and pushes inside a group, one all-reduce of each gradient shard
+            across replicas per minibatch). A group must lie within one host. `None` reads `HF_ODC_SHARD_SIZE`, else
+            a host's ranks, so a job on one host shards over every rank and a job over several hosts is hybrid.
         balance (`str`, *optional*):
             How each global minibatch is split (a name of `hf_odc.packing.PLANNERS`): `"lb-mini"` balances each rank's
             total cost, ranks may run different numbers of microbatches (needs `odc=True`); `"lb-micro"` gives every
@@ -123,6 +128,13 @@ class _ODCConfig:
             "choices": list(TRANSPORTS),
         },
     )
+    odc_shard_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Ranks per shard group, replicated across groups (one all-reduce per minibatch). Unset: "
+            "HF_ODC_SHARD_SIZE, else a host's ranks."
+        },
+    )
     balance: str | None = field(
         default=None,
         metadata={
@@ -171,6 +183,7 @@ class _ODCConfig:
                 self.bf16 = False
         plugin = self.odc_plugin()
         self.odc, self.odc_timeout, self.odc_transport = plugin.enabled, plugin.timeout, plugin.transport
+        self.odc_shard_size = plugin.shard_size
         if self.balance is None:
             self.balance = "lb-mini" if self.odc else "lb-micro"
         if self.balance not in PLANNERS:
@@ -209,7 +222,9 @@ class _ODCConfig:
 
     def odc_plugin(self) -> ODCPlugin:
         """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe."""
-        return ODCPlugin(enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport)
+        return ODCPlugin(
+            enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport, shard_size=self.odc_shard_size
+        )
 
     def token_cap_for(self, longest_sample: int) -> int:
         """Tokens one packed microbatch may hold: ``max_tokens_per_microbatch``, else ``packing_ratio`` (default 1)
@@ -305,12 +320,13 @@ class _ODCTrainer:
         times = stats.microbatches + [0.0] * (max(counts) - len(stats.microbatches))  # the same width on every rank
         device = self.args.device
         stacked = [v.reshape(()).to(device, torch.float64) for v in values.values()]
-        stacked.append(torch.tensor([stats.busy, stats.wait, peak_gib, *times], dtype=torch.float64, device=device))
+        own = [stats.busy, stats.wait, peak_gib, stats.all_reduce, *times]
+        stacked.append(torch.tensor(own, dtype=torch.float64, device=device))
         gathered = self.accelerator.gather(torch.cat([v.reshape(-1) for v in stacked])[None]).cpu().tolist()
         per_rank = {name: [row[i] for row in gathered] for i, name in enumerate(values)}
-        first = len(values)  # then busy, wait, peak, and the microbatch times
-        busy, wait, peak = ([row[first + i] for row in gathered] for i in range(3))
-        times = [row[first + 3 :] for row in gathered]
+        first = len(values)  # then busy, wait, peak, the cross-host all-reduce and the microbatch times
+        busy, wait, peak, all_reduce = ([row[first + i] for row in gathered] for i in range(4))
+        times = [row[first + 4 :] for row in gathered]
         step = max(b + w for b, w in zip(busy, wait, strict=True))
         metrics = self._metrics["train"]
         metrics["step_s"].append(step)
@@ -319,6 +335,8 @@ class _ODCTrainer:
         metrics["predicted_bubble_rate"].append(predicted_bubble_rate)
         if torch.cuda.is_available():
             metrics["peak_memory_gib"].append(max(peak))  # the largest rank's, since the start
+        if self.odc.hybrid:
+            metrics["all_reduce_s"].append(max(all_reduce))
         for rank, lengths in enumerate(microbatch_lengths):
             metrics[f"busy_s/rank_{rank}"].append(busy[rank])
             metrics[f"wait_s/rank_{rank}"].append(wait[rank])
@@ -346,6 +364,36 @@ class _ODCTrainer:
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, resuming from complete checkpoints only. ``True`` takes the newest complete
+        ``checkpoint-N`` of ``output_dir`` (:func:`~hf_odc.trainer._checkpoint.last_complete_checkpoint`, in place of
+        transformers' ``get_last_checkpoint``, which takes the newest however incomplete); a checkpoint that is
+        incomplete, or lacks the optimizer or scheduler state, is refused before anything is loaded."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = _checkpoint.last_complete_checkpoint(self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str | os.PathLike):
+            _checkpoint.check_resumable(os.fspath(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """``Trainer._save_checkpoint``, then, once every rank's part is on disk, the completion marker, then the
+        rotation of older checkpoints (``save_total_limit``). Transformers rotates at the end of its save, which would
+        be before the marker: a save killed in between could leave no complete checkpoint, so the rotation is held
+        back until this one is complete."""
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = _checkpoint.checkpoint_dir_of(run_dir, self.state.global_step)
+        if self.args.should_save:
+            _checkpoint.unmark_complete(output_dir)  # before any rank overwrites an earlier save of this step
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
+        self.accelerator.wait_for_everyone()  # every rank's shards and RNG state are written
+        if self.args.should_save:
+            _checkpoint.mark_complete(output_dir, self.state.global_step)
+            _checkpoint.rotate(run_dir, save_total_limit, self.state.best_model_checkpoint)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``save_pretrained`` of the unsharded model (collective: every rank must call it), and the calibrated cost
         model beside it (:data:`CALIBRATION_FILE`)."""
@@ -363,26 +411,31 @@ class _ODCTrainer:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self._is_sharded:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        _checkpoint.save_sharded(self.model, _torch_optimizer(self.optimizer), _state_dir(output_dir))
+        """The model and optimizer state through DCP (each rank's shards, or one process's whole state) and the LR
+        scheduler's (one process): the same format whatever the process count, so that a checkpoint resumes on any
+        other. The Trainer's one-process ``optimizer.pt`` is not written."""
+        _checkpoint.save_state(self.model, _torch_optimizer(self.optimizer), _state_dir(output_dir))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """The model's weights, and the checkpoint's calibration (newer than ``calibration_file``) unless frozen."""
+        """The model's weights from the DCP state, resharded to this run's processes (``model``: the Trainer's wrapper
+        of ``self.model``, when it passes one), and the checkpoint's calibration (newer than ``calibration_file``)
+        unless frozen."""
         saved = os.path.join(resume_from_checkpoint, CALIBRATION_FILE)
         calibrator = self._planner.calibrator
         if calibrator is not None and not calibrator.frozen and os.path.isfile(saved):
             self._planner.calibrator = Calibrator(calibrator.world_size, initial=Calibration.load(saved))
-        if not self._is_sharded:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        _checkpoint.load_sharded_model(model if model is not None else self.model, _state_dir(resume_from_checkpoint))
+        _checkpoint.load_model_state(model if model is not None else self.model, _state_dir(resume_from_checkpoint))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not self._is_sharded:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        _checkpoint.load_sharded_optimizer(self.model, _torch_optimizer(self.optimizer), _state_dir(checkpoint))
+        """The optimizer state from DCP, resharded, and the LR scheduler's. The Trainer subclass's part runs first, for
+        the state a TRL trainer keeps there (GRPO's entropy controller); its stock branch looks for ``optimizer.pt``,
+        which this format does not have, and loads nothing."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        _checkpoint.load_optimizer_state(self.model, _torch_optimizer(self.optimizer), _state_dir(checkpoint))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 

@@ -1,14 +1,25 @@
-"""Checkpoints of a model that hf_odc sharded, with ``torch.distributed.checkpoint`` (DCP).
+"""Trainer checkpoints that resume on any number of processes, with ``torch.distributed.checkpoint`` (DCP).
 
 The Trainer's own save/load paths either assume Accelerate did the FSDP wrapping (its FSDP branch, which is absent on
 CPU) or that rank 0 holds the whole model and optimizer (its default branch, wrong for DTensor shards). DCP writes
-each rank's shards in parallel and reshards on load, so a checkpoint resumes on any number of ranks, on CPU and GPU
-alike. The directory layout is one DCP checkpoint with ``model`` and ``optimizer`` entries.
+each rank's shards in parallel and reshards on load, and a single process (sharded or not, with or without a process
+group) writes and reads the same format. So every ODC checkpoint, whatever the process count, holds:
+
+* :data:`STATE_DIR`: one DCP checkpoint with ``model`` and ``optimizer`` entries, keyed by parameter name;
+* the Trainer's ``scheduler.pt``, ``trainer_state.json`` and RNG states, and a ``save_pretrained`` copy of the model;
+* :data:`COMPLETE_MARKER`, written last, once every rank's part is on disk. A directory without it is a save that was
+  interrupted (or one this format did not write): :func:`check_resumable` refuses it and
+  :func:`last_complete_checkpoint` passes it over.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import warnings
+
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -18,9 +29,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 STATE_DIR = "odc_sharded_state"
 """Sub-directory of a Trainer checkpoint that holds the DCP checkpoint."""
+
+COMPLETE_MARKER = "odc_checkpoint_complete"
+"""File of a Trainer checkpoint that says its save finished; it holds the global step."""
+
+_DCP_METADATA = ".metadata"  # what DCP writes last, and reads first
+_CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -38,21 +57,121 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Write the model and optimizer shards of every rank to ``path`` (collective)."""
+def save_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Write the model and optimizer state to ``path``: every rank its shards (collective), or one process the whole."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, checkpoint_id=path, no_dist=_no_process_group())
 
 
-def load_sharded_model(model: nn.Module, path: str) -> None:
-    """Load the model entry of the checkpoint at ``path`` into ``model``'s shards (collective)."""
+def load_model_state(model: nn.Module, path: str) -> None:
+    """Load the model entry of the checkpoint at ``path`` into ``model`` (its shards, if sharded; collective)."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=_no_process_group())
     set_model_state_dict(model, state["model"])
 
 
-def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Load the optimizer entry of the checkpoint at ``path`` (collective)."""
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Load the optimizer entry of the checkpoint at ``path`` (collective). DCP steps an optimizer without state once,
+    at learning rate 0, to give it the state's shape."""
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=_no_process_group())
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _no_process_group() -> bool:
+    """Whether DCP must run without collectives (one process that never joined a group), rather than warn and guess."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def checkpoint_dir_of(run_dir: str, step: int) -> str:
+    """The directory ``Trainer._save_checkpoint`` saves step ``step`` to."""
+    return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """Delete the oldest checkpoints beyond ``save_total_limit``, as ``Trainer._save_checkpoint`` does at its end."""
+    rotate_checkpoints(
+        output_dir=run_dir,
+        save_total_limit=save_total_limit,
+        best_model_checkpoint=best_model_checkpoint,
+        use_mtime=True,
+    )
+
+
+def mark_complete(checkpoint_dir: str, step: int) -> None:
+    """Declare the checkpoint at ``checkpoint_dir`` complete (one process, once every rank's part is written). The
+    marker appears whole or not at all (written aside, then renamed), so a kill while writing it leaves none."""
+    marker = os.path.join(checkpoint_dir, COMPLETE_MARKER)
+    with open(f"{marker}.tmp", "w") as f:
+        f.write(f"{step}\n")
+    os.replace(f"{marker}.tmp", marker)
+
+
+def unmark_complete(checkpoint_dir: str) -> None:
+    """Withdraw the marker of an earlier save of the same step before this one overwrites its files."""
+    marker = os.path.join(checkpoint_dir, COMPLETE_MARKER)
+    if os.path.exists(marker):
+        os.remove(marker)
+
+
+def is_complete(checkpoint_dir: str) -> bool:
+    """Whether the save of ``checkpoint_dir`` finished: every rank's part of it is on disk."""
+    return os.path.isfile(os.path.join(checkpoint_dir, COMPLETE_MARKER))
+
+
+def check_resumable(checkpoint_dir: str) -> None:
+    """Raise ``ValueError``, saying what is missing and what to do, unless training can resume from ``checkpoint_dir``:
+    the checkpoint is complete and holds the model and optimizer state, the LR scheduler's and the trainer state.
+    (The Trainer would skip a missing optimizer or scheduler silently, and crash deep in DCP on a partial save.)"""
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"Cannot resume from {checkpoint_dir}: no such directory.")
+    if not is_complete(checkpoint_dir):
+        raise ValueError(
+            f"Cannot resume from {checkpoint_dir}: it is not a complete checkpoint (it has no {COMPLETE_MARKER}, "
+            "which hf_odc writes last, once every rank's part of the save is on disk). Its save was interrupted: "
+            "resume from an earlier checkpoint, or with resume_from_checkpoint=True, which takes the newest complete "
+            "one. If an hf_odc that wrote no marker made it and its save finished, write its global step into "
+            f"{os.path.join(checkpoint_dir, COMPLETE_MARKER)} to resume from it."
+        )
+    required = {
+        os.path.join(STATE_DIR, _DCP_METADATA): "the model and optimizer state",
+        SCHEDULER_NAME: "the LR scheduler's state",
+        TRAINER_STATE_NAME: "the step and log history",
+    }
+    missing = [
+        f"{name} ({what})" for name, what in required.items() if not os.path.exists(os.path.join(checkpoint_dir, name))
+    ]
+    if missing:
+        raise ValueError(
+            f"Cannot resume from {checkpoint_dir}: it lacks {', '.join(missing)}. A checkpoint saved with "
+            "save_only_model=True holds the model alone, and one of another trainer holds its optimizer in a format "
+            f"hf_odc does not read (optimizer.pt). To train on from its weights with a new optimizer and LR schedule, "
+            f"load it as the model (from_pretrained({checkpoint_dir!r})) instead of resuming from it."
+        )
+
+
+def last_complete_checkpoint(output_dir: str) -> str:
+    """What ``resume_from_checkpoint=True`` resumes from: the ``checkpoint-N`` of ``output_dir`` with the largest ``N``
+    among the complete ones (transformers' ``get_last_checkpoint`` takes the largest, however incomplete). Warns about
+    the newer incomplete ones it passes over; raises ``ValueError`` if there is no complete one."""
+    steps = {}
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
+        found = _CHECKPOINT_NAME.fullmatch(name)
+        if found is not None and os.path.isdir(path := os.path.join(output_dir, name)):
+            steps[path] = int(found.group(1))
+    newest_first = sorted(steps, key=steps.__getitem__, reverse=True)
+    complete = [path for path in newest_first if is_complete(path)]
+    if not complete:
+        raise ValueError(
+            f"resume_from_checkpoint=True found no complete checkpoint in {output_dir} (incomplete: "
+            f"{newest_first or 'none'}). Start without resume_from_checkpoint, or pass one of them to learn why it is "
+            "refused."
+        )
+    skipped = newest_first[: newest_first.index(complete[0])]
+    if skipped:
+        warnings.warn(
+            f"resume_from_checkpoint=True: passing over {skipped}, whose save did not finish (no {COMPLETE_MARKER}); "
+            f"resuming from {complete[0]}.",
+            stacklevel=2,
+        )
+    return complete[0]

@@ -3,10 +3,12 @@
 Nothing in training imports this: the trainers need only the planning core, :mod:`hf_odc.packing`.
 """
 
-from .simulate import SchemeResult, Simulation, simulate
+from .simulate import HYBRID_SCHEMES, CrossHost, SchemeResult, Simulation, simulate
 from .sources import LengthPool, LengthSource, choose_cost, choose_source, load_calibration
 
 __all__ = [
+    "HYBRID_SCHEMES",
+    "CrossHost",
     "LengthPool",
     "LengthSource",
     "SchemeResult",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..bubble import idle_fraction, step_times, sync_time
 from ..schemes import BASELINE, SCHEMES
-from .simulate import Simulation
+from .simulate import HYBRID_SCHEMES, Simulation
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -26,7 +26,7 @@ _MAX_TIMELINE_RANKS = 16
 def plot_simulation(simulation: Simulation, path: str | Path, world_size: int | None = None) -> None:
     """Save a figure with (a) one minibatch as per-rank timelines for Collective+LB-Micro and ODC+LB-Mini at
     ``world_size`` (default: the largest simulated one with at most 16 ranks, which stays legible) and (b) the
-    predicted speedup of every scheme against the world size."""
+    predicted speedup of every scheme against the world size (the cross-host rows dashed, where simulated)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -80,11 +80,10 @@ def _draw_timeline(axes: Axes, name: str, per_rank: list[list[float]], unit: flo
 
 def _draw_speedups(axes: Axes, simulation: Simulation) -> None:
     world_sizes = sorted(simulation.timelines)
-    for scheme in SCHEMES:
-        points = sorted(
-            (result.world_size, result.speedup) for result in simulation.results if result.scheme == scheme.name
-        )
-        axes.plot(*zip(*points, strict=True), marker="o", label=scheme.name)
+    for name in dict.fromkeys(result.scheme for result in simulation.results):
+        points = sorted((result.world_size, result.speedup) for result in simulation.results if result.scheme == name)
+        style = "--" if name in HYBRID_SCHEMES else "-"
+        axes.plot(*zip(*points, strict=True), marker="o", linestyle=style, label=name)
     axes.axhline(1.0, color="gray", linewidth=0.8)
     axes.set_xscale("log", base=2)
     axes.set_xticks(world_sizes, [str(size) for size in world_sizes])

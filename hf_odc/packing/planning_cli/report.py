@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..schemes import BASELINE
-from .simulate import Simulation
+from .simulate import HYBRID_SCHEMES, Simulation
 
 __all__ = ["render_table", "write_json"]
 
@@ -20,13 +20,13 @@ def render_table(simulation: Simulation, console: Console | None = None) -> None
     Collective schemes synchronise per layer, ODC schemes per minibatch; the scheme names say which.
     """
     config = simulation.config
-    table = Table(
-        title=f"Predicted bubble rate and speedup over {BASELINE}",
-        caption=(
-            f"{config['source']}, {config['samples_per_rank']} samples/rank, max_tokens={config['max_tokens']}, "
-            f"cost={config['cost']}, {config['num_minibatches']} minibatches, seed={config['seed']}"
-        ),
+    caption = (
+        f"{config['source']}, {config['samples_per_rank']} samples/rank, max_tokens={config['max_tokens']}, "
+        f"cost={config['cost']}, {config['num_minibatches']} minibatches, seed={config['seed']}"
     )
+    if "cross_host" in config:
+        caption += "\n" + _cross_host_caption(simulation)
+    table = Table(title=f"Predicted bubble rate and speedup over {BASELINE}", caption=caption)
     table.add_column("Ranks", justify="right")
     table.add_column("Scheme", no_wrap=True)
     table.add_column("Bubble", justify="right")
@@ -46,6 +46,25 @@ def render_table(simulation: Simulation, console: Console | None = None) -> None
             str(result.min_microbatches) if result.min_microbatches == result.max_microbatches else counts,
         )
     (console or Console()).print(table)
+
+
+def _cross_host_caption(simulation: Simulation) -> str:
+    """What the hybrid rows add and assume, and which world sizes have none: a reader comparing them with the
+    compute-only baseline must know that it leaves out a flat FSDP's own cross-host traffic."""
+    layout = simulation.config["cross_host"]
+    gpus = layout["gpus_per_host"]
+    hybrid = {result.world_size for result in simulation.results if result.scheme in HYBRID_SCHEMES}
+    skipped = [size for size in simulation.config["world_sizes"] if size not in hybrid]
+    text = (
+        f"{' and '.join(HYBRID_SCHEMES)}: {gpus} GPUs/host, + one ring all-reduce per minibatch of each GPU's "
+        f"1/{gpus} of the {layout['gradient_bytes'] / 1e9:.3g} GB fp32 gradient across the H hosts, "
+        f"2(H-1)/H x shard / ({layout['bandwidth'] / 1e9:g} GB/s per GPU), 1 cost unit = "
+        f"{layout['seconds_per_unit']:.3g} s. Speedups are over compute-only {BASELINE}, which leaves out a "
+        "flat FSDP's cross-host collectives."
+    )
+    if skipped:
+        text += f" No hybrid rows for {', '.join(map(str, skipped))} ranks: not several whole hosts."
+    return text
 
 
 def write_json(simulation: Simulation, path: str | Path) -> None:

@@ -3,21 +3,109 @@
 For each world size, minibatches of ``samples_per_rank * world_size`` lengths are drawn from a source and planned
 by each scheme; the schemes' predicted times (:func:`~hf_odc.packing.bubble.sync_time`) are summed over the
 minibatches. Bubble rates and speedups are ratios of those sums, so long minibatches weigh more, as in training.
+
+With a :class:`CrossHost` layout, world sizes that span several whole hosts get two more rows, hybrid ODC and its
+collective counterpart HSDP: the compute of ODC+LB-Mini and Collective+LB-Micro plus the one cross-host all-reduce
+of the gradient shards that both run per minibatch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from ..bubble import Sync, idle_fraction, plan_costs, sync_time
-from ..cost import CostLike
+from ..cost import AttentionCost, CalibratedCost, CostLike, resolve_cost
 from ..schemes import BASELINE, SCHEMES
 from .sources import LengthSource
 
-__all__ = ["SchemeResult", "Simulation", "simulate"]
+__all__ = ["HYBRID_SCHEMES", "CrossHost", "SchemeResult", "Simulation", "simulate"]
+
+HYBRID_SCHEMES: dict[str, str] = {"HSDP+LB-Micro": "Collective+LB-Micro", "Hybrid ODC+LB-Mini": "ODC+LB-Mini"}
+"""Each cross-host row and the compute-only row whose plans and time it extends by the cross-host all-reduce. Both
+defer that all-reduce to the minibatch's end (HSDP's trainers to the last microbatch), so it costs them the same."""
+
+_DEFAULT_GBPS = 50.0  # one 400 Gb/s NIC per GPU
+_DEFAULT_TFLOPS = 200.0
+
+
+@dataclass(frozen=True)
+class CrossHost:
+    """A job spread over hosts of ``gpus_per_host`` GPUs, parameters sharded within a host and replicated across.
+
+    Per minibatch each GPU all-reduces its shard of the gradient (``gradient_bytes / gpus_per_host``) with its
+    replicas on the other ``H - 1`` hosts, a ring over ``bandwidth`` bytes/s per GPU. ``seconds_per_unit`` turns
+    that time into the cost model's units, so that it adds to the planned compute.
+    """
+
+    gpus_per_host: int
+    gradient_bytes: float
+    """The whole model's gradient, as all-reduced (fp32: 4 bytes per parameter)."""
+    bandwidth: float
+    """Cross-host bytes/s each GPU gets."""
+    seconds_per_unit: float
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host < 1:
+            raise ValueError(f"gpus_per_host must be >= 1, got {self.gpus_per_host}.")
+        for name in ("gradient_bytes", "bandwidth", "seconds_per_unit"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}.")
+
+    @classmethod
+    def for_cost(
+        cls,
+        cost: CostLike,
+        gpus_per_host: int,
+        cross_host_gbps: float | None = None,
+        params: float | None = None,
+        tflops: float | None = None,
+    ) -> CrossHost:
+        """The layout as ``hf-odc plan``'s options give it (``None``: the default), for ``cost``, which sets the
+        time scale. ``cross_host_gbps`` is in GB/s per GPU (default 50, one 400 Gb/s NIC per GPU).
+
+        A :class:`CalibratedCost` is in seconds already but knows nothing of the model's size, so it needs
+        ``params``. An :class:`AttentionCost` counts forward FLOPs: a training step's 3x that runs at ``tflops``
+        (default 200) TFLOP/s, and ``linear / 2`` (2 FLOPs per weight and token) is the parameter count unless
+        ``params`` says otherwise. Token counts have no time scale to weigh an all-reduce against.
+        """
+        model = resolve_cost(cost)
+        if isinstance(model, CalibratedCost):
+            if params is None:
+                raise ValueError(
+                    "--params is required with --calibration: a calibration times the model, not its size."
+                )
+            if tflops is not None:
+                raise ValueError("--tflops does not apply to --calibration, whose costs are seconds already.")
+            seconds_per_unit = 1.0
+        elif isinstance(model, AttentionCost):
+            params = model.linear / 2 if params is None else params
+            seconds_per_unit = 3.0 / ((_DEFAULT_TFLOPS if tflops is None else tflops) * 1e12)
+        else:
+            raise ValueError(
+                f"--gpus-per-host weighs the cross-host all-reduce against compute time, and cost={cost!r} has no "
+                "time scale: give --calibration FILE (seconds) or an attention cost (--cost attention or "
+                "--model-config) with --tflops."
+            )
+        gbps = _DEFAULT_GBPS if cross_host_gbps is None else cross_host_gbps
+        return cls(gpus_per_host, 4.0 * params, gbps * 1e9, seconds_per_unit)
+
+    def spans_hosts(self, world_size: int) -> bool:
+        """Whether ``world_size`` ranks fill two or more whole hosts: only then is there a cross-host all-reduce."""
+        return world_size % self.gpus_per_host == 0 and world_size > self.gpus_per_host
+
+    def all_reduce_time(self, world_size: int) -> float:
+        """One ring all-reduce of each GPU's gradient shard across the ``H = world_size / gpus_per_host`` hosts:
+        ``2 * (H - 1) / H * shard_bytes / bandwidth`` seconds, in cost units."""
+        if world_size % self.gpus_per_host:
+            raise ValueError(f"world_size={world_size} is not a multiple of gpus_per_host={self.gpus_per_host}.")
+        hosts = world_size // self.gpus_per_host
+        shard_bytes = self.gradient_bytes / self.gpus_per_host
+        return 2 * (hosts - 1) / hosts * shard_bytes / self.bandwidth / self.seconds_per_unit
 
 
 @dataclass(frozen=True)
@@ -55,11 +143,14 @@ def simulate(
     cost: CostLike = "attention",
     num_minibatches: int = 10,
     seed: int = 0,
+    cross_host: CrossHost | None = None,
 ) -> Simulation:
     """Plan ``num_minibatches`` minibatches per world size with every scheme and compare predicted times.
 
     Minibatches for world size ``w`` come from ``numpy.random.default_rng([seed, w])``, so results are
-    reproducible and adding a world size does not change the others.
+    reproducible and adding a world size does not change the others. With ``cross_host``, each world size that
+    spans several hosts also gets the :data:`HYBRID_SCHEMES` rows: their compute rows' plans and times plus one
+    all-reduce per minibatch, counted as idle time; their speedups are over the compute-only baseline too.
     """
     if samples_per_rank < 1 or num_minibatches < 1:
         raise ValueError(
@@ -85,20 +176,27 @@ def simulate(
                 if minibatch == 0:
                     timelines.setdefault(world_size, {})[scheme.name] = per_rank
             total_cost += sum(map(sum, per_rank))  # the same for every scheme: they all run every sample once
+        syncs = {scheme.name: scheme.sync for scheme in SCHEMES}
+        if cross_host is not None and cross_host.spans_hosts(world_size):
+            all_reduces = num_minibatches * cross_host.all_reduce_time(world_size)
+            for hybrid, compute in HYBRID_SCHEMES.items():
+                times[hybrid] = times[compute] + all_reduces
+                counts[hybrid] = counts[compute]
+                syncs[hybrid] = syncs[compute]
         results += [
             SchemeResult(
                 world_size=world_size,
-                scheme=scheme.name,
-                sync=scheme.sync,
-                bubble_rate=idle_fraction([total_cost / world_size] * world_size, times[scheme.name]),
-                speedup=times[BASELINE] / times[scheme.name],
-                time=times[scheme.name],
-                min_microbatches=min(counts[scheme.name]),
-                max_microbatches=max(counts[scheme.name]),
+                scheme=name,
+                sync=syncs[name],
+                bubble_rate=idle_fraction([total_cost / world_size] * world_size, time),
+                speedup=times[BASELINE] / time,
+                time=time,
+                min_microbatches=min(counts[name]),
+                max_microbatches=max(counts[name]),
             )
-            for scheme in SCHEMES
+            for name, time in times.items()
         ]
-    config = {
+    config: dict[str, object] = {
         "source": source.name,
         "world_sizes": list(world_sizes),
         "samples_per_rank": samples_per_rank,
@@ -107,4 +205,6 @@ def simulate(
         "num_minibatches": num_minibatches,
         "seed": seed,
     }
+    if cross_host is not None:
+        config["cross_host"] = asdict(cross_host)
     return Simulation(config=config, results=results, timelines=timelines)
