@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
-# SFT-throughput, GRPO policy-update, calibration and hybrid benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# SFT-throughput, GRPO policy-update, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
 # STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
@@ -58,6 +58,11 @@ if [[ $STEPS == *hybrid* ]]; then
   # Hybrid ODC (each GPU a one-GPU "host", replicated) against ODC on one host and Collective HSDP; HYBRID_ARGS extra.
   timeout "${HYBRID_TIMEOUT:-420}" torchrun --nproc_per_node "$nproc" benchmarks/hybrid_step.py ${HYBRID_ARGS:-} \
     --json "$OUT/hybrid_step.json" 2>&1 | tee "$OUT/hybrid_step.log" | grep -v Warning | tail -8
+fi
+if [[ $STEPS == *meeting* ]]; then
+  # The cost of the meeting before each collective of a trainer's step (bounded collectives).
+  timeout 120 torchrun --nproc_per_node "$nproc" benchmarks/meeting_cost.py --json "$OUT/meeting_cost.json" 2>&1 \
+    | tee "$OUT/meeting_cost.log" | grep -v Warning | tail -2
 fi
 if [[ $STEPS == *calibration* ]]; then
   # LB-Mini with the calibrated cost model against the attention cost; CAL_ARGS="--straggler" slows one GPU.

@@ -254,3 +254,15 @@ def forward_only(rank: int, world_size: int, case: Case) -> dict:
     grads = {k: p.grad.full_tensor().float().cpu().clone() for k, p in params.items()}
     odc.close()
     return {"losses": losses, "no_grad": inside_no_grad, "grads_after_forward": grads_after_forward, "grads": grads}
+
+
+def mesh_error(rank: int, world_size: int, hosts: list[int], shard_size: int | None) -> str:
+    """Rank ``r`` claims host ``hosts[r]``; the error hf_odc's mesh gives (empty if it builds one)."""
+    from hf_odc.accelerate_plugin import device_mesh
+
+    os.environ["HF_ODC_HOST_ID"] = str(hosts[rank])
+    try:
+        device_mesh("cpu", shard_size)
+    except ValueError as e:
+        return str(e)
+    return ""

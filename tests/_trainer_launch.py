@@ -17,6 +17,16 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 def run(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0) -> str:
     """Run ``examples/<script>`` on one process (``python``) or ``processes`` CPU processes (``accelerate launch``
     with ``examples/odc_cpu.yaml``); return its output, or fail with it."""
+    returncode, output = launch(script, *args, processes=processes, env=env, timeout=timeout)
+    if returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{output[-8000:]}")
+    return output
+
+
+def launch(
+    script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0
+) -> tuple[int, str]:
+    """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout)."""
     if processes == 1:
         command = [sys.executable, str(EXAMPLES / script), *args]
     else:
@@ -40,9 +50,7 @@ def run(script: str, *args: str, processes: int = 1, env: dict | None = None, ti
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{output[-8000:]}") from None
-    if process.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited with {process.returncode}:\n{output[-8000:]}")
-    return output
+    return process.returncode, output
 
 
 def logged_steps(output_dir: str | Path) -> dict[int, dict]:

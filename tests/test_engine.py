@@ -18,6 +18,7 @@ from _engine_workers import (
     faulty,
     forward_only,
     loss_sum,
+    mesh_error,
     minibatch,
     reference,
     reference_grads,
@@ -259,6 +260,21 @@ def test_a_failing_rank_on_another_host_ends_every_rank_with_an_error_naming_it(
         assert survivor["error"] is not None and re.search(expected, survivor["error"]), (r, survivor["error"])
         assert survivor["elapsed"] < 3 + 10, (r, survivor["elapsed"])
         assert_no_segments(survivor["prefix"])
+
+
+@pytest.mark.parametrize(
+    ("hosts", "shard_size", "expected"),
+    [
+        pytest.param([0, 1, 1], None, r"needs the same number of ranks on every host; the ranks by host are \[\[0\], "
+                     r"\[1, 2\]\]", id="unequal-hosts"),
+        pytest.param([0, 1, 0, 1], None, r"shard group of ranks \[0, 1\] spans hosts \(the ranks by host are "
+                     r"\[\[0, 2\], \[1, 3\]\]\)", id="interleaved-hosts"),
+        pytest.param([0, 0, 0], 2, r"must divide the world size 3; got 2", id="size-not-dividing"),
+    ],
+)  # fmt: skip
+def test_a_mesh_that_hybrid_odc_cannot_run_is_refused(hosts, shard_size, expected):
+    for message in launch(mesh_error, len(hosts), hosts, shard_size):
+        assert re.search(expected, message), message
 
 
 def test_enable_refuses_a_model_that_is_not_sharded():

@@ -55,6 +55,7 @@ def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
         ({"padding_free": True}, "packs each microbatch itself"),
         ({"odc_timeout": -5}, "positive"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be >= 1"),
+        ({"odc_shard_size": 0}, "odc_shard_size / HF_ODC_SHARD_SIZE\\) must be a positive integer"),
     ],
 )
 def test_invalid_configs_are_refused(tmp_path, kwargs, message):
@@ -93,4 +94,16 @@ def test_a_token_cap_below_the_longest_sample_is_refused_before_the_first_step(t
                       r"(\d+)", message)  # fmt: skip
     assert found is not None, message[-2000:]
     assert found.group(2) == found.group(3) and int(found.group(2)) > 10
+    assert "'loss'" not in message, "refused before any step ran"
+
+
+def test_more_ranks_than_samples_is_refused_before_the_first_step(tmp_path):
+    """2 processes, 1 sample: fewer samples than one global minibatch, refused naming what to change."""
+    with pytest.raises(AssertionError) as failure:
+        run("sft.py", "--max_steps", "3", "--num_samples", "1", "--output_dir", str(tmp_path), "--disable_tqdm",
+            "true", processes=2)  # fmt: skip
+    message = str(failure.value)
+    expected = (r"The dataset has 1 samples, fewer than one global minibatch \(\d+ = per_device_train_batch_size x the "
+                r"number of processes\): lower --per_device_train_batch_size, run fewer processes")  # fmt: skip
+    assert re.search(expected, message), message[-2000:]
     assert "'loss'" not in message, "refused before any step ran"

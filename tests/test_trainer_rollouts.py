@@ -76,7 +76,7 @@ def test_a_generation_batch_that_does_not_split_is_refused():
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
         ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=1.0"),
         ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
-        ({"odc": False, "balance": "lb-mini"}, "balance='lb-micro'"),
+        ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
     ],
 )
 def test_unsupported_settings_are_refused_naming_the_fix(tmp_path, kwargs, message):

@@ -47,7 +47,7 @@ class ReplicaGroup:
         self.rank = dist.get_rank()
         self.timeout = timeout
         self._store = store
-        self._minibatches = 0
+        self._meetings = 0
 
     @classmethod
     def create(cls, replicate_group: dist.ProcessGroup, timeout: float) -> ReplicaGroup:
@@ -75,20 +75,24 @@ class ReplicaGroup:
         if aborted:
             raise PeerFailureError(f"hf_odc: {self._store.get(_ABORT).decode(errors='replace')}")
 
-    def all_reduce(self, tensors: list[torch.Tensor]) -> None:
-        """Sum each of ``tensors`` across the replicas, in place; every replica passes tensors of the same shapes.
-
-        Raises :class:`PeerFailureError` naming the replica that did not arrive within the timeout, or the rank that
-        gave up; on a GPU the sums have completed when it returns (the minibatch's timing counts them)."""
-        self._minibatches += 1
-        n = self._minibatches
+    def meet(self, what: str = "the minibatch's cross-host all-reduce") -> None:
+        """Wait for every replica in the job's store; raises :class:`PeerFailureError` naming the replica that did not
+        arrive at ``what`` within the timeout, or the rank that gave up."""
+        self._meetings += 1
+        n = self._meetings
         try:
             self._store.set(f"arrived/{n}/{self.rank}", "1")
             if n > 1:
-                self._store.delete_key(f"arrived/{n - 1}/{self.rank}")  # every replica passed it: they reduced n - 1
+                self._store.delete_key(f"arrived/{n - 1}/{self.rank}")  # every replica passed it to get here
         except dist.DistError as e:
             raise PeerFailureError(self._store_gone(e)) from e
-        self._wait_for_replicas(n)
+        self._wait_for_replicas(n, what)
+
+    def all_reduce(self, tensors: list[torch.Tensor]) -> None:
+        """Sum each of ``tensors`` across the replicas, in place, once every replica has met (:meth:`meet`); every
+        replica passes tensors of the same shapes. On a GPU the sums have completed when it returns (the minibatch's
+        timing counts them)."""
+        self.meet()
         try:
             for tensor in tensors:
                 dist.all_reduce(tensor, group=self.group)
@@ -97,7 +101,7 @@ class ReplicaGroup:
         except RuntimeError as e:
             raise PeerFailureError(self._explain_collective_failure(e)) from e
 
-    def _wait_for_replicas(self, n: int) -> None:
+    def _wait_for_replicas(self, n: int, what: str) -> None:
         start = time.monotonic()
         delay = 0.0
         waiting = [r for r in self.ranks if r != self.rank]
@@ -113,9 +117,8 @@ class ReplicaGroup:
                 # A replica held up by a stalled peer of its own host reports that peer at about this moment.
                 self._await_report()
                 raise PeerFailureError(
-                    f"hf_odc: ranks {waiting} (replicas on other hosts) did not reach the minibatch's cross-host "
-                    f"all-reduce within {self.timeout:g} s (if their minibatches are that slow, raise --odc_timeout / "
-                    "HF_ODC_TIMEOUT)."
+                    f"hf_odc: ranks {waiting} (replicas on other hosts) did not reach {what} within {self.timeout:g} s "
+                    "(if they are that slow by design, raise --odc_timeout / HF_ODC_TIMEOUT)."
                 )
             time.sleep(delay)
             delay = min(5e-3, delay * 2 + 5e-5)

@@ -211,7 +211,7 @@ class ODC:
         except BaseException as e:
             self._in_minibatch = False
             self._replica_all_reduce(True)
-            self._give_up(f"{type(e).__name__}: {e}")
+            self.abort(f"{type(e).__name__}: {e}")
             raise
         self._in_minibatch = False
         self._clock.done()
@@ -253,20 +253,46 @@ class ODC:
         try:
             self.replicas.all_reduce([buffers[i] for i in sorted(buffers)])
         except PeerFailureError as e:
-            self._give_up(str(e))
+            self.abort(str(e))
             raise
         return time.perf_counter() - start
 
-    def _give_up(self, reason: str) -> None:
-        """This rank stops: tell the peers of its host (their barrier fails at once) and, in hybrid ODC, every rank."""
+    def abort(self, reason: str) -> None:
+        """Give up on this rank: every peer's next barrier or meeting fails at once, naming this rank and ``reason``,
+        instead of waiting for it (the peers of its host through shared memory, every other host through the job's
+        store)."""
         self._failed = True
         self.transport.abort(reason)
         if self.replicas is not None:
             self.replicas.abort(reason)
 
-    def _barrier(self) -> None:
+    def meet(self, what: str) -> None:
+        """Collective over the whole job, outside :meth:`minibatch`: wait until every rank arrives at ``what`` (its
+        host's barrier, and with hybrid ODC the replicas' meeting), or raise :class:`PeerFailureError` naming the rank
+        that died, gave up, or did not arrive within the timeout.
+
+        Collectives cannot name a peer that never arrives: a caller meets before each collective that a dead or
+        stalled peer would otherwise block (the ODC trainers do before every collective of a step)."""
+        if self._in_minibatch:
+            raise RuntimeError("hf_odc: meet() runs between minibatches, not inside one.")
+        self._barrier(what)
+        if self.replicas is not None:
+            try:
+                self.replicas.meet(what)
+            except PeerFailureError as e:
+                self.abort(str(e))
+                raise
+
+    def check(self) -> None:
+        """Raise :class:`PeerFailureError` naming a rank known to have died or given up (host peers, and with hybrid
+        ODC any rank of the job); return at once otherwise."""
+        self.transport.check()
+        if self.replicas is not None:
+            self.replicas.check()
+
+    def _barrier(self, what: str = "the minibatch barrier") -> None:
         try:
-            self.transport.barrier()
+            self.transport.barrier(what)
         except PeerFailureError as e:
             self._failed = True
             if self.replicas is not None:

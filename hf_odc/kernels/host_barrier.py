@@ -97,29 +97,40 @@ class HostBarrier:
             if r != self._rank and int(block[_ABORTED]):
                 raise PeerFailureError(f"hf_odc: rank {self._names[r]} aborted: {self._reason(r)}")
 
-    def _check_alive(self, waiting_for: list[int]) -> None:
+    def _check_alive(self, waiting_for: list[int], what: str | None) -> None:
         if not self._check_pids:
             return
         for r in waiting_for:
-            if not _process_alive(self._pids[r]):
+            if _process_alive(self._pids[r]):
+                continue
+            if what:
                 raise PeerFailureError(
-                    f"hf_odc: rank {self._names[r]} (pid {self._pids[r]}) died before reaching the minibatch barrier; "
-                    "its error, if any, is in its own log."
+                    f"hf_odc: rank {self._names[r]} (pid {self._pids[r]}) died before reaching {what}; its error, if "
+                    "any, is in its own log."
                 )
+            raise PeerFailureError(
+                f"hf_odc: rank {self._names[r]} (pid {self._pids[r]}) died; its error, if any, is in its own log."
+            )
 
-    def wait(self) -> None:
-        """Arrive, then return once every rank has arrived at least as many times as this one.
+    def check(self) -> None:
+        """Raise :class:`PeerFailureError` if a peer aborted or died; no waiting."""
+        self._check_aborts()
+        self._check_alive([r for r in range(len(self._blocks)) if r != self._rank], None)
+
+    def wait(self, what: str = "the minibatch barrier") -> None:
+        """Arrive, then return once every rank has arrived at least as many times as this one (``what``: the meeting
+        point, as errors name it).
 
         A rank that gives up (a dead, aborted or late peer) marks itself aborted, so that peers arriving later fail
         too instead of going on with a minibatch that did not complete everywhere.
         """
         try:
-            self._wait()
+            self._wait(what)
         except PeerFailureError as e:
             self.abort(f"gave up at the barrier: {e}")
             raise
 
-    def _wait(self) -> None:
+    def _wait(self, what: str) -> None:
         self._arrivals += 1
         target = self._arrivals
         self._blocks[self._rank][_ARRIVALS] = target
@@ -133,15 +144,15 @@ class HostBarrier:
                 return
             now = time.monotonic()
             if now >= next_liveness_check:
-                self._check_alive(waiting_for)
+                self._check_alive(waiting_for, what)
                 for check in self._watchers:
                     check()
                 next_liveness_check = now + 0.05
             if now - start > self.timeout:
                 raise PeerFailureError(
-                    f"hf_odc: ranks {[self._names[r] for r in waiting_for]} did not reach the minibatch barrier within "
+                    f"hf_odc: ranks {[self._names[r] for r in waiting_for]} did not reach {what} within "
                     f"{self.timeout:g} s "
-                    "(if their minibatches are that slow, raise the timeout: --odc_timeout / `odc_timeout` with the "
+                    "(if they are that slow by design, raise the timeout: --odc_timeout / `odc_timeout` with the "
                     "ODC trainers, `timeout` in hf_odc.enable(...), or the HF_ODC_TIMEOUT environment variable)."
                 )
             time.sleep(delay)

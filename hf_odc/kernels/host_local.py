@@ -39,9 +39,12 @@ class HostLocalTransport(Transport):
     def _drain(self) -> None:
         """Wait for this rank's device work before meeting the peers (CPU work is already done)."""
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "the minibatch barrier") -> None:
         self._drain()
-        self._barrier.wait()
+        self._barrier.wait(what)
+
+    def check(self) -> None:
+        self._barrier.check()
 
     def watch(self, check: Callable[[], None]) -> None:
         self._barrier.watch(check)

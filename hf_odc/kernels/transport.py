@@ -87,12 +87,17 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def barrier(self) -> None:
+    def barrier(self, what: str = "the minibatch barrier") -> None:
         """Wait until every rank has arrived, and make every write issued before it visible to all ranks.
 
         Raises :class:`PeerFailureError` naming the rank if a peer died, aborted, or did not arrive within the
-        transport's timeout.
+        transport's timeout; ``what`` names the meeting point in that error.
         """
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise :class:`PeerFailureError` naming a peer that is known to have died or aborted; return at once
+        otherwise (to name the culprit of a collective that failed outside the transport)."""
 
     @abstractmethod
     def watch(self, check: Callable[[], None]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +21,11 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from ..accelerate_plugin import ODCPlugin, ODCRuntime
-from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
+from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS, PeerFailureError
 from ..packing import COSTS, PLANNERS, Calibration, Calibrator, MinibatchPlanner, idle_fraction, named_cost, token_cap
 from ..packing.calibration import FEATURES
 from . import _checkpoint
+from ._bounded import bound_process_groups, is_backend_failure, named_failure
 from .attention import use_packed_attention
 
 CALIBRATION_FILE = "odc_calibration.json"
@@ -41,8 +42,10 @@ _ODC_PARAMETERS = """
             same microbatch count on every rank: the fair baseline is `balance="lb-micro"`. `None` reads
             `HF_ODC_ENABLED` (default `True`).
         odc_timeout (`float`, *optional*):
-            Seconds the minibatch barrier waits for a live peer before raising `hf_odc.PeerFailureError`. `None`
-            reads `HF_ODC_TIMEOUT`, else `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
+            Seconds any rank waits for another before raising `hf_odc.PeerFailureError` naming it: at the minibatch
+            barriers, before every collective of a step (metrics, clipping, logging, evaluation, checkpoints), and
+            inside them (every process group gets this timeout, on CPU too). `None` reads `HF_ODC_TIMEOUT`, else
+            `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
         odc_transport (`str`, *optional*):
             The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
             `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
@@ -117,8 +120,8 @@ class _ODCConfig:
     odc_timeout: float | None = field(
         default=None,
         metadata={
-            "help": f"Seconds the minibatch barrier waits for a live peer. Unset: HF_ODC_TIMEOUT, default "
-            f"{DEFAULT_TIMEOUT_S:g}."
+            "help": f"Seconds a rank waits for another (minibatch barriers, every collective of a step) before naming "
+            f"it in an error. Unset: HF_ODC_TIMEOUT, default {DEFAULT_TIMEOUT_S:g}."
         },
     )
     odc_transport: str | None = field(
@@ -191,7 +194,8 @@ class _ODCConfig:
         if self.balance == "lb-mini" and not self.odc:
             raise ValueError(
                 "balance='lb-mini' gives ranks different numbers of microbatches, which plain FSDP2 (odc=False) "
-                "cannot run: its per-layer collectives would deadlock. Use balance='lb-micro' for the baseline."
+                "cannot run: its per-layer collectives would deadlock. Use --balance lb-micro for the baseline, or "
+                "--odc true."
             )
         if self.cost_model not in _COST_MODELS:
             raise ValueError(f"cost_model must be one of {_COST_MODELS}, got {self.cost_model!r}.")
@@ -257,6 +261,7 @@ class _ODCTrainer:
                 # The model manages its own placement and gradient reduction: Accelerate only adds autocast.
                 self.is_distributed_loading_by_transformers = True
         self.odc.enable(self.model)
+        bound_process_groups(args.odc_timeout)
         self._planner = self._minibatch_planner()
 
     def _minibatch_planner(self) -> MinibatchPlanner:
@@ -322,7 +327,8 @@ class _ODCTrainer:
         stacked = [v.reshape(()).to(device, torch.float64) for v in values.values()]
         own = [stats.busy, stats.wait, peak_gib, stats.all_reduce, *times]
         stacked.append(torch.tensor(own, dtype=torch.float64, device=device))
-        gathered = self.accelerator.gather(torch.cat([v.reshape(-1) for v in stacked])[None]).cpu().tolist()
+        with self._bounded("the step's metrics gather"):
+            gathered = self.accelerator.gather(torch.cat([v.reshape(-1) for v in stacked])[None]).cpu().tolist()
         per_rank = {name: [row[i] for row in gathered] for i, name in enumerate(values)}
         first = len(values)  # then busy, wait, peak, the cross-host all-reduce and the microbatch times
         busy, wait, peak, all_reduce = ([row[first + i] for row in gathered] for i in range(4))
@@ -352,6 +358,38 @@ class _ODCTrainer:
                 metrics[f"calibration/speed/rank_{rank}"].append(speed)
         return per_rank
 
+    # -- bounded collectives (hf_odc.trainer._bounded) -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _bounded(self, what: str) -> Iterator[None]:
+        """Run the collectives of ``what`` once every rank has met (:meth:`hf_odc.ODC.meet` names a rank that died or
+        stalled, within the ODC timeout, where the collective would block); a collective that fails inside is re-raised
+        as :class:`~hf_odc.PeerFailureError` naming the rank if it is known. Every rank must enter the same blocks in
+        the same order, as they run the same collectives. Without ODC the process groups' timeout alone bounds them."""
+        odc = self.odc.odc
+        if odc is None:
+            yield
+            return
+        odc.meet(f"{what} (hf_odc's meeting before its collectives)")
+        try:
+            yield
+        except RuntimeError as error:
+            if not is_backend_failure(error):
+                raise
+            raise named_failure(odc, what, error) from error
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        with self._bounded("gradient clipping"):
+            return super()._clip_grad_norm(model)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        with self._bounded("logging, evaluation and checkpointing"):
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        with self._bounded("evaluation"):
+            return super().evaluate(*args, **kwargs)
+
     def close_odc(self) -> None:
         """Release ODC (collective), keeping the process group: the model then runs as plain FSDP2."""
         self.odc.close()
@@ -368,18 +406,37 @@ class _ODCTrainer:
         """``Trainer.train``, resuming from complete checkpoints only. ``True`` takes the newest complete
         ``checkpoint-N`` of ``output_dir`` (:func:`~hf_odc.trainer._checkpoint.last_complete_checkpoint`, in place of
         transformers' ``get_last_checkpoint``, which takes the newest however incomplete); a checkpoint that is
-        incomplete, or lacks the optimizer or scheduler state, is refused before anything is loaded."""
+        incomplete, or lacks the optimizer or scheduler state, is refused before anything is loaded (the string
+        ``"true"`` of a command line counts as ``True`` unless such a directory exists).
+
+        If training fails on this rank, the others are told at once (their next meeting fails naming this rank), and a
+        collective that failed because a peer went away is re-raised as :class:`~hf_odc.PeerFailureError` naming it."""
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true":
+            resume_from_checkpoint = True if not os.path.isdir(resume_from_checkpoint) else resume_from_checkpoint
         if resume_from_checkpoint is True:
             resume_from_checkpoint = _checkpoint.last_complete_checkpoint(self.args.output_dir)
         if isinstance(resume_from_checkpoint, str | os.PathLike):
             _checkpoint.check_resumable(os.fspath(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException as error:
+            odc = self.odc.odc
+            if odc is None or isinstance(error, PeerFailureError):
+                raise
+            odc.abort(f"{type(error).__name__}: {error}")
+            if is_backend_failure(error):
+                raise named_failure(odc, "training", error) from error
+            raise
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """``Trainer._save_checkpoint``, then, once every rank's part is on disk, the completion marker, then the
         rotation of older checkpoints (``save_total_limit``). Transformers rotates at the end of its save, which would
         be before the marker: a save killed in between could leave no complete checkpoint, so the rotation is held
         back until this one is complete."""
+        with self._bounded("a checkpoint save"):
+            self._save_complete_checkpoint(model, trial)
+
+    def _save_complete_checkpoint(self, model: nn.Module, trial: Any) -> None:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = _checkpoint.checkpoint_dir_of(run_dir, self.state.global_step)
         if self.args.should_save:
@@ -397,6 +454,10 @@ class _ODCTrainer:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``save_pretrained`` of the unsharded model (collective: every rank must call it), and the calibrated cost
         model beside it (:data:`CALIBRATION_FILE`)."""
+        with self._bounded("saving the model"):
+            self._save_unsharded(output_dir, _internal_call)
+
+    def _save_unsharded(self, output_dir: str | None, _internal_call: bool) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         calibration = self._planner.calibration
         if calibration is not None and self.args.should_save:

@@ -41,7 +41,8 @@ class GlobalMinibatchSampler(Sampler[list[int]]):
         if num_samples < minibatch_size:
             raise ValueError(
                 f"The dataset has {num_samples} samples, fewer than one global minibatch ({minibatch_size} = "
-                "per_device_train_batch_size x world size)."
+                "per_device_train_batch_size x the number of processes): lower --per_device_train_batch_size, run "
+                "fewer processes, or add samples."
             )
         self.num_samples, self.minibatch_size, self.seed, self.shuffle = num_samples, minibatch_size, seed, shuffle
         self.epoch = 0

@@ -177,7 +177,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        step: PlannedStep = self._prepare_inputs(inputs)
+        with self._bounded("generation and scoring"):
+            step: PlannedStep = self._prepare_inputs(inputs)
         self._step_values = self._zero_step_values()
 
         def loss_of(microbatch: dict[str, Any]) -> torch.Tensor:

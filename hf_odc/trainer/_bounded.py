@@ -1,0 +1,63 @@
+"""Every collective of an ODC trainer's step ends within the ODC timeout, with an error that names the culprit.
+
+A collective cannot tell who is missing: gloo waits for its process group's timeout (30 minutes by default, and
+transformers does not pass ``ddp_timeout`` to a CPU group) and then names nobody; a peer that died mid-collective
+surfaces as "Connection reset by peer". So the trainers
+
+* meet before each collective of a step (:meth:`hf_odc.ODC.meet`: ODC's host barrier, and across hosts the replicas'
+  meeting), which names a rank that died, gave up or stalled since the last meeting, within the ODC timeout;
+* give every process group the ODC timeout (:func:`bound_process_groups`), so that a rank stalling *inside* a
+  collective, after the meeting, is bounded too;
+* turn a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank the host knows dead or aborted
+  (:func:`named_failure`).
+
+Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
+``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .._torch_support import require
+from ..engine import ODC
+from ..kernels import PeerFailureError
+
+__all__ = ["bound_process_groups", "is_backend_failure", "named_failure"]
+
+
+def bound_process_groups(timeout: float) -> None:
+    """Give every process group of the job (the default one, FSDP's mesh groups) ``timeout`` seconds per collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    c10d = dist.distributed_c10d
+    require(c10d, ("_set_pg_timeout", "_world"), "torch.distributed.distributed_c10d")
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+
+
+def is_backend_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because a peer went away or stalled (gloo, NCCL, the store)."""
+    if isinstance(error, PeerFailureError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "NCCL")
+    )
+
+
+def named_failure(odc: ODC, what: str, error: BaseException) -> PeerFailureError:
+    """The :class:`PeerFailureError` for a collective of ``what`` that failed with ``error``: naming the rank the host
+    (or, across hosts, the job's store) knows dead or aborted, else saying that no rank is known to be."""
+    try:
+        odc.check()
+    except PeerFailureError as known:
+        return PeerFailureError(f"{known} ({what} failed: {error})")
+    return PeerFailureError(
+        f"hf_odc: a collective of {what} failed and no rank is known to have died or given up (a rank stalled inside "
+        f"the collective past the ODC timeout, or another host went away): {error}"
+    )

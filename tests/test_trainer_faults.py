@@ -1,0 +1,144 @@
+"""What a user sees when a rank stalls or the launcher dies, tried the way a user runs the example: every collective of
+a step is bounded by the ODC timeout and names the rank, and no process or shared-memory segment is left behind."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import glob
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from _stall_sft import POINTS
+from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, launch
+
+TIMEOUT = 3
+COMMON = (
+    "--num_samples", "64", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--logging_steps", "1",
+    "--odc_timeout", str(TIMEOUT),
+)  # fmt: skip
+# What the survivor says: a stall is named where the survivor next meets the others; a death inside a collective (a
+# connection reset to gloo) by the host, which sees the dead process.
+SAYS = {
+    "microbatch": r"ranks \[1\] did not reach the minibatch barrier",
+    "exit-barrier": r"ranks \[1\] did not reach the minibatch barrier",
+    "metrics-gather": r"ranks \[1\] did not reach the step's metrics gather",
+    "clip-grad": r"ranks \[1\] did not reach gradient clipping",
+    "logging": r"ranks \[1\] did not reach logging, evaluation and checkpointing",
+    "checkpoint-save": r"ranks \[1\] did not reach a checkpoint save",
+    "killed-in-gather": r"rank 1 \(pid \d+\) died; .*\(the step's metrics gather failed: ",
+}
+
+
+def _segments() -> set[str]:
+    return set(glob.glob("/dev/shm/hf_odc_*"))
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tmp_path):
+    """Rank 1 stalls (or dies) at ``point`` of the second step; rank 0 ends within timeout + 10 s with PeerFailureError
+    naming rank 1, and the launcher then ends the stalled rank."""
+    before = _segments()
+    stall_file = tmp_path / "stalled"
+    env = {"HF_ODC_TEST_STALL": point, "HF_ODC_TEST_STALL_FILE": str(stall_file)}
+    args = (*COMMON, "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "1", "--output_dir", str(tmp_path))
+    code, output = launch(str(ROOT / "tests" / "_stall_sft.py"), *args, processes=2, env=env, timeout=120)
+    ended = time.time()
+    assert code != 0, output[-3000:]
+    pid, stalled_at = stall_file.read_text().split()
+    assert ended - float(stalled_at) < TIMEOUT + 10, output[-3000:]
+    assert re.search(rf"PeerFailureError: hf_odc: {SAYS[point]}", output), output[-3000:]
+    assert not os.path.exists(f"/proc/{pid}"), "the stalled rank outlived the job"
+    assert _segments() <= before
+
+
+def test_killing_the_launcher_ends_its_workers(tmp_path):
+    """SIGKILL of `accelerate launch` alone (its workers untouched): the workers end too (the kernel's parent-death
+    signal), instead of training on, unsupervised, to the end."""
+    log = tmp_path / "log"
+    command = [str(ACCELERATE), "launch", "--config_file", str(EXAMPLES / "odc_cpu.yaml"), "--num_processes", "2",
+               str(EXAMPLES / "sft.py"), *COMMON, "--max_steps", "400", "--save_strategy", "no",
+               "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "'loss'" not in log.read_text():  # training runs on both ranks
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = _children(launcher.pid)  # torchrun starts each in a session of its own
+        assert len(workers) == 2, workers
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while alive := [pid for pid in workers if _running(pid)]:
+            assert time.monotonic() < deadline, f"workers {alive} outlived their launcher by 10 s"
+            time.sleep(0.1)
+    finally:
+        for pid in [launcher.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name: state, ppid, ...; ``None`` once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _children(parent: int) -> list[int]:
+    stats = {int(path.split("/")[2]): _stat(int(path.split("/")[2])) for path in glob.glob("/proc/[0-9]*/stat")}
+    return sorted(pid for pid, fields in stats.items() if fields is not None and int(fields[1]) == parent)
+
+
+def _running(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _message_templates() -> list[str]:
+    """Every string the library's source builds, with each ``{...}`` of an f-string as ``\\0`` (adjacent literals
+    already joined, as Python joins them)."""
+    templates = []
+    for path in (ROOT / "hf_odc").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                templates.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                templates.append(node.value)
+    return templates
+
+
+def _failures_table() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("<!-- failures:start -->") : text.index("<!-- failures:end -->")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[1:]]  # rows[0]: the header
+
+
+def test_the_failures_table_quotes_the_library():
+    """README's "Failures and what you see": every quoted message (``<...>`` stands for what varies, a bracketed
+    ``[<R>]`` for a printed list; quoted flags and names are not messages) is one the library's source still builds,
+    and every row names a test that exists."""
+    templates = _message_templates()
+    rows = _failures_table()
+    assert len(rows) >= 10
+    for failure, what_you_see, checked_by in rows:
+        for quote in re.findall(r"`([^`]+)`", what_you_see):
+            if quote.startswith("-") or " " not in quote:
+                continue  # a flag, a command or a name, not a message
+            quote = quote.replace("[<", "<").replace(">]", ">")
+            pattern = ".*?".join(re.escape(chunk) for chunk in re.split(r"<[^>]*>", quote))
+            assert any(re.search(pattern, t, re.DOTALL) for t in templates), f"{failure}: {quote!r} is in no message"
+        for test in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", checked_by):
+            path, name = test
+            assert f"def {name}(" in (ROOT / path).read_text(), f"{failure}: {path}::{name} does not exist"
+        assert "tests/" in checked_by, failure
