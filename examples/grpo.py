@@ -2,7 +2,7 @@
 """GRPO with On-Demand Communication (ODC): policy updates packed and balanced across ranks (LB-Mini), in TRL's
 script style.
 
-With no argument it runs on CPU in a couple of minutes: a tiny Qwen2-style model built from a config, the word-level
+With no argument it runs on CPU in a couple of minutes: a tiny Llama-style model built from a config, the word-level
 tokenizer of `examples/sft.py`, a built-in prompt set whose prompts ask for long-tailed reply lengths, and two
 rule-based rewards written below (reply length close to the asked length; reply words taken from the prompt).
 
@@ -42,8 +42,17 @@ from typing import Any
 
 import numpy as np
 from datasets import Dataset
-from sft import NUM_WORDS, SPECIAL_TOKENS, build_model, load_tokenizer, longtail_lengths, train_and_save
-from trl import ModelConfig, ScriptArguments, TrlParser
+from sft import (
+    NUM_WORDS,
+    SPECIAL_TOKENS,
+    ExampleParser,
+    build_model,
+    load_tokenizer,
+    longtail_lengths,
+    save_initial_model,
+    train_and_save,
+)
+from trl import ModelConfig, ScriptArguments
 
 from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
@@ -159,14 +168,10 @@ def build_trainer(
     script_args: GRPOScriptArguments, training_args: ODCGRPOConfig, model_args: ModelConfig
 ) -> ODCGRPOTrainer:
     tokenizer = load_tokenizer(model_args)
-    model = build_model(script_args, model_args, vocab_size=len(tokenizer), seed=training_args.seed)
+    model = build_model(script_args, model_args, tokenizer, seed=training_args.seed)
     if training_args.beta != 0.0 and not model_args.model_name_or_path:
-        # TRL loads the reference model from the policy's path: save the freshly built one (the same on every rank).
-        path = os.path.join(training_args.output_dir, "initial-policy")
-        with training_args.main_process_first(desc="saving the initial policy"):
-            if training_args.process_index == 0:
-                model.save_pretrained(path)
-        model.config._name_or_path = path
+        # TRL loads the reference model from the policy's name.
+        save_initial_model(model, os.path.join(training_args.output_dir, "initial-policy"), training_args)
     dataset = prompt_dataset(
         script_args.num_prompts,
         training_args.max_completion_length,
@@ -190,8 +195,8 @@ def main(script_args: GRPOScriptArguments, training_args: ODCGRPOConfig, model_a
     train_and_save(build_trainer(script_args, training_args, model_args))
 
 
-def make_parser() -> TrlParser:
-    parser = TrlParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig))
+def make_parser() -> ExampleParser:
+    parser = ExampleParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig))
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(
         output_dir="odc-grpo-output",
@@ -200,9 +205,6 @@ def make_parser() -> TrlParser:
         max_completion_length=48,
         max_steps=10,
         learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
     )
     return parser
 

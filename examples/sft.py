@@ -1,8 +1,10 @@
 # Copyright 2026 The hf_odc authors. Apache-2.0.
 """Supervised fine-tuning with On-Demand Communication (ODC) and LB-Mini, in TRL's script style.
 
-With no argument it runs on CPU in well under two minutes: a tiny Qwen2-style model built from a config, a word-level
-tokenizer with a chat template built in code, and a built-in chat dataset with long-tailed lengths.
+With no argument it runs on CPU in well under two minutes: a tiny Llama-style model built from a config, a word-level
+tokenizer with a chat template built in code, and a built-in chat dataset with long-tailed lengths. Each optimizer step
+takes `--global_batch_size` samples (16) whatever the number of processes, so the runs below train on the same
+minibatches and match step for step (loss and gradient norm, up to floating-point summation order).
 
 ```bash
 # one process (the single-device reference)
@@ -28,15 +30,27 @@ accelerate launch --config_file examples/odc.yaml examples/sft.py \
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
+import datasets
 import numpy as np
 import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    TrainingArguments,
+)
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from hf_odc.packing import DISTRIBUTIONS, sample_lengths
@@ -57,11 +71,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 MODEL_CONFIGS = {
+    # Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level
+    # BPE whatever class the tokenizer's config names (transformers 5.23 overrides it for that model type), which
+    # drops every word of this word-level vocabulary; beside a llama config it loads the class saved.
     "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     ),
     # The shape of Qwen2-0.5B (random weights): what `hf_odc.packing.DEFAULT_ATTENTION_SHAPE` models.
     "qwen2-0.5b": dict(
+        model_type="qwen2",
         hidden_size=896,
         intermediate_size=4864,
         num_hidden_layers=24,
@@ -74,6 +97,7 @@ MODEL_CONFIGS = {
     ),
     # The shape of Qwen2.5-1.5B (random weights).
     "qwen2.5-1.5b": dict(
+        model_type="qwen2",
         hidden_size=1536,
         intermediate_size=8960,
         num_hidden_layers=28,
@@ -102,8 +126,12 @@ class ODCScriptArguments(ScriptArguments):
             Shape of the built-in datasets' lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its
             longest sample is `max_length` tokens.
         model_config (`str`, *optional*, defaults to `"tiny"`):
-            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
+            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"` (Llama),
             `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a directory holding one).
+        global_batch_size (`int`, *optional*, defaults to `16`):
+            Samples per optimizer step over all processes: each process gets `global_batch_size / processes`
+            (`per_device_train_batch_size`), so that one process and several train on the same minibatches. Set
+            this or `--per_device_train_batch_size`, not both.
     """
 
     dataset: str = field(
@@ -122,6 +150,13 @@ class ODCScriptArguments(ScriptArguments):
         default="tiny",
         metadata={
             "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
+        },
+    )
+    global_batch_size: int = field(
+        default=16,
+        metadata={
+            "help": "Samples per optimizer step over all processes (per_device_train_batch_size = this / processes). "
+            "Exclusive with per_device_train_batch_size."
         },
     )
 
@@ -179,8 +214,11 @@ def synthetic_dataset(num_samples: int, max_length: int, distribution: str, seed
     return Dataset.from_dict({"input_ids": ids})
 
 
-def build_model(script_args: ODCScriptArguments, model_args: ModelConfig, vocab_size: int, seed: int):
-    """A pretrained model from ``model_name_or_path``, else a randomly initialised one from ``model_config``."""
+def build_model(
+    script_args: ODCScriptArguments, model_args: ModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int
+) -> PreTrainedModel:
+    """A pretrained model from ``model_name_or_path``, else a randomly initialised one from ``model_config`` with
+    ``tokenizer``'s special tokens (TRL would otherwise align them itself, saying so on every process)."""
     attn = model_args.attn_implementation or PACKED_ATTENTION
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
     if model_args.model_name_or_path:
@@ -188,18 +226,29 @@ def build_model(script_args: ODCScriptArguments, model_args: ModelConfig, vocab_
             model_args.model_name_or_path, dtype=dtype, attn_implementation=attn
         )
     if script_args.model_config in MODEL_CONFIGS:
-        config = Qwen2Config(
-            **{"vocab_size": vocab_size, "max_position_embeddings": 4096, "tie_word_embeddings": True}
-            | MODEL_CONFIGS[script_args.model_config]
-        )
+        raw = {"vocab_size": len(tokenizer), "max_position_embeddings": 4096, "tie_word_embeddings": True}
+        raw |= MODEL_CONFIGS[script_args.model_config]
     else:
         path = script_args.model_config
         with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
             raw = json.load(f)
-        config = AutoConfig.for_model(**raw)
+    raw |= {name: getattr(tokenizer, name) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    config = AutoConfig.for_model(**raw)
     config._attn_implementation = attn
     torch.manual_seed(seed)  # same initial weights on every rank
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def save_initial_model(model: PreTrainedModel, path: str, training_args: TrainingArguments) -> None:
+    """Save the freshly built ``model`` (the same on every rank) in ``path`` and name it by that absolute path, for
+    what must load it again by name: a LoRA adapter's ``base_model_name_or_path`` (PEFT records the model's name; a
+    model built from a config has none, so ``AutoPeftModelForCausalLM`` would look for a null name on the Hub) and
+    GRPO's reference model (TRL loads it from the policy's name)."""
+    path = os.path.abspath(path)
+    with training_args.main_process_first(desc=f"saving the initial model in {path}"):
+        if training_args.process_index == 0:
+            model.save_pretrained(path)
+    model.name_or_path = model.config._name_or_path = path
 
 
 def load_train_dataset(script_args: ODCScriptArguments, training_args: ODCSFTConfig, vocab_size: int) -> Dataset:
@@ -228,21 +277,26 @@ def load_tokenizer(model_args: ModelConfig) -> PreTrainedTokenizerFast:
         return build_tokenizer()
     with open(config_file) as f:
         generic = json.load(f).get("tokenizer_class") == "TokenizersBackend"
-    # transformers 5 rebuilds a generic tokenizer.json as the model type's tokenizer class (Qwen2's byte-level BPE for
-    # this example's own outputs), which breaks a word-level vocabulary; load such a file as it is.
+    # transformers 5 may rebuild a generic tokenizer.json as the model type's tokenizer class (Qwen2's byte-level BPE
+    # for the outputs of this example's Qwen2-shaped models), which breaks a word-level vocabulary; load it as it is.
     return PreTrainedTokenizerFast.from_pretrained(path) if generic else AutoTokenizer.from_pretrained(path)
 
 
 def main(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_args: ModelConfig) -> None:
+    if training_args.process_index != 0:
+        datasets.disable_progress_bars()  # every process prepares the dataset alike: the first one shows it
     tokenizer = load_tokenizer(model_args)
-    model = build_model(script_args, model_args, vocab_size=len(tokenizer), seed=training_args.seed)
+    model = build_model(script_args, model_args, tokenizer, seed=training_args.seed)
     dataset = load_train_dataset(script_args, training_args, vocab_size=model.config.get_text_config().vocab_size)
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None and not model_args.model_name_or_path:
+        save_initial_model(model, os.path.join(training_args.output_dir, "base_model"), training_args)
     trainer = ODCSFTTrainer(
         model=model,
         args=training_args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
     )
     train_and_save(trainer)
 
@@ -257,19 +311,101 @@ def train_and_save(trainer) -> None:
     trainer.end()  # release ODC, finish the trackers, destroy the process group
 
 
-def make_parser() -> TrlParser:
-    parser = TrlParser((ODCScriptArguments, ODCSFTConfig, ModelConfig))
+_UNSET = object()
+
+CHECKPOINT_FLAGS = frozenset({"save_steps", "save_total_limit", "save_only_model", "save_on_each_node"})
+"""Flags that configure checkpoints: any of them switches saving on unless ``--save_strategy`` is given."""
+
+ERROR_GRACE_S = 10.0
+"""How long a process other than the first waits before exiting on a bad flag (the launcher ends it sooner, once the
+first one has printed the error and exited)."""
+
+
+class ExampleParser(TrlParser):
+    """TRL's parser for the examples: the defaults they share, and what their command lines need.
+
+    * Flags that imply others are completed before the configs are built (:meth:`complete`, from the flags given on
+      the command line or in ``--config``): any checkpoint flag (:data:`CHECKPOINT_FLAGS`) switches saving on
+      (``save_strategy="steps"``; the demos default to ``"no"``) unless ``--save_strategy`` is given.
+    * A bad flag (unknown, unparsable, or refused by a config's checks) ends the run with argparse's short usage line
+      and one error line, exit status 2, from the first process only: under ``accelerate launch`` every process
+      parses the same flags, and each would print its traceback (the usage alone lists every TRL flag).
+    * Gradient checkpointing is off by default: TRL turns it on, which only costs time on models this small. It is
+      left unset rather than ``False``: recent transformers (5.23) renamed it ``activation_checkpointing`` and warns
+      (a ``FutureWarning`` in every process) when the old name is set, as TRL's default sets it; this way only a user
+      who sets the old name is warned, and ``--gradient_checkpointing true`` still works where it was not renamed.
+    * LoRA's dropout defaults to 0 (TRL: 0.05): each process draws its own dropout masks, so with dropout one
+      process and several would not train alike.
+    """
+
+    def __init__(self, dataclass_types: Iterable[type]):
+        super().__init__(dataclass_types, usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)")
+        self.set_defaults(
+            logging_steps=1, save_strategy="no", report_to="none", gradient_checkpointing=None, lora_dropout=0.0
+        )
+        self._from_config: set[str] = set()
+
+    def parse_args_and_config(self, args: Iterable[str] | None = None) -> tuple[Any, ...]:
+        """The configs, or :meth:`error` for flags that are unknown (here or in ``--config``) or that a config's
+        ``__post_init__`` refuses (a ``ValueError``)."""
+        try:
+            *configs, unknown = super().parse_args_and_config(args, return_remaining_strings=True)
+        except ValueError as error:
+            self.error(str(error))
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return tuple(configs)
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        self._from_config = set(kwargs)  # the --config file's settings count as given
+        return super().set_defaults_with_config(**kwargs)
+
+    def parse_known_args(
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, remaining = super().parse_known_args(args, namespace)
+        # Parsed again over a namespace already holding every name: argparse then leaves alone what was not given.
+        unset = argparse.Namespace(**{action.dest: _UNSET for action in self._actions})
+        given = {name for name, value in vars(super().parse_known_args(args, unset)[0]).items() if value is not _UNSET}
+        self.complete(parsed, given | self._from_config)
+        return parsed, remaining
+
+    def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
+        """Complete ``namespace`` from the names of the flags ``given``."""
+        if "save_strategy" not in given and given & CHECKPOINT_FLAGS:
+            namespace.save_strategy = "steps"
+
+    def error(self, message: str) -> NoReturn:
+        if int(os.environ.get("RANK", "0")) != 0:
+            time.sleep(ERROR_GRACE_S)  # the first process prints; the launcher ends this one when that one exits
+            self.exit(2)
+        super().error(message)
+
+
+class SFTParser(ExampleParser):
+    """:class:`ExampleParser` for this script: the global minibatch (``--global_batch_size``) is the same whatever the
+    number of processes, unless ``--per_device_train_batch_size`` is given."""
+
+    def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
+        super().complete(namespace, given)
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if "per_device_train_batch_size" in given:
+            if "global_batch_size" in given:
+                self.error("set --global_batch_size or --per_device_train_batch_size, not both")
+            namespace.global_batch_size = namespace.per_device_train_batch_size * processes
+            return
+        if namespace.global_batch_size < processes or namespace.global_batch_size % processes:
+            self.error(
+                f"--global_batch_size {namespace.global_batch_size} is not a positive multiple of the number of "
+                f"processes ({processes}); pick one that is, or set --per_device_train_batch_size"
+            )
+        namespace.per_device_train_batch_size = namespace.global_batch_size // processes
+
+
+def make_parser() -> SFTParser:
+    parser = SFTParser((ODCScriptArguments, ODCSFTConfig, ModelConfig))
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
-    parser.set_defaults(
-        output_dir="odc-sft-output",
-        max_length=256,
-        per_device_train_batch_size=8,
-        max_steps=30,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-    )
+    parser.set_defaults(output_dir="odc-sft-output", max_length=256, max_steps=30, learning_rate=3e-3)
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ _PLAN_EXAMPLES = """examples:
   hf-odc plan                                         # LongAlign-like lengths, world sizes 2-128
   hf-odc plan --distribution swe-smith --packing-ratio 2 --plot plan.png
   hf-odc plan --dataset ./my_sft --column input_ids --world-sizes 8,64 --max-tokens 32768 --json plan.json
+  hf-odc plan --dataset ./my_chats --column messages --tokenizer ./Qwen2-7B --json - | jq .results  # table: stderr
   hf-odc plan --world-sizes 16,64,256 --gpus-per-host 8 --cross-host-gbps 25 --model-config ./Qwen2-7B  # hybrid
   hf-odc plan --world-sizes 16,64 --gpus-per-host 8 --calibration odc_calibration.json --params 1.5e9
 """
@@ -62,7 +64,17 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     )
     exclusive.add_argument("--lengths", metavar="FILE", help="a JSON list, CSV column or text file of integers")
     exclusive.add_argument("--dataset", metavar="DIR", help="a datasets dataset saved with save_to_disk")
-    source.add_argument("--column", help="the dataset's (or CSV's) column: integers, or lists/strings to take len() of")
+    source.add_argument(
+        "--column",
+        help="the dataset's (or CSV's) column: integer lengths or token ids (lists of integers); with --tokenizer, "
+        "text or chat messages (lists of {role, content} dicts)",
+    )
+    source.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local tokenizer or model directory (needs transformers) to count the tokens of a --dataset text "
+        "column (tokenizer(text), special tokens included) or chat column (apply_chat_template(messages))",
+    )
     source.add_argument("--split", default="train", help="the split, if the dataset is a DatasetDict (default: train)")
 
     shape = plan.add_argument_group("minibatch")
@@ -142,17 +154,24 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         help="minibatches per world size to average over (default: 10)",
     )
     run.add_argument("--seed", type=int, default=0, help="seed of the minibatch draws (default: 0)")
-    run.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
+    run.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the numbers as JSON; - writes them to standard output and the table to standard error, "
+        "so that the output can be piped",
+    )
     run.add_argument("--plot", metavar="FILE", help="also draw timelines and speedups (needs hf-odc[plot])")
     plan.set_defaults(handler=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
     from .packing.planners import token_cap
     from .packing.planning_cli import choose_cost, choose_source, simulate
     from .packing.planning_cli.report import render_table, write_json
 
-    source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split)
+    source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split, args.tokenizer)
     max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
     _check_cap(source, max_tokens)
     cost = choose_cost(args.cost, args.model_config, args.calibration, max_tokens)
@@ -160,9 +179,9 @@ def _run_plan(args: argparse.Namespace) -> None:
     simulation = simulate(
         source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed, cross_host
     )
-    render_table(simulation)
+    render_table(simulation, Console(stderr=args.json == "-"))
     if args.json:
-        write_json(simulation, args.json)
+        write_json(simulation, sys.stdout if args.json == "-" else args.json)
     if args.plot:
         from .packing.planning_cli.plot import plot_simulation
 

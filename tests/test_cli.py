@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,89 @@ def test_csv_text_and_dataset_sources_give_the_same_plan(tmp_path, capsys):
         assert report["results"] == reference["results"], name  # same lengths, same seeded draws, same plans
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
+
+
+def _save_tokenizer(directory: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A word-level tokenizer built in code (no download): each word one token, and a chat template that adds 3
+    tokens per message (<|im_start|>, the role, <|im_end|>)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    special = ["<|im_start|>", "<|im_end|>", "<|pad|>"]
+    vocab = {token: i for i, token in enumerate([*special, "user", "assistant", "w"])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(special)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|pad|>", chat_template=chat_template
+    )
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_text_and_chat_columns_are_counted_with_a_tokenizer_and_refused_without(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    tokenizer = str(_save_tokenizer(tmp_path / "tokenizer"))
+    reference = _json_report(capsys, tmp_path, "--lengths", str(_lengths_file(tmp_path)))
+
+    def chat(length: int) -> list[dict[str, str]]:  # 2 messages: 2 x 3 template tokens and length - 6 words
+        return [{"role": "user", "content": "w " * 3}, {"role": "assistant", "content": "w " * (length - 9)}]
+
+    dataset_dir = tmp_path / "chats"
+    rows = {"messages": [chat(n) for n in LENGTHS], "text": ["w " * n for n in LENGTHS], "num_tokens": LENGTHS}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(dataset_dir))
+    for column in ("messages", "text"):
+        args = ["--dataset", str(dataset_dir), "--column", column, "--tokenizer", tokenizer]
+        report = _json_report(capsys, tmp_path, *args)
+        assert report["config"] == {**reference["config"], "source": f"{dataset_dir}:{column} (tokenizer {tokenizer})"}
+        assert report["results"] == reference["results"], column  # the token counts are LENGTHS
+
+    # Without a tokenizer, len() would count messages (2 each) or characters: refused, naming the column and the flag.
+    err = " ".join(_fails(capsys, "--dataset", str(dataset_dir), "--column", "messages").split())
+    assert (
+        f"{dataset_dir} column 'messages' holds chat messages (lists of {{'role', 'content'}} dicts), not lengths: "
+        "add --tokenizer DIR (a local tokenizer or model directory)"
+    ) in err
+    err = " ".join(_fails(capsys, "--dataset", str(dataset_dir), "--column", "text").split())
+    assert f"{dataset_dir} column 'text' holds text (strings), not lengths: add --tokenizer DIR" in err
+
+
+def test_tokenizer_misuse_exits_with_a_clear_message(tmp_path, capsys, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    dataset_dir = tmp_path / "chats"
+    rows = {
+        "messages": [[{"role": "user", "content": "w w"}]],
+        "sharegpt": [[{"from": "human", "value": "w w"}]],
+        "words": [["w", "w"]],
+        "num_tokens": [5],
+    }
+    datasets.Dataset.from_dict(rows).save_to_disk(str(dataset_dir))
+    chats = ["--dataset", str(dataset_dir), "--column", "messages"]
+    no_template = str(_save_tokenizer(tmp_path / "plain", chat_template=None))
+    assert f"--tokenizer {no_template} has no chat template" in _fails(capsys, *chats, "--tokenizer", no_template)
+    assert "is not a directory" in _fails(capsys, *chats, "--tokenizer", str(tmp_path / "missing"))
+    err = _fails(capsys, "--dataset", str(dataset_dir), "--column", "num_tokens", "--tokenizer", no_template)
+    assert "holds integer lengths, whose lengths need none: drop --tokenizer" in err
+    err = _fails(capsys, "--lengths", str(_lengths_file(tmp_path)), "--tokenizer", no_template)
+    assert "--tokenizer needs --dataset" in err
+    err = _fails(capsys, "--dataset", str(dataset_dir), "--column", "sharegpt")
+    assert "column 'sharegpt' holds lists of dicts with keys ['from', 'value'], not chat messages" in err
+    err = _fails(capsys, "--dataset", str(dataset_dir), "--column", "words")
+    assert "column 'words' holds List(Value('string')), which is none of: integer lengths, token ids" in err
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    assert "--tokenizer needs transformers" in _fails(capsys, *chats, "--tokenizer", no_template)
+
+
+def test_json_dash_writes_the_json_to_stdout_and_the_table_to_stderr(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--lengths", str(_lengths_file(tmp_path)), *FAST, "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # nothing but the JSON on stdout, for pipes
+    assert [(r["world_size"], r["scheme"]) for r in report["results"]] == [(w, s) for w in (2, 4) for s in SCHEMES]
+    assert "Predicted bubble rate and speedup" in captured.err
+    assert not (tmp_path / "-").exists()
+
+
 def test_token_cap_packing_ratio_and_cost_options(tmp_path, capsys):
     lengths_file = str(_lengths_file(tmp_path))
     doubled = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--packing-ratio", "2", "--cost", "tokens")
@@ -199,11 +283,57 @@ def test_bad_sources_exit_with_a_clear_message(tmp_path, capsys):
     bad.write_text(json.dumps([100, 0, 300]))
     assert "holds the length 0; lengths must be positive" in _fails(capsys, "--lengths", str(bad))
     bad.write_text(json.dumps({"lengths": [1, 2]}))
-    assert "must hold a JSON list of integers" in _fails(capsys, "--lengths", str(bad))
+    assert f"{bad} holds a JSON object; it must hold a JSON list of integers" in _fails(capsys, "--lengths", str(bad))
+    bad.write_text("[100, 200,\n")
+    assert f"{bad} is not valid JSON: Expecting value: line 2 column 1" in _fails(capsys, "--lengths", str(bad))
+    bad.write_text(json.dumps([100, [200], 300]))
+    assert f"{bad} holds [200], which is not an integer length" in _fails(capsys, "--lengths", str(bad))
     wide = tmp_path / "wide.csv"
     wide.write_text("a,b\n1,2\n")
     assert "has 2 columns; name the one holding lengths with --column" in _fails(capsys, "--lengths", str(wide))
     assert "A dataset needs --column" in _fails(capsys, "--dataset", str(tmp_path))
+
+
+def test_the_readme_table_is_the_default_runs_output(capsys):
+    """The README shows plain ``hf-odc plan``'s numbers: every cell must be the command's own."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("<!-- plan:start -->") : readme.index("<!-- plan:end -->")]
+    header = "| ranks | " + " | ".join(SCHEMES) + " |"
+    lines = section[section.index(header) :].splitlines()[2:]
+    documented = {}
+    for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("|"))]:
+        ranks, *cells = (cell.strip() for cell in line.strip("|").split("|"))
+        documented |= {(ranks, scheme): cell for scheme, cell in zip(SCHEMES, cells, strict=True)}
+
+    out = _plan(capsys)
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    printed = {(ranks, scheme): f"{bubble} / {speedup}" for ranks, scheme, bubble, speedup, _ in rows}
+    assert documented == printed
+    assert all(re.fullmatch(r"\d+\.\d% / \d+\.\d\dx", cell) for cell in printed.values())
+
+
+def test_the_plot_legend_explains_the_shades_and_the_gaps(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.patches import Rectangle
+
+    from hf_odc.packing.planning_cli import LengthPool, simulate
+    from hf_odc.packing.planning_cli.plot import plot_simulation
+
+    simulation = simulate(LengthPool("measured", tuple(LENGTHS)), [2, 4], 6, max(LENGTHS), num_minibatches=1)
+    figure = plot_simulation(simulation, tmp_path / "plan.png")
+    timelines = [axes for axes in figure.axes if axes.get_title(loc="left").startswith(("Collective", "ODC"))]
+    assert len(timelines) == 2
+    for axes in timelines:
+        legend = axes.get_legend()
+        assert legend is not None, axes.get_title(loc="left")
+        labels = [" ".join(text.get_text().split()) for text in legend.get_texts()]
+        assert labels[0] == "microbatch (shades alternate)"
+        assert labels[1].startswith("idle (white gap): waiting for")
+        assert labels[2] == "minibatch end"
+        # The legend's swatches: the microbatches' two shades, then white for the gaps.
+        swatches = [tuple(patch.get_facecolor()) for patch in legend.findobj(Rectangle)]
+        assert set(swatches[:2]) == {tuple(bar.get_facecolor()[0]) for bar in axes.collections}
+        assert swatches[2:] == [(1.0, 1.0, 1.0, 1.0)]
 
 
 HYBRID = ("HSDP+LB-Micro", "Hybrid ODC+LB-Mini")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME
 
 from ..accelerate_plugin import ODCPlugin, ODCRuntime
@@ -26,6 +26,7 @@ from ..packing import COSTS, PLANNERS, Calibration, Calibrator, MinibatchPlanner
 from ..packing.calibration import FEATURES
 from . import _checkpoint
 from ._bounded import bound_process_groups, is_backend_failure, named_failure
+from ._console import CONSOLE_CALLBACKS
 from .attention import use_packed_attention
 
 CALIBRATION_FILE = "odc_calibration.json"
@@ -357,6 +358,16 @@ class _ODCTrainer:
             for rank, speed in enumerate(calibration.speeds):
                 metrics[f"calibration/speed/rank_{rank}"].append(speed)
         return per_rank
+
+    # -- the console --------------------------------------------------------------------------------------------------
+
+    def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
+        """``Trainer.add_callback``, with transformers' console printers (which the Trainer adds this way) replaced by
+        ones that summarise the per-rank values (:mod:`hf_odc.trainer._console`); the ``report_to`` loggers and
+        ``trainer_state.json`` still get every value."""
+        if isinstance(callback, type):
+            callback = CONSOLE_CALLBACKS.get(callback, callback)
+        super().add_callback(callback)
 
     # -- bounded collectives (hf_odc.trainer._bounded) -----------------------------------------------------------------
 

@@ -16,17 +16,21 @@ from .simulate import HYBRID_SCHEMES, Simulation
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_simulation"]
 
 _TIMELINE_SCHEMES = (BASELINE, "ODC+LB-Mini")
 _MAX_TIMELINE_RANKS = 16
+_SHADES = {"layer": ("tab:blue", "tab:cyan"), "minibatch": ("tab:green", "yellowgreen")}
+"""The two shades a timeline's microbatches alternate between, per sync: consecutive microbatches stay apart."""
 
 
-def plot_simulation(simulation: Simulation, path: str | Path, world_size: int | None = None) -> None:
-    """Save a figure with (a) one minibatch as per-rank timelines for Collective+LB-Micro and ODC+LB-Mini at
-    ``world_size`` (default: the largest simulated one with at most 16 ranks, which stays legible) and (b) the
-    predicted speedup of every scheme against the world size (the cross-host rows dashed, where simulated)."""
+def plot_simulation(simulation: Simulation, path: str | Path, world_size: int | None = None) -> Figure:
+    """Save (and return) a figure with (a) one minibatch as per-rank timelines for Collective+LB-Micro and
+    ODC+LB-Mini at ``world_size`` (default: the largest simulated one with at most 16 ranks, which stays legible)
+    and (b) the predicted speedup of every scheme against the world size (the cross-host rows dashed, where
+    simulated)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -54,20 +58,23 @@ def plot_simulation(simulation: Simulation, path: str | Path, world_size: int | 
     figure.suptitle(f"(a) one minibatch, {world_size} ranks", x=0.01, ha="left", fontsize=12, weight="bold")
     _draw_speedups(figure.add_subplot(grid[:, 1]), simulation)
     figure.savefig(path, dpi=110)
+    return figure
 
 
 def _draw_timeline(axes: Axes, name: str, per_rank: list[list[float]], unit: float) -> None:
     """One row per rank; each microbatch a bar, alternating shades. Layer sync starts step ``s`` on all ranks once
     the slowest rank has finished step ``s - 1``; minibatch sync runs each rank's microbatches back to back."""
     sync = next(scheme.sync for scheme in SCHEMES if scheme.name == name)
+    shades = _SHADES[sync]
     starts = list(accumulate(step_times(per_rank), initial=0.0)) if sync == "layer" else None
     for rank, costs in enumerate(per_rank):
         clock = 0.0
         for step, cost in enumerate(costs):
             if starts is not None:
                 clock = starts[step]
-            color = ("tab:blue", "tab:cyan")[step % 2] if sync == "layer" else ("tab:green", "yellowgreen")[step % 2]
-            axes.broken_barh([(clock / unit, cost / unit)], (rank - 0.4, 0.8), facecolors=color, edgecolor="white")
+            axes.broken_barh(
+                [(clock / unit, cost / unit)], (rank - 0.4, 0.8), facecolors=shades[step % 2], edgecolor="white"
+            )
             clock += cost
     end = sync_time(per_rank, sync)
     axes.axvline(end / unit, color="black", linestyle="--", linewidth=1)
@@ -76,6 +83,30 @@ def _draw_timeline(axes: Axes, name: str, per_rank: list[list[float]], unit: flo
     axes.set_ylabel("rank")
     axes.set_ylim(len(per_rank) - 0.5, -0.5)
     axes.set_yticks(range(len(per_rank)))
+    _timeline_legend(axes, sync)
+
+
+def _timeline_legend(axes: Axes, sync: str) -> None:
+    """Say what the shades, the white gaps and the dashed line of a timeline are, beside it (not over the bars).
+    Where the gaps fall is what tells the schemes apart: per step under layer sync, at the end under minibatch."""
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    waits = "for each step's slowest rank" if sync == "layer" else "for the busiest rank"
+    handles = {
+        "microbatch\n(shades alternate)": tuple(Patch(facecolor=shade) for shade in _SHADES[sync]),
+        f"idle (white gap):\nwaiting {waits}": Patch(facecolor="white", edgecolor="gray"),
+        "minibatch end": Line2D([], [], color="black", linestyle="--", linewidth=1),
+    }
+    axes.legend(
+        list(handles.values()),
+        list(handles),
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize="small",
+    )
 
 
 def _draw_speedups(axes: Axes, simulation: Simulation) -> None:

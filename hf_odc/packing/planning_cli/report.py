@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -67,5 +68,11 @@ def _cross_host_caption(simulation: Simulation) -> str:
     return text
 
 
-def write_json(simulation: Simulation, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(simulation.to_dict(), indent=2) + "\n")
+def write_json(simulation: Simulation, path: str | Path | TextIO) -> None:
+    """Write the configuration and every result as JSON to a file, or to an open stream such as ``sys.stdout``
+    (``hf-odc plan --json -``)."""
+    text = json.dumps(simulation.to_dict(), indent=2) + "\n"
+    if isinstance(path, str | Path):
+        Path(path).write_text(text)
+    else:
+        path.write(text)

@@ -65,14 +65,21 @@ def choose_source(
     dataset: str | Path | None = None,
     column: str | None = None,
     split: str = "train",
+    tokenizer: str | Path | None = None,
 ) -> LengthSource:
-    """A lengths file if given, else a dataset on disk if given, else the built-in ``distribution``."""
+    """A lengths file if given, else a dataset on disk if given (its text or chat ``column`` tokenized by
+    ``tokenizer``), else the built-in ``distribution``."""
+    if tokenizer is not None and dataset is None:
+        raise ValueError("--tokenizer needs --dataset: it counts the tokens of a dataset's text or chat column.")
     if lengths_file is not None:
         return read_lengths_file(lengths_file, column)
     if dataset is not None:
         if column is None:
-            raise ValueError("A dataset needs --column: the column holding lengths, or lists/strings to take len() of.")
-        return read_dataset_lengths(dataset, column, split)
+            raise ValueError(
+                "A dataset needs --column: the column holding lengths or token ids, or (with --tokenizer DIR) text "
+                "or chat messages."
+            )
+        return read_dataset_lengths(dataset, column, split, tokenizer)
     return get_distribution(distribution)
 
 
@@ -96,21 +103,28 @@ def read_lengths_file(path: str | Path, column: str | None = None) -> LengthPool
     """Lengths from a JSON list, a CSV (one column, or the one named ``column``; a header row is skipped), or a
     text file of whitespace-separated integers."""
     path = Path(path)
-    text = path.read_text()
     if path.suffix == ".json":
-        values = json.loads(text)
+        values = _load_json(path)
         if not isinstance(values, list):
-            raise ValueError(f"{path} must hold a JSON list of integers.")
+            kind = _JSON_KINDS.get(type(values), "number")
+            raise ValueError(f"{path} holds a JSON {kind}; it must hold a JSON list of integers.")
     elif path.suffix == ".csv":
-        values = _csv_column(list(csv.reader(text.splitlines())), column, path)
+        values = _csv_column(list(csv.reader(path.read_text().splitlines())), column, path)
     else:
-        values = text.split()
+        values = path.read_text().split()
     return LengthPool(str(path), _as_ints(values, str(path)))
 
 
-def read_dataset_lengths(path: str | Path, column: str, split: str = "train") -> LengthPool:
-    """Lengths from a ``datasets`` dataset saved with ``save_to_disk``: the column's integers, or ``len()`` of each
-    list (e.g. ``input_ids``) or string in it."""
+def read_dataset_lengths(
+    path: str | Path, column: str, split: str = "train", tokenizer: str | Path | None = None
+) -> LengthPool:
+    """Lengths from a ``datasets`` dataset saved with ``save_to_disk``: the column's integers, the number of token
+    ids in each list (e.g. ``input_ids``), or, with ``tokenizer`` (a local tokenizer or model directory), the tokens
+    of each text (``tokenizer(text)``, special tokens included) or chat (``apply_chat_template(messages)``).
+
+    The column's type decides, not its first value: ``len()`` of a string counts characters and of a chat counts
+    messages, so text and chats without a tokenizer are refused rather than planned as nonsense lengths.
+    """
     from datasets import DatasetDict, load_from_disk
 
     dataset = load_from_disk(str(path))
@@ -120,20 +134,53 @@ def read_dataset_lengths(path: str | Path, column: str, split: str = "train") ->
         dataset = dataset[split]
     if column not in dataset.column_names:
         raise ValueError(f"{path} has no column {column!r}; its columns are {dataset.column_names}.")
-    values = [value if isinstance(value, int) else len(value) for value in dataset[column]]
-    return LengthPool(f"{path}:{column}", _as_ints(values, f"{path}:{column}"))
+    where = f"{path}:{column}"
+    kind = _column_kind(dataset.features[column], f"{path} column {column!r}")
+    if kind in ("text", "chat") and tokenizer is None:
+        raise ValueError(
+            f"{path} column {column!r} holds {_KIND_NAMES[kind]}, not lengths: add --tokenizer DIR (a local "
+            f"tokenizer or model directory) to count {'its' if kind == 'text' else 'their'} tokens."
+        )
+    if kind not in ("text", "chat") and tokenizer is not None:
+        raise ValueError(
+            f"--tokenizer counts the tokens of text or chat columns; {path} column {column!r} holds "
+            f"{_KIND_NAMES[kind]}, whose lengths need none: drop --tokenizer."
+        )
+    if kind == "token ids":
+        return LengthPool(where, tuple(map(len, dataset[column])))
+    if kind == "lengths":
+        return LengthPool(where, _as_ints(list(dataset[column]), where))
+    tokens = _load_tokenizer(tokenizer)
+    if kind == "chat" and tokens.chat_template is None:
+        raise ValueError(
+            f"--tokenizer {tokenizer} has no chat template, and {path} column {column!r} holds chat messages."
+        )
+    return LengthPool(f"{where} (tokenizer {tokenizer})", _token_counts(tokens, dataset.select_columns(column), kind))
+
+
+def _load_tokenizer(path: str | Path) -> Any:
+    """``transformers.AutoTokenizer.from_pretrained(path)`` for a local directory. transformers is imported only
+    here: planning from lengths does not need it, and a missing directory is refused before transformers would
+    take it for a Hub model id."""
+    if not Path(path).is_dir():
+        raise ValueError(f"--tokenizer {path} is not a directory: give a local tokenizer or model directory.")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise ImportError(f"--tokenizer needs transformers: pip install transformers ({error}).") from error
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def load_model_config(path: str | Path) -> dict[str, Any]:
     """A model's ``config.json`` (the file, or the model directory holding it) as a dict."""
     path = Path(path)
-    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    return _load_json(path / "config.json" if path.is_dir() else path)
 
 
 def load_calibration(path: str | Path) -> CalibratedCost:
     """The cost model of a calibration file: an ODC trainer's ``odc_calibration.json`` (a JSON object), or a JSON list
     of measured microbatches ``[sequences, tokens, sum_of_squared_lengths, seconds]`` to fit."""
-    data = json.loads(Path(path).read_text())
+    data = _load_json(Path(path))
     if isinstance(data, dict):
         return Calibration.from_dict(data).cost
     rows = [row for row in data if isinstance(row, list) and len(row) == 4] if isinstance(data, list) else []
@@ -143,6 +190,62 @@ def load_calibration(path: str | Path) -> CalibratedCost:
             "[sequences, tokens, sum_of_squared_lengths, seconds]."
         )
     return Calibration.fit([(1.0, *row[:3]) for row in rows], [row[3] for row in rows]).cost
+
+
+_KIND_NAMES = {
+    "lengths": "integer lengths",
+    "token ids": "token ids (lists of integers)",
+    "text": "text (strings)",
+    "chat": "chat messages (lists of {'role', 'content'} dicts)",
+}
+_TOKENIZE_BATCH = 1024  # samples per tokenizer call: batched for speed, bounded for memory
+
+
+def _column_kind(feature: Any, where: str) -> str:
+    """Which of :data:`_KIND_NAMES` a ``datasets`` column's feature is; anything else is refused, naming it."""
+    from datasets import LargeList, List, Value
+
+    if isinstance(feature, Value):
+        if feature.dtype.startswith(("int", "uint", "float")):
+            return "lengths"
+        if feature.dtype in ("string", "large_string"):
+            return "text"
+    elif isinstance(feature, List | LargeList):
+        item = feature.feature
+        if isinstance(item, Value) and item.dtype.startswith(("int", "uint")):
+            return "token ids"
+        if isinstance(item, dict):
+            if {"role", "content"} <= item.keys():
+                return "chat"
+            raise ValueError(
+                f"{where} holds lists of dicts with keys {sorted(item)}, not chat messages: the messages need "
+                "'role' and 'content' keys."
+            )
+    raise ValueError(f"{where} holds {feature}, which is none of: {', '.join(_KIND_NAMES.values())}.")
+
+
+def _token_counts(tokenizer: Any, dataset: Any, kind: str) -> tuple[int, ...]:
+    """The token count of each text or chat in the one column of ``dataset``, tokenized in batches."""
+    counts: list[int] = []
+    for batch in dataset.iter(batch_size=_TOKENIZE_BATCH):
+        (values,) = batch.values()
+        if kind == "text":
+            ids = tokenizer(values)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(values, tokenize=True, return_dict=False)
+        counts += map(len, ids)
+    return tuple(counts)
+
+
+_JSON_KINDS = {dict: "object", str: "string", bool: "boolean", type(None): "null"}  # else a number
+
+
+def _load_json(path: Path) -> Any:
+    """The JSON in ``path``; a syntax error names the file, which :func:`json.loads` alone would not."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}.") from error
 
 
 def _csv_column(rows: list[list[str]], column: str | None, path: Path) -> list[str]:

@@ -1,0 +1,188 @@
+"""``examples/sft.py`` as a new user meets it (issue #15): what it saves loads with the Auto classes, offline (the
+tokenizer as the example built it; a LoRA adapter with its base model); the global minibatch does not depend on the
+number of processes; a checkpoint flag alone switches checkpoints on; the console summarises the per-rank metrics
+that ``trainer_state.json`` keeps; a bad flag ends the run with one error line, from the first process only.
+
+Two short one-process runs (a full model, a LoRA adapter), loaded by one fresh interpreter; the flag handling is tested
+on the parser alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _trainer_launch import EXAMPLES, logged_steps, run
+
+sys.path.insert(0, str(EXAMPLES))
+
+import sft
+
+FAST = ("--max_steps", "2", "--num_samples", "32", "--global_batch_size", "4")
+CHAT = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": "w3 w2 w1"}]
+
+LOAD = """
+import json, sys
+import torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+full, adapter, chat = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+tokenizer = AutoTokenizer.from_pretrained(full)
+ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
+text = tokenizer.decode(ids)
+prompt = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, return_dict=False)
+greedy = dict(input_ids=torch.tensor([prompt]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+lora = AutoPeftModelForCausalLM.from_pretrained(adapter)
+print(json.dumps({
+    "class": type(tokenizer).__name__, "ids": ids, "text": text,
+    "reencoded": tokenizer(text, add_special_tokens=False)["input_ids"],
+    "generated": AutoModelForCausalLM.from_pretrained(full).generate(**greedy)[0].tolist(),
+    "base": lora.peft_config["default"].base_model_name_or_path, "lora_generated": lora.generate(**greedy)[0].tolist(),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps on one process with ``--save_steps 1`` and no ``--save_strategy``: the directory and the output."""
+    directory = tmp_path_factory.mktemp("sft")
+    return directory, run("sft.py", *FAST, "--save_steps", "1", "--output_dir", str(directory))
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """One LoRA step on one process, without tqdm (transformers' other console printer): the directory and output."""
+    directory = tmp_path_factory.mktemp("lora")
+    return directory, run("sft.py", *FAST, "--max_steps", "1", "--use_peft", "--output_dir", str(directory),
+                          "--disable_tqdm", "true")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loaded(trained, adapter):
+    """What a fresh interpreter, the Hub unreachable (``HF_HUB_OFFLINE=1``) and hf_odc not imported, loads from both
+    outputs with the Auto classes: the tokenizer's ids and text for :data:`CHAT`, and three greedy tokens generated
+    after its first turn by each model."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, str(trained[0]), str(adapter[0]), json.dumps(CHAT)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_saved_tokenizer_and_model_load_with_the_auto_classes(loaded):
+    """Every word of a chat gets its id back (the tokenizer class of a Qwen2 model type would drop them all)."""
+    tokenizer = sft.build_tokenizer()
+    ids = tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=False)
+    turns = [["<|im_start|>", "user", "w1", "w2", "w3", "<|im_end|>"], ["<|im_start|>", "assistant", "w3", "w2", "w1"]]
+    assert ids == tokenizer.convert_tokens_to_ids([*turns[0], *turns[1], "<|im_end|>"])
+    assert loaded["ids"] == ids, loaded
+    assert loaded["text"] == tokenizer.decode(ids) and loaded["reencoded"] == ids
+    prompt = tokenizer.apply_chat_template(CHAT[:1], add_generation_prompt=True, return_dict=False)
+    assert loaded["generated"][: len(prompt)] == prompt and len(loaded["generated"]) == len(prompt) + 3
+
+
+def test_the_lora_adapter_loads_and_generates_offline(adapter, loaded):
+    directory, _ = adapter
+    assert json.loads((directory / "adapter_config.json").read_text())["lora_dropout"] == 0
+    assert loaded["base"] == str(directory / "base_model")
+    assert len(loaded["lora_generated"]) == len(loaded["generated"])
+
+
+def test_a_checkpoint_flag_alone_switches_checkpoints_on(trained):
+    directory, _ = trained
+    assert (directory / "checkpoint-1").is_dir() and (directory / "checkpoint-2").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("flags", "strategy"),
+    [
+        ((), "no"),
+        (("--save_steps", "2"), "steps"),
+        (("--save_total_limit", "1"), "steps"),
+        (("--save_steps", "2", "--save_strategy", "no"), "no"),
+        (("--save_strategy", "epoch"), "epoch"),
+    ],
+)
+def test_checkpoint_flags_imply_saving_unless_the_strategy_is_given(flags, strategy):
+    namespace, _ = sft.make_parser().parse_known_args(list(flags))
+    assert namespace.save_strategy == strategy
+
+
+def test_a_checkpoint_setting_of_a_config_file_counts_as_given(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("save_steps: 2\n")
+    _, training_args, _ = sft.make_parser().parse_args_and_config(["--config", str(recipe)])
+    assert training_args.save_strategy == "steps" and training_args.save_steps == 2
+
+
+@pytest.mark.parametrize("run_output", ["trained", "adapter"])
+def test_the_console_summarises_what_trainer_state_keeps_per_rank(request, run_output):
+    """With tqdm (``ProgressCallback``) and without (``PrinterCallback``); nor the warnings the example avoids (PEFT's
+    own use of a deprecated transformers name, ``is_gradient_checkpointing``, is not the example's)."""
+    directory, output = request.getfixturevalue(run_output)
+    assert "'busy_s': " in output and "'microbatches': " in output and "busy_s/rank_0" not in output, output
+    steps = logged_steps(directory)
+    assert all("busy_s/rank_0" in entry and "microbatches/rank_0" in entry for entry in steps.values()), steps
+    assert "`gradient_checkpointing` is deprecated" not in output and "new PAD/BOS/EOS tokens" not in output, output
+
+
+@pytest.mark.parametrize(
+    ("processes", "flags", "per_device", "total"),
+    [
+        ("1", (), 16, 16),
+        ("2", (), 8, 16),
+        ("4", ("--global_batch_size", "32"), 8, 32),
+        ("2", ("--per_device_train_batch_size", "3"), 3, 6),
+    ],
+)
+def test_the_global_minibatch_does_not_depend_on_the_process_count(monkeypatch, processes, flags, per_device, total):
+    monkeypatch.setenv("WORLD_SIZE", processes)
+    namespace, _ = sft.make_parser().parse_known_args(list(flags))
+    assert (namespace.per_device_train_batch_size, namespace.global_batch_size) == (per_device, total)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ("--global_batch_size", "15"),
+            "--global_batch_size 15 is not a positive multiple of the number of processes (2)",
+        ),
+        (("--global_batch_size", "8", "--per_device_train_batch_size", "4"), "not both"),
+    ],
+)
+def test_a_global_minibatch_the_processes_cannot_share_is_refused(monkeypatch, capsys, flags, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as failure:
+        sft.make_parser().parse_known_args(list(flags))
+    assert failure.value.code == 2 and message in capsys.readouterr().err
+
+
+BAD_FLAGS = [
+    (("--max_stepz", "3"), "unrecognized arguments: --max_stepz 3"),  # unknown
+    (("--max_steps", "x"), "invalid int value: 'x'"),  # unparsable
+    (("--odc", "false", "--balance", "lb-mini"), "balance='lb-mini'"),  # refused by the config's __post_init__
+]
+
+
+@pytest.mark.parametrize(("flags", "named"), BAD_FLAGS)
+def test_a_bad_flag_fails_with_one_error_line_from_the_first_process_only(monkeypatch, capsys, flags, named):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as failure:
+        sft.make_parser().parse_args_and_config(list(flags))
+    usage, error = capsys.readouterr().err.splitlines()
+    assert failure.value.code == 2 and usage.startswith("usage: ") and len(usage) <= 80
+    assert error.startswith(f"{sft.make_parser().prog}: error: ") and named in error
+    monkeypatch.setenv("RANK", "1")  # the others exit as silently as they can, with the same status
+    monkeypatch.setattr(sft, "ERROR_GRACE_S", 0.0)
+    with pytest.raises(SystemExit) as failure:
+        sft.make_parser().parse_args_and_config(list(flags))
+    assert failure.value.code == 2 and capsys.readouterr().err == ""
