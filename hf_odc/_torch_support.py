@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 MIN_TORCH = (2, 11)
 CHECKED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
-"""Versions the test suite passed on (README, "Torch versions")."""
+"""Versions the test suite passed on (docs/api.md, "Torch versions")."""
 
 __all__ = ["CHECKED_TORCH", "MIN_TORCH", "UnsupportedTorchError", "check_torch_version", "require"]
 

@@ -294,10 +294,10 @@ def test_bad_sources_exit_with_a_clear_message(tmp_path, capsys):
     assert "A dataset needs --column" in _fails(capsys, "--dataset", str(tmp_path))
 
 
-def test_the_readme_table_is_the_default_runs_output(capsys):
-    """The README shows plain ``hf-odc plan``'s numbers: every cell must be the command's own."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("<!-- plan:start -->") : readme.index("<!-- plan:end -->")]
+def test_the_documented_table_is_the_default_runs_output(capsys):
+    """docs/planner.md shows plain ``hf-odc plan``'s numbers: every cell must be the command's own."""
+    page = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()
+    section = page[page.index("<!-- plan:start -->") : page.index("<!-- plan:end -->")]
     header = "| ranks | " + " | ".join(SCHEMES) + " |"
     lines = section[section.index(header) :].splitlines()[2:]
     documented = {}

@@ -35,7 +35,7 @@ def assert_same_training(ours: dict[int, dict], reference: dict[int, dict], step
 
 
 def assert_step_metrics(entry: dict) -> None:
-    """The per-step timings of 2 ranks are consistent with their definitions (README's metric table)."""
+    """The per-step timings of 2 ranks are consistent with their definitions (docs/api.md's metric table)."""
     assert entry["tokens_per_second"] > 0 and 0 <= entry["predicted_bubble_rate"] < 1
     busy = [entry[f"busy_s/rank_{rank}"] for rank in (0, 1)]
     for rank in (0, 1):
@@ -80,7 +80,7 @@ def test_lb_micro_matches_a_single_process(reference, tmp_path, odc):
     logs = train(tmp_path, "--balance", "lb-micro", "--odc", odc, processes=2)
     assert_same_training(logs, reference[1])
     assert all(entry["microbatches/rank_0"] == entry["microbatches/rank_1"] for entry in logs.values())
-    for entry in logs.values():  # device-timed metrics in both modes, the same definitions (README)
+    for entry in logs.values():  # device-timed metrics in both modes, the same definitions (docs/api.md)
         for rank in (0, 1):
             assert entry[f"busy_s/rank_{rank}"] + entry[f"wait_s/rank_{rank}"] == pytest.approx(
                 entry["step_s"], abs=0.02

@@ -62,6 +62,9 @@ def test_skewed_rollouts_are_rebalanced():
     batch = rollouts([4] * 8, [100, 90, 95, 85, 5, 6, 4, 7])
     (step,) = plan(batch, 0, steps=1)
     assert step.unbalanced_bubble_rate > 0.3 and step.predicted_bubble_rate < 0.05
+    assert step.generated_tokens == [104 + 94 + 99 + 89, 9 + 10 + 8 + 11]  # each rank's own rollouts, whatever the plan
+    trained = [sum(map(sum, rank)) for rank in step.microbatch_lengths]
+    assert sum(trained) == sum(step.generated_tokens) == step.num_tokens and max(trained) < 300
 
 
 def test_a_generation_batch_that_does_not_split_is_refused():

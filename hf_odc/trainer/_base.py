@@ -259,7 +259,12 @@ class _ODCTrainer:
                 )
             self.model = self.model_wrapped = self.odc.shard(self.model)
             if not self.is_fsdp_enabled:
-                # The model manages its own placement and gradient reduction: Accelerate only adds autocast.
+                # Accelerate runs CPU processes as MULTI_CPU, whose prepare() would wrap the sharded model in DDP. The
+                # model manages its own placement and gradient reduction, so Accelerate only adds autocast (and
+                # compilation): prepared here, the model is marked prepared and the Trainer's own prepare() leaves it
+                # as it is, on transformers 5.17 as on 5.23 (which also reads the flag below).
+                prepared = self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+                self.model = self.model_wrapped = prepared
                 self.is_distributed_loading_by_transformers = True
         self.odc.enable(self.model)
         bound_process_groups(args.odc_timeout)

@@ -332,6 +332,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         per_rank = self._log_minibatch(step.microbatch_lengths, step.num_tokens, step.predicted_bubble_rate, values)
         metrics = self._metrics["train"]
         metrics["predicted_bubble_rate_unbalanced"].append(step.unbalanced_bubble_rate)
+        for rank, tokens in enumerate(step.generated_tokens):
+            metrics[f"tokens_generated/rank_{rank}"].append(tokens)
         for name in [key.removesuffix("/sum") for key in values if key.endswith("/sum")]:
             total, count = sum(per_rank[f"{name}/sum"]), sum(per_rank[f"{name}/count"])
             metrics[name].append(total / max(count, 1.0))

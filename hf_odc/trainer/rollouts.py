@@ -119,6 +119,8 @@ class PlannedStep:
         predicted_bubble_rate: the plan's predicted idle fraction, under the run's synchronisation.
         unbalanced_bubble_rate: the same prediction if each rank kept the rollouts it generated (TRL's split),
             packed alike: what the rebalancing removed.
+        generated_tokens: per rank, the tokens of the minibatch's rollouts it generated (what TRL's split would train
+            it on), against which ``microbatch_lengths`` shows what the plan gave it.
     """
 
     microbatches: list[list[int]]
@@ -130,6 +132,7 @@ class PlannedStep:
     generation_loss_tokens: int
     predicted_bubble_rate: float
     unbalanced_bubble_rate: float
+    generated_tokens: list[int]
 
 
 def plan_generation_batch(
@@ -182,6 +185,7 @@ def plan_generation_batch(
                 generation_loss_tokens=generation_loss_tokens,
                 predicted_bubble_rate=planner.predicted_bubble(plan, local_lengths, cap),
                 unbalanced_bubble_rate=planner.predicted_bubble(unbalanced, local_lengths, cap),
+                generated_tokens=[sum(local_lengths[j] for j in share) for share in generated_by],
             )
         )
     return planned

@@ -26,11 +26,11 @@ _SHADES = {"layer": ("tab:blue", "tab:cyan"), "minibatch": ("tab:green", "yellow
 """The two shades a timeline's microbatches alternate between, per sync: consecutive microbatches stay apart."""
 
 
-def plot_simulation(simulation: Simulation, path: str | Path, world_size: int | None = None) -> Figure:
-    """Save (and return) a figure with (a) one minibatch as per-rank timelines for Collective+LB-Micro and
-    ODC+LB-Mini at ``world_size`` (default: the largest simulated one with at most 16 ranks, which stays legible)
-    and (b) the predicted speedup of every scheme against the world size (the cross-host rows dashed, where
-    simulated)."""
+def plot_simulation(simulation: Simulation, path: str | Path | None = None, world_size: int | None = None) -> Figure:
+    """Return (and save to ``path``, if given) a figure with (a) one minibatch as per-rank timelines for
+    Collective+LB-Micro and ODC+LB-Mini at ``world_size`` (default: the largest simulated one with at most 16 ranks,
+    which stays legible) and (b) the predicted speedup of every scheme against the world size (the cross-host rows
+    dashed, where simulated)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -57,7 +57,8 @@ def plot_simulation(simulation: Simulation, path: str | Path, world_size: int | 
     # A suptitle, unlike figure.text, gets room from the constrained layout instead of overprinting axes titles.
     figure.suptitle(f"(a) one minibatch, {world_size} ranks", x=0.01, ha="left", fontsize=12, weight="bold")
     _draw_speedups(figure.add_subplot(grid[:, 1]), simulation)
-    figure.savefig(path, dpi=110)
+    if path is not None:
+        figure.savefig(path, dpi=110)
     return figure
 
 
