@@ -166,6 +166,12 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
     return {"grads": grads0, "params": final, "times": times, "prefix": prefix}
 
 
+def distributed_in_turn(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    """:func:`distributed` for each case in turn, in one launch of the processes: each case shards a model of its own
+    (ODC closed before the next), and the processes start once, which is most of a small case's time."""
+    return [distributed(rank, world_size, case) for case in cases]
+
+
 def faulty(rank: int, world_size: int, case: Case) -> dict:
     """Rank ``case.extra["culprit"]`` (default 1) misbehaves inside the first minibatch (``case.extra["fault"]``);
     the others report what they saw.

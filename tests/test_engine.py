@@ -15,6 +15,7 @@ from _engine_workers import (
     Case,
     accumulation_and_divide_factor,
     distributed,
+    distributed_in_turn,
     faulty,
     forward_only,
     loss_sum,
@@ -46,6 +47,15 @@ def run(fn, case: Case, world_size: int = 2, **kwargs) -> list:
     if case.device == "cuda" and _gpus() < world_size:
         pytest.skip(f"needs {world_size} CUDA GPUs")
     return launch(fn, world_size, case, cuda=case.device == "cuda", **kwargs)
+
+
+def run_in_turn(cases: list[Case], world_size: int = 2, **kwargs) -> list[list]:
+    """:func:`distributed` for several cases of one device in one launch; ``results[case][rank]``."""
+    device = cases[0].device
+    if device == "cuda" and _gpus() < world_size:
+        pytest.skip(f"needs {world_size} CUDA GPUs")
+    by_rank = launch(distributed_in_turn, world_size, cases, cuda=device == "cuda", **kwargs)
+    return [[results[i] for results in by_rank] for i in range(len(cases))]
 
 
 def assert_all_close(actual: dict, expected: dict, **tol) -> None:
@@ -99,8 +109,7 @@ def test_bf16_mixed_precision_matches_fsdp2(device):
     accurate to a few percent of the largest gradient."""
     odc_case = Case(device=device, splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, mixed_precision=True)
     fsdp_case = Case(device=device, splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
-    odc = run(distributed, odc_case)[0]
-    fsdp = run(distributed, fsdp_case)[0]
+    odc, fsdp = (ranks[0] for ranks in run_in_turn([odc_case, fsdp_case]))
     assert_all_close(odc["grads"], fsdp["grads"], rtol=1e-4, atol=1e-5)
     assert_all_close(odc["params"], fsdp["params"], rtol=1e-4, atol=1e-5)
     ref = reference(odc_case)
@@ -205,10 +214,10 @@ def test_hybrid_odc_across_presented_hosts_matches_hsdp_and_one_process(hosts, s
     process on the whole minibatch, and FSDP2 HSDP (collectives, an even split) on the same data. 4x1: one-rank
     shard groups, where FSDP2 skips the reduce-scatter that ODC replaces."""
     case = Case(device=device, hosts=hosts, splits=splits, steps=3, lr=1e-3)
-    out = run(distributed, case, 4, timeout=180)
-    ref = reference(case)
     hsdp = Case(device=device, hosts=hosts, splits=[[0, 1], [2, 3], [4, 5], [6, 7]], steps=3, lr=1e-3, odc=False)
-    baseline = run(distributed, hsdp, 4, timeout=180) if against_hsdp else out
+    out, *others = run_in_turn([case, hsdp] if against_hsdp else [case], 4, timeout=180)
+    baseline = others[0] if against_hsdp else out
+    ref = reference(case)
     # AdamW divides by sqrt(v): an element whose gradient is ~0 turns fp32 summation-order noise into a visible step,
     # so after 3 steps at lr 1e-3 even plain FSDP2 on 4 ranks differs from one process by ~2e-6 (1e-6 absolute would
     # fail it). Parameters are compared to 1% of one step; gradients to fp32's 1e-5.
@@ -229,8 +238,8 @@ def test_hybrid_bf16_on_two_one_rank_hosts_matches_hsdp(device):
     so they agree to 1e-4, as ODC and FSDP2 do on one host."""
     odc_case = Case(device=device, hosts=2, splits=[[0, 1, 2], [3]], steps=2, lr=1e-3, mixed_precision=True)
     hsdp_case = Case(device=device, hosts=2, splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
-    odc = run(distributed, odc_case)
-    hsdp = run(distributed, hsdp_case)[0]
+    odc, hsdp_ranks = run_in_turn([odc_case, hsdp_case])
+    hsdp = hsdp_ranks[0]
     for r in range(2):
         assert_all_close(odc[r]["grads"], hsdp["grads"], rtol=1e-4, atol=1e-5)
         assert_all_close(odc[r]["params"], hsdp["params"], rtol=1e-4, atol=1e-5)
