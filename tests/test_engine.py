@@ -43,18 +43,20 @@ def device(request) -> str:
     return request.param
 
 
-def run(fn, case: Case, world_size: int = 2, **kwargs) -> list:
-    if case.device == "cuda" and _gpus() < world_size:
+def _launch_on(device: str, fn, world_size: int, arg, **kwargs) -> list:
+    """``fn(rank, world_size, arg)`` on ``world_size`` processes of ``device``; skipped without enough GPUs."""
+    if device == "cuda" and _gpus() < world_size:
         pytest.skip(f"needs {world_size} CUDA GPUs")
-    return launch(fn, world_size, case, cuda=case.device == "cuda", **kwargs)
+    return launch(fn, world_size, arg, cuda=device == "cuda", **kwargs)
+
+
+def run(fn, case: Case, world_size: int = 2, **kwargs) -> list:
+    return _launch_on(case.device, fn, world_size, case, **kwargs)
 
 
 def run_in_turn(cases: list[Case], world_size: int = 2, **kwargs) -> list[list]:
     """:func:`distributed` for several cases of one device in one launch; ``results[case][rank]``."""
-    device = cases[0].device
-    if device == "cuda" and _gpus() < world_size:
-        pytest.skip(f"needs {world_size} CUDA GPUs")
-    by_rank = launch(distributed_in_turn, world_size, cases, cuda=device == "cuda", **kwargs)
+    by_rank = _launch_on(cases[0].device, distributed_in_turn, world_size, cases, **kwargs)
     return [[results[i] for results in by_rank] for i in range(len(cases))]
 
 
