@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from . import _launch
+
 if TYPE_CHECKING:
     from .engine import ODC, CollectiveMinibatch, MinibatchStats, enable
     from .kernels import PeerFailureError
@@ -25,6 +27,8 @@ _LAZY = {
 
 __all__ = ["ODC", "CollectiveMinibatch", "MinibatchStats", "PeerFailureError", "enable"]
 __version__ = "0.1.0"
+
+_launch.on_import()  # under a launcher: end with it, start beating; always: exit without gloo's shutdown race
 
 
 def __getattr__(name: str):

@@ -4,7 +4,9 @@
 ``HF_ODC_TEST_STALL_FILE`` and sleeps (a hung driver, a paused VM, a deadlocked data worker, as its peers see it). Each
 point wraps the trainer's method from outside, so the stalled rank stops where that part of the step begins; one,
 ``killed-in-gather``, instead dies inside the metrics gather, after meeting its peers (a death the survivor sees as a
-connection reset). Launched like the example: ``accelerate launch ... tests/_stall_sft.py <sft.py arguments>``."""
+connection reset). The :data:`STOPS` freeze rank 1 with SIGSTOP (its heartbeat thread too): inside the metrics gather,
+or at startup, before the process group exists.
+Launched like the example: ``accelerate launch ... tests/_stall_sft.py <sft.py arguments>``."""
 
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ STALLED_RANK = 1
 STEP = 2  # the optimizer step (1-based) in which rank 1 stalls
 
 
-def _stall(kill: bool = False) -> None:
+def _stall(kill: bool = False, stop: bool = False) -> None:
     with open(os.environ["HF_ODC_TEST_STALL_FILE"], "w") as f:
         f.write(f"{os.getpid()} {time.time()}\n")
-    if kill:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if kill or stop:  # SIGSTOP freezes every thread, the heartbeat's too: a hung driver or a paused VM
+        os.kill(os.getpid(), signal.SIGKILL if kill else signal.SIGSTOP)
     time.sleep(3600)
 
 
@@ -65,12 +67,12 @@ def _stall_at_the_exit_barrier() -> None:
     ODC._barrier = stalled
 
 
-def _die_inside_the_metrics_gather() -> None:
+def _end_inside_the_metrics_gather(kill: bool) -> None:
     original = ODCSFTTrainer._log_minibatch
     gather = Accelerator.gather
 
     def dying(self, tensor):
-        _stall(kill=True)
+        _stall(kill=kill, stop=not kill)
 
     def logged(self, *args, **kwargs):
         if _in_step(self):
@@ -90,11 +92,15 @@ POINTS = {
     "clip-grad": lambda: _stall_in_trainer("_clip_grad_norm"),
     "logging": lambda: _stall_in_trainer("_maybe_log_save_evaluate"),
     "checkpoint-save": lambda: _stall_in_trainer("_save_checkpoint"),
-    "killed-in-gather": _die_inside_the_metrics_gather,
+    "killed-in-gather": lambda: _end_inside_the_metrics_gather(kill=True),
+}
+STOPS = {
+    "stopped-in-gather": lambda: _end_inside_the_metrics_gather(kill=False),
+    "stopped-at-startup": lambda: _stall(stop=True),  # before the process group exists
 }
 
 
 if __name__ == "__main__":
     if int(os.environ["RANK"]) == STALLED_RANK:
-        POINTS[os.environ["HF_ODC_TEST_STALL"]]()
+        {**POINTS, **STOPS}[os.environ["HF_ODC_TEST_STALL"]]()
     sft.main(*sft.make_parser().parse_args_and_config())

@@ -27,23 +27,8 @@ def launch(
     script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout)."""
-    if processes == 1:
-        command = [sys.executable, str(EXAMPLES / script), *args]
-    else:
-        config = str(EXAMPLES / "odc_cpu.yaml")
-        command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes)]
-        command += [str(EXAMPLES / script), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **(env or {})}
-    # A session of its own, so that a timeout kills the launcher and every rank it started, not only the launcher.
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    command = _command(script, args, processes)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **_popen_options(env))
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -51,6 +36,27 @@ def launch(
         output, _ = process.communicate()
         raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{output[-8000:]}") from None
     return process.returncode, output
+
+
+def start(script: str, *args: str, log: Path, processes: int = 2, env: dict | None = None) -> subprocess.Popen:
+    """Start what :func:`launch` runs, its output going to ``log``, and return at once (the caller ends it: with
+    ``os.killpg(process.pid, signal.SIGKILL)``, every rank with the launcher)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(_command(script, args, processes), stdout=out, **_popen_options(env))
+
+
+def _command(script: str, args: tuple[str, ...], processes: int) -> list[str]:
+    if processes == 1:
+        return [sys.executable, str(EXAMPLES / script), *args]
+    config = str(EXAMPLES / "odc_cpu.yaml")
+    command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes)]
+    return [*command, str(EXAMPLES / script), *args]
+
+
+def _popen_options(env: dict | None) -> dict:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **(env or {})}
+    # A session of its own, so that a timeout kills the launcher and every rank it started, not only the launcher.
+    return dict(cwd=ROOT, env=full_env, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def logged_steps(output_dir: str | Path) -> dict[int, dict]:

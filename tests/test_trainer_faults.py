@@ -9,12 +9,11 @@ import glob
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
-from _stall_sft import POINTS
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, launch
+from _stall_sft import POINTS, STOPS
+from _trainer_launch import ROOT, launch, start
 
 TIMEOUT = 3
 COMMON = (
@@ -59,28 +58,63 @@ def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tm
     assert _segments() <= before
 
 
-def test_killing_the_launcher_ends_its_workers(tmp_path):
-    """SIGKILL of `accelerate launch` alone (its workers untouched): the workers end too (the kernel's parent-death
-    signal), instead of training on, unsupervised, to the end."""
+# What the survivor says when rank 1 is frozen by SIGSTOP: its heartbeat stopped too ({pid}: rank 1's pid).
+STOPPED_SAYS = {
+    "stopped-in-gather": r"PeerFailureError: hf_odc: rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its "
+    r"process is stopped: SIGSTOP, a debugger or a paused container\); it was last seen .*\(the step's metrics gather "
+    r"failed: ",
+    "stopped-at-startup": r"hf_odc: ending rank 0: a rank went silent for longer than the ODC timeout \(3 s\):\n"
+    r"\s+rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its process is stopped",
+}
+
+
+@pytest.mark.parametrize("point", list(STOPS))
+def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, tmp_path):
+    """Rank 1 is frozen by SIGSTOP (every thread, its heartbeat's too): inside the metrics gather, after meeting its
+    peers, where gloo's timeout names nobody; or at startup, before the process group exists, where nothing of hf_odc
+    waits and gloo would wait 30 minutes. Rank 0 names rank 1, its pid and that its process is stopped."""
+    stall_file, log = tmp_path / "stalled", tmp_path / "log"
+    env = {"HF_ODC_TEST_STALL": point, "HF_ODC_TEST_STALL_FILE": str(stall_file)}
+    args = (*COMMON, "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path))
+    process = start(str(ROOT / "tests" / "_stall_sft.py"), *args, log=log, env=env)
+    pid, said = None, None
+    try:
+        deadline = time.monotonic() + 240
+        while said is None and process.poll() is None and time.monotonic() < deadline:
+            if pid is None and stall_file.exists() and stall_file.read_text().strip():
+                pid = int(stall_file.read_text().split()[0])
+            if pid is not None:
+                said = re.search(STOPPED_SAYS[point].format(pid=pid), log.read_text())
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # rank 1 too: the launcher would give a stopped rank 30 s
+        process.wait()
+    assert said is not None, log.read_text()[-4000:]
+
+
+@pytest.mark.parametrize("when", ["startup", "training"])
+def test_killing_the_launcher_ends_its_workers(when, tmp_path):
+    """SIGKILL of `accelerate launch` alone (its workers untouched), as soon as both workers exist (they are still
+    importing their libraries) or once they train: the workers end too (the kernel's parent-death signal, asked for
+    when hf_odc is imported; a worker whose launcher died before that ends itself there), instead of waiting in a
+    rendezvous with a launcher that is gone, or training on, unsupervised, to the end."""
     log = tmp_path / "log"
-    command = [str(ACCELERATE), "launch", "--config_file", str(EXAMPLES / "odc_cpu.yaml"), "--num_processes", "2",
-               str(EXAMPLES / "sft.py"), *COMMON, "--max_steps", "400", "--save_strategy", "no",
-               "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    with open(log, "w") as out:
-        launcher = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    args = (*COMMON, "--max_steps", "400", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"))
+    launcher = start("sft.py", *args, log=log)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while "'loss'" not in log.read_text():  # training runs on both ranks
+        # torchrun starts each worker in a session of its own: they are the launcher's children
+        while len(workers := _children(launcher.pid)) < 2 or (when == "training" and "'loss'" not in log.read_text()):
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        workers = _children(launcher.pid)  # torchrun starts each in a session of its own
-        assert len(workers) == 2, workers
+            time.sleep(0.05)
         launcher.kill()
         launcher.wait()
-        deadline = time.monotonic() + 10
+        limit = 10 if when == "training" else 60  # at startup a worker first finishes importing (a loaded machine)
+        deadline = time.monotonic() + limit
         while alive := [pid for pid in workers if _running(pid)]:
-            assert time.monotonic() < deadline, f"workers {alive} outlived their launcher by 10 s"
+            assert time.monotonic() < deadline, f"workers {alive} outlived their launcher by {limit} s"
             time.sleep(0.1)
     finally:
         for pid in [launcher.pid, *workers]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._env import env, parse_bool, parse_shard_size, timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
+from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS, heartbeat
 
 __all__ = ["ODCPlugin"]
 
@@ -65,6 +65,7 @@ class ODCPlugin:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"
         self.enabled = parse_bool(enabled, "ODCPlugin.enabled / HF_ODC_ENABLED")
         self.timeout = timeout_seconds(self.timeout, DEFAULT_TIMEOUT_S)
+        heartbeat.set_timeout(self.timeout)  # from now on, a rank silent that long is named, startup included
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = env("RESHARD_AFTER_FORWARD")

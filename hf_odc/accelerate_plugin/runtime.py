@@ -21,10 +21,6 @@ both alike; the ranks must then run equal microbatch counts, e.g. with ``hf_odc.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
-import signal
-import sys
 from typing import Any
 
 import torch
@@ -71,7 +67,6 @@ class ODCRuntime:
         meeting points."""
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
             self._odc = enable(model, timeout=self.plugin.timeout, transport=self.plugin.transport)
-            _end_with_launcher()
         if self._runner is None:
             self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
         return self._odc
@@ -142,22 +137,6 @@ class ODCRuntime:
             self._odc.close()
             self._odc = None
         self._runner = None
-
-
-def _end_with_launcher() -> None:
-    """End this process when the process that launched it dies (Linux ``PR_SET_PDEATHSIG``).
-
-    torchrun (and so ``accelerate launch``) ends its workers when one fails, but a launcher killed with SIGKILL ends
-    nobody: its workers would train on, unsupervised, to the end. So a worker asks the kernel for SIGTERM when its
-    parent dies, and checks that the parent is not gone already (re-parented since its start)."""
-    if not sys.platform.startswith("linux") or os.environ.get("TORCHELASTIC_RUN_ID") is None:
-        return  # not started by torchrun: the parent may be a shell or a notebook that outlives nothing
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
-        return  # refused by the kernel: the launcher's own teardown still ends the workers
-    if os.getppid() == 1:  # the launcher died before the request
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _as_tuple(prepared: Any) -> tuple:

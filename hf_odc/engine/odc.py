@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .._env import timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, make_transport
+from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, heartbeat, make_transport
 from ._fsdp_internals import (
     GroupSpec,
     check_fsdp_layout,
@@ -356,6 +356,8 @@ def enable(
         )
     replicate_group = specs[0].replicate_group
     timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
+    heartbeat.set_timeout(timeout)
+    heartbeat.start_in_default_group()  # unless beating since import, under a launcher
     if transport is None or isinstance(transport, str):
         device = specs[0].params[0].param.device
         transport = make_transport(device, specs[0].process_group, timeout=timeout, kind=transport)

@@ -26,14 +26,15 @@ SHM_PREFIX = "hf_odc_"
 _pending_unlink: set[str] = set()
 
 
-def _unlink_pending() -> None:
+def unlink_pending() -> None:
+    """Remove the names of segments still being set up (at exit, or before a process ends itself)."""
     for path in list(_pending_unlink):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         _pending_unlink.discard(path)
 
 
-atexit.register(_unlink_pending)
+atexit.register(unlink_pending)
 
 
 class ShmJob:

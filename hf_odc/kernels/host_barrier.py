@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from . import heartbeat
 from ._dev_shm import ShmJob
 from .transport import PeerFailureError
 
@@ -26,14 +27,7 @@ _REASON_BYTES = (_BLOCK_SLOTS - _REASON_OFFSET) * 8
 
 def _process_alive(pid: int) -> bool:
     """True while ``pid`` runs; a killed child that its parent has not reaped yet (a zombie) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        return True  # unreadable but present: not ours to judge
-    return state not in ("Z", "X", "x")
+    return heartbeat.process_state(pid) not in (None, "Z", "X", "x")
 
 
 class HostBarrier:
@@ -124,6 +118,7 @@ class HostBarrier:
         A rank that gives up (a dead, aborted or late peer) marks itself aborted, so that peers arriving later fail
         too instead of going on with a minibatch that did not complete everywhere.
         """
+        heartbeat.note(what)
         try:
             self._wait(what)
         except PeerFailureError as e:

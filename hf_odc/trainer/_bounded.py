@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .._torch_support import require
 from ..engine import ODC
-from ..kernels import PeerFailureError
+from ..kernels import PeerFailureError, heartbeat
 
 __all__ = ["bound_process_groups", "is_backend_failure", "named_failure"]
 
@@ -52,12 +52,17 @@ def is_backend_failure(error: BaseException) -> bool:
 
 def named_failure(odc: ODC, what: str, error: BaseException) -> PeerFailureError:
     """The :class:`PeerFailureError` for a collective of ``what`` that failed with ``error``: naming the rank the host
-    (or, across hosts, the job's store) knows dead or aborted, else saying that no rank is known to be."""
+    (or, across hosts, the job's store) knows dead or aborted, else the ranks that went silent (their heartbeats,
+    :mod:`hf_odc.kernels.heartbeat`), else saying where every rank is."""
     try:
         odc.check()
     except PeerFailureError as known:
         return PeerFailureError(f"{known} ({what} failed: {error})")
+    silent = heartbeat.describe_silent()
+    if silent is not None:
+        return PeerFailureError(f"{silent} ({what} failed: {error})")
+    peers = heartbeat.describe_peers()
     return PeerFailureError(
-        f"hf_odc: a collective of {what} failed and no rank is known to have died or given up (a rank stalled inside "
-        f"the collective past the ODC timeout, or another host went away): {error}"
+        f"hf_odc: a collective of {what} failed and no rank is known to have died, given up or gone silent (a rank "
+        f"was slower than the ODC timeout, or another host went away){f'; {peers}' if peers else ''}: {error}"
     )

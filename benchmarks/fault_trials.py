@@ -1,0 +1,248 @@
+"""Fault trials on 2 CPU processes, run the way a user runs the examples (``accelerate launch``): what the issue #27
+checks are measured with. Each trial prints one line; a table closes each mode.
+
+    python benchmarks/fault_trials.py stall --trials 8 --timeout 5      # SIGSTOP of rank 1 at a random moment
+    python benchmarks/fault_trials.py startup --trials 4 --timeout 5    # SIGSTOP of rank 1 5 s after the launch
+    python benchmarks/fault_trials.py launcher --at 1 3 5 10            # SIGKILL of the launcher alone
+    python benchmarks/fault_trials.py exits --repeats 20                # clean exits, each example, ODC and FSDP2
+
+``stall``: ``examples/sft.py`` with ``--odc_timeout T``; after step 20, at a random moment (uniform over the next
+second and a half), rank 1 is stopped; the trial records how long rank 0 lives on and whether its last error names
+rank 1. ``startup``: the same with the stop 5 s after the launch (imports, process-group creation, dataset preparation).
+``launcher``: the launcher is SIGKILLed at each time given; 10 s later, the trial counts the run's processes still
+alive. ``exits``: the exit status of repeated runs, and how many printed gloo's "terminate called".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+SFT_FAST = ["--num_samples", "64", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no"]
+NAMED = re.compile(r"(hf_odc: |^\s+)(rank 1 \(pid|ranks \[1\] did not)", re.MULTILINE)
+
+
+def _launch(script: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    command = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "examples" / "odc_cpu.yaml"), script, *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _ranks(launcher: int) -> dict[int, int]:
+    """The launcher's workers by rank."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = _stat(int(entry))
+        if fields is None or int(fields[1]) != launcher:
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
+            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            if b"RANK" in environ:
+                found[int(environ[b"RANK"])] = int(entry)
+    return found
+
+
+def _marked(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+            if marker.encode() in f.read() and _alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+def _end(process: subprocess.Popen, pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _wait_until(condition, limit: float, step: float = 0.05) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(step)
+    return False
+
+
+def _stop_rank_1(log: Path, process: subprocess.Popen, when, limit: float) -> dict:
+    """Start, wait for ``when()`` to hold, SIGSTOP rank 1, and time how long rank 0 lives on (at most ``limit`` s)."""
+    ranks: dict[int, int] = {}
+    try:
+        if not _wait_until(lambda: len(ranks.update(_ranks(process.pid)) or ranks) == 2 and when(), 300):
+            return {"error": "did not get there", "log": log.read_text()[-2000:]}
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        said: list[float] = []
+
+        def rank_0_ended() -> bool:
+            if not said and NAMED.search(log.read_text()):
+                said.append(time.monotonic() - stopped)
+            return not _alive(ranks[0])
+
+        ended = _wait_until(rank_0_ended, limit)
+        seconds = time.monotonic() - stopped
+        time.sleep(1.0)  # the launcher prints the failure
+        text = log.read_text()
+        lines = [line for line in text.splitlines() if NAMED.search(line)]
+        said_s = said[0] if said else None
+        return {"rank0_s": seconds if ended else None, "said_s": said_s, "named": bool(lines), "says": lines[-1:]}
+    finally:
+        _end(process, list(ranks.values()))
+
+
+def stall(args: argparse.Namespace) -> None:
+    results = []
+    for trial in range(args.trials):
+        with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+            log = Path(tmp) / "log"
+            sft_args = [*SFT_FAST, "--max_steps", "100000", "--odc_timeout", str(args.timeout), "--output_dir", tmp]
+            process = _launch("examples/sft.py", sft_args, log)
+            delay = random.uniform(0, 1.5)
+            state = {"at": None}
+
+            def after_step_20(state=state, log=log, delay=delay):
+                if state["at"] is None and log.read_text().count("'loss'") >= 20:
+                    state["at"] = time.monotonic() + delay
+                return state["at"] is not None and time.monotonic() >= state["at"]
+
+            result = _stop_rank_1(log, process, after_step_20, args.timeout + 60)
+        results.append(result)
+        print(f"stall trial {trial + 1}: {result}", flush=True)
+    _table("stall", results, args.timeout, 5)
+
+
+def startup(args: argparse.Namespace) -> None:
+    results = []
+    for trial in range(args.trials):
+        with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+            log = Path(tmp) / "log"
+            sft_args = [*SFT_FAST, "--max_steps", "5", "--odc_timeout", str(args.timeout), "--output_dir", tmp]
+            at = time.monotonic() + args.after
+            process = _launch("examples/sft.py", sft_args, log)
+            result = _stop_rank_1(log, process, lambda at=at: time.monotonic() >= at, args.timeout + 120)
+        results.append(result)
+        print(f"startup trial {trial + 1}: {result}", flush=True)
+    _table("startup", results, args.timeout, 10)
+
+
+def _table(mode: str, results: list[dict], timeout: float, slack: float) -> None:
+    times = [r["rank0_s"] for r in results if r.get("rank0_s") is not None]
+    named = sum(bool(r.get("named")) for r in results)
+    within = sum(t <= timeout + slack for t in times)
+    span = f"{min(times):.1f}-{max(times):.1f} s" if times else "-"
+    print(f"\n| mode | trials | rank 1 named | rank 0 ended within timeout + {slack:g} s | rank 0 ended after |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    print(f"| {mode} (timeout {timeout:g} s) | {len(results)} | {named} | {within} | {span} |")
+
+
+def launcher(args: argparse.Namespace) -> None:
+    rows = []
+    for at in args.at:
+        with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+            marker = os.path.join(tmp, f"launcher-kill-{at}")
+            process = _launch(
+                "examples/sft.py", [*SFT_FAST, "--max_steps", "400", "--output_dir", marker], Path(tmp) / "l"
+            )
+            time.sleep(at)
+            workers_at_kill = len(_marked(marker)) - 1  # the launcher's own command line holds it too
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            time.sleep(10)
+            left = _marked(marker)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        rows.append((at, workers_at_kill, len(left)))
+        print(f"launcher killed at {at:g} s: {workers_at_kill} workers then, {len(left)} alive 10 s later", flush=True)
+    print("\n| launcher SIGKILLed at | workers at the kill | processes alive 10 s later |")
+    print("| ---: | ---: | ---: |")
+    for at, then, left in rows:
+        print(f"| {at:g} s | {then} | {left} |")
+
+
+def exits(args: argparse.Namespace) -> None:
+    runs = {
+        "accelerate_odc.py, ODC": ("examples/accelerate_odc.py", [], {}),
+        "accelerate_odc.py, FSDP2": ("examples/accelerate_odc.py", [], {"HF_ODC_ENABLED": "0"}),
+        "sft.py, ODC": ("examples/sft.py", [*SFT_FAST, "--max_steps", "3"], {}),
+        "sft.py, FSDP2": ("examples/sft.py", [*SFT_FAST, "--max_steps", "3", "--odc", "false"], {}),
+        "grpo.py, ODC": ("examples/grpo.py", ["--max_steps", "2", "--num_prompts", "32", "--disable_tqdm", "true"], {}),
+        "grpo.py, FSDP2": (
+            "examples/grpo.py",
+            ["--max_steps", "2", "--num_prompts", "32", "--disable_tqdm", "true", "--odc", "false"],
+            {},
+        ),
+    }
+    rows = []
+    for name, (script, script_args, env) in runs.items():
+        if args.only and not any(word in name for word in args.only):
+            continue
+        codes, aborts = [], 0
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+                log = Path(tmp) / "log"
+                extra = ["--output_dir", tmp] if "sft" in script or "grpo" in script else []
+                process = _launch(script, [*script_args, *extra], log, env)
+                codes.append(process.wait(timeout=900))
+                aborts += "terminate called" in log.read_text()
+        rows.append((name, codes, aborts))
+        print(f"{name}: exit codes {codes}", flush=True)
+    print("\n| run | repeats | exit 0 | printed 'terminate called' |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, codes, aborts in rows:
+        print(f"| {name} | {len(codes)} | {codes.count(0)} | {aborts} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    for name, default_trials in (("stall", 8), ("startup", 4)):
+        sub = modes.add_parser(name)
+        sub.add_argument("--trials", type=int, default=default_trials)
+        sub.add_argument("--timeout", type=float, default=5.0)
+        sub.add_argument("--after", type=float, default=5.0, help="startup: seconds after the launch")
+    sub = modes.add_parser("launcher")
+    sub.add_argument("--at", type=float, nargs="+", default=[1, 3, 5, 10])
+    sub = modes.add_parser("exits")
+    sub.add_argument("--repeats", type=int, default=20)
+    sub.add_argument("--only", nargs="*", help="run only the runs whose name holds one of these words")
+    args = parser.parse_args()
+    {"stall": stall, "startup": startup, "launcher": launcher, "exits": exits}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
