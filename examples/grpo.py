@@ -35,6 +35,7 @@ equal split.
 
 from __future__ import annotations
 
+import argparse
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from sft import (
     save_initial_model,
     train_and_save,
 )
-from trl import ModelConfig, ScriptArguments
+from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
@@ -169,8 +170,9 @@ def build_trainer(
 ) -> ODCGRPOTrainer:
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args, model_args, tokenizer, seed=training_args.seed)
-    if training_args.beta != 0.0 and not model_args.model_name_or_path:
-        # TRL loads the reference model from the policy's name.
+    peft_config = get_peft_config(model_args)
+    if (training_args.beta != 0.0 or peft_config is not None) and not model_args.model_name_or_path:
+        # TRL loads the reference model from the policy's name; a LoRA adapter records its base model's name.
         save_initial_model(model, os.path.join(training_args.output_dir, "initial-policy"), training_args)
     dataset = prompt_dataset(
         script_args.num_prompts,
@@ -188,6 +190,7 @@ def build_trainer(
         train_dataset=dataset,
         processing_class=tokenizer,
         rollout_func=rollout_func,
+        peft_config=peft_config,
     )
 
 
@@ -195,8 +198,21 @@ def main(script_args: GRPOScriptArguments, training_args: ODCGRPOConfig, model_a
     train_and_save(build_trainer(script_args, training_args, model_args))
 
 
+class GRPOParser(ExampleParser):
+    """:class:`ExampleParser` for this script: PEFT trains with ``--beta 0`` only (ODCGRPOTrainer has no reference
+    model for an adapter yet), refused here in one line rather than by the trainer on every process."""
+
+    def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
+        super().complete(namespace, given)
+        if namespace.use_peft and namespace.beta != 0.0:
+            self.error(
+                f"--use_peft trains with --beta 0 only (got --beta {namespace.beta:g}): ODCGRPOTrainer has no KL "
+                "reference for a LoRA adapter yet. Drop --beta, or train the full model without --use_peft"
+            )
+
+
 def make_parser() -> ExampleParser:
-    parser = ExampleParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig))
+    parser = GRPOParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig))
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(
         output_dir="odc-grpo-output",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from hf_odc.packing import DISTRIBUTIONS, sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION, ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer.data import require_sft_columns
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ROLES = ["system", "user", "assistant"]
@@ -252,15 +254,34 @@ def save_initial_model(model: PreTrainedModel, path: str, training_args: Trainin
 
 
 def load_train_dataset(script_args: ODCScriptArguments, training_args: ODCSFTConfig, vocab_size: int) -> Dataset:
+    """``--dataset_name`` (a directory saved with ``save_to_disk``, a data file, or a dataset ``load_dataset`` finds),
+    its ``--dataset_train_split``; else the built-in ``--dataset``. A dataset SFT cannot train on ends the run with one
+    line naming it, the columns expected and the columns found."""
     if script_args.dataset_name:
         name = script_args.dataset_name
         if os.path.isdir(name) and any(
             os.path.exists(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")
         ):
             dataset = load_from_disk(name)
+        elif os.path.isfile(name):
+            builder = DATA_FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
+            if builder is None:
+                fail(f"--dataset_name {name}: a data file must end in one of {', '.join(DATA_FILE_BUILDERS)}")
+            if os.path.getsize(name) == 0:
+                fail(f"--dataset_name {name}: the file is empty")
+            dataset = load_dataset(builder, data_files=name, split="train")
         else:
             dataset = load_dataset(name, name=script_args.dataset_config)
-        return dataset[script_args.dataset_train_split] if hasattr(dataset, "keys") else dataset
+        if hasattr(dataset, "keys"):
+            if script_args.dataset_train_split not in dataset:
+                fail(f"--dataset_name {name} has no split {script_args.dataset_train_split!r} (--dataset_train_split); "
+                     f"its splits: {list(dataset)}")  # fmt: skip
+            dataset = dataset[script_args.dataset_train_split]
+        try:
+            require_sft_columns(dataset, training_args.dataset_text_field)
+        except ValueError as error:
+            fail(f"--dataset_name {name}: {error}")
+        return dataset
     max_length = training_args.max_length or 1024
     if script_args.dataset == "synthetic-longtail":
         return synthetic_dataset(
@@ -320,6 +341,25 @@ ERROR_GRACE_S = 10.0
 """How long a process other than the first waits before exiting on a bad flag (the launcher ends it sooner, once the
 first one has printed the error and exited)."""
 
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+"""What ``load_dataset`` reads a data file given as ``--dataset_name`` with, by its extension."""
+
+
+def _leave_the_error_to_the_first_process() -> None:
+    """In a process other than the first, wait and exit (status 2): under ``accelerate launch`` every process meets
+    the same error, and one message is enough."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(ERROR_GRACE_S)  # the first process prints; the launcher ends this one when that one exits
+        raise SystemExit(2)
+
+
+def fail(message: str) -> NoReturn:
+    """End the run with one error line, ``<script>: error: <message>``, from the first process only (as a bad flag
+    does)."""
+    _leave_the_error_to_the_first_process()
+    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {message}\n")
+    raise SystemExit(2)
+
 
 class ExampleParser(TrlParser):
     """TRL's parser for the examples: the defaults they share, and what their command lines need.
@@ -330,10 +370,9 @@ class ExampleParser(TrlParser):
     * A bad flag (unknown, unparsable, or refused by a config's checks) ends the run with argparse's short usage line
       and one error line, exit status 2, from the first process only: under ``accelerate launch`` every process
       parses the same flags, and each would print its traceback (the usage alone lists every TRL flag).
-    * Gradient checkpointing is off by default: TRL turns it on, which only costs time on models this small. It is
-      left unset rather than ``False``: recent transformers (5.23) renamed it ``activation_checkpointing`` and warns
-      (a ``FutureWarning`` in every process) when the old name is set, as TRL's default sets it; this way only a user
-      who sets the old name is warned, and ``--gradient_checkpointing true`` still works where it was not renamed.
+    * Gradient checkpointing is off by default: TRL turns it on, which only costs time on models this small.
+      ``--gradient_checkpointing true`` turns it on (recent transformers renamed it ``--activation_checkpointing``;
+      the ODC configs take either name without a warning).
     * LoRA's dropout defaults to 0 (TRL: 0.05): each process draws its own dropout masks, so with dropout one
       process and several would not train alike.
     """
@@ -376,9 +415,7 @@ class ExampleParser(TrlParser):
             namespace.save_strategy = "steps"
 
     def error(self, message: str) -> NoReturn:
-        if int(os.environ.get("RANK", "0")) != 0:
-            time.sleep(ERROR_GRACE_S)  # the first process prints; the launcher ends this one when that one exits
-            self.exit(2)
+        _leave_the_error_to_the_first_process()
         super().error(message)
 
 

@@ -24,10 +24,10 @@ from hf_odc.trainer import _checkpoint
 def _killed_when_marking(step: int):
     mark_complete = _checkpoint.mark_complete
 
-    def mark_or_die(checkpoint_dir: str, global_step: int) -> None:
+    def mark_or_die(checkpoint_dir: str, global_step: int, *args) -> None:
         if global_step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        mark_complete(checkpoint_dir, global_step)
+        mark_complete(checkpoint_dir, global_step, *args)
 
     return mark_or_die
 

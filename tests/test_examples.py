@@ -19,6 +19,7 @@ from _trainer_launch import EXAMPLES, logged_steps, run
 
 sys.path.insert(0, str(EXAMPLES))
 
+import grpo
 import sft
 
 FAST = ("--max_steps", "2", "--num_samples", "32", "--global_batch_size", "4")
@@ -186,3 +187,48 @@ def test_a_bad_flag_fails_with_one_error_line_from_the_first_process_only(monkey
     with pytest.raises(SystemExit) as failure:
         sft.make_parser().parse_args_and_config(list(flags))
     assert failure.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_grpo_refuses_a_lora_policy_with_a_kl_term_in_one_line(monkeypatch, capsys):
+    """``--use_peft`` trains an adapter (``test_grpo_parity``); with ``--beta`` > 0 it is refused before anything
+    runs: the trainer has no reference for an adapter yet."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as failure:
+        grpo.make_parser().parse_args_and_config(["--use_peft", "--beta", "0.04"])
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert failure.value.code == 2 and "--use_peft trains with --beta 0 only (got --beta 0.04)" in error
+
+
+DATA_ROW = {"messages": CHAT}
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "says"),
+    [
+        ("chats.jsonl", [DATA_ROW] * 8, None),
+        ("chats.json", [{"conversation": CHAT}] * 8,
+         "needs 'messages' or 'text' or 'prompt' and 'completion' or 'input_ids'; its columns are ['conversation']"),
+        ("empty.jsonl", [], "the file is empty"),
+        ("chats.xml", [DATA_ROW], "a data file must end in one of .json, .jsonl"),
+    ],
+)  # fmt: skip
+def test_a_data_file_loads_and_data_sft_cannot_train_on_is_said_in_one_line(tmp_path, monkeypatch, capsys, name,
+                                                                              rows, says):  # fmt: skip
+    """``--dataset_name`` naming a file loads it; a dataset without a column SFT trains on, or an empty file, ends the
+    run with one line naming the file, the columns expected and found (not TRL's ``KeyError`` on one rank)."""
+    monkeypatch.delenv("RANK", raising=False)
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    script_args, training_args, _ = sft.make_parser().parse_args_and_config(
+        ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out")]
+    )
+    if says is None:
+        dataset = sft.load_train_dataset(script_args, training_args, vocab_size=600)
+        assert len(dataset) == 8 and dataset[0]["messages"] == CHAT
+        return
+    with pytest.raises(SystemExit) as failure:
+        sft.load_train_dataset(script_args, training_args, vocab_size=600)
+    lines = capsys.readouterr().err.splitlines()  # datasets' progress bars too, when it read the file
+    (error,) = [line for line in lines if "error" in line]
+    assert failure.value.code == 2 and error == lines[-1]
+    assert error.startswith(f"{sft.make_parser().prog}: error: --dataset_name {path}: ") and says in error

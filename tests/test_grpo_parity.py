@@ -70,9 +70,12 @@ def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
 def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
     """Every completion drawn on rank 0 is long, rank 1's short: TRL's split would leave rank 1 idle most of the
     step; the plan evens the ranks' tokens out (its predicted bubble before and after is printed)."""
-    run("grpo.py", "--rollouts", "skewed", "--max_steps", "3", "--max_completion_length", "96",
-        "--max_tokens_per_microbatch", "192", "--cost_model", "tokens", "--beta", "0.05", "--steps_per_generation",
-        "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2, env=QUIET)  # fmt: skip
+    output = run("grpo.py", "--rollouts", "skewed", "--max_steps", "3", "--max_completion_length", "96",
+                 "--max_tokens_per_microbatch", "192", "--cost_model", "tokens", "--beta", "0.05",
+                 "--steps_per_generation", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
+                 env=QUIET)  # fmt: skip
+    # the reference model (beta > 0) loads with the model_init_kwargs hf_odc sets: TRL's "ignored" would be false
+    assert "model_init_kwargs" not in output, output[-3000:]
     logs = logged_steps(tmp_path)
     assert sorted(logs) == [1, 2, 3]
     for step, entry in logs.items():
@@ -83,10 +86,15 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
         assert max(tokens) <= 1.1 * min(tokens)
 
 
-def test_the_default_example_generates_and_trains_on_two_processes(tmp_path):
-    """No argument but the output: transformers generation (lockstep across the sharded ranks), then ODC updates."""
-    run("grpo.py", "--max_steps", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_the_default_example_generates_and_trains_on_two_processes(tmp_path, peft):
+    """No argument but the output (and ``--use_peft``): transformers generation (lockstep across the sharded ranks;
+    a LoRA policy's generate enters below the FSDP root), then ODC updates; a LoRA run saves its adapter."""
+    flags = ["--use_peft", "--max_steps", "1"] if peft else ["--max_steps", "2"]
+    run("grpo.py", *flags, "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
         env=QUIET)  # fmt: skip
     logs = logged_steps(tmp_path)
-    assert sorted(logs) == [1, 2]
+    assert sorted(logs) == ([1] if peft else [1, 2])
     assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert (tmp_path / "adapter_config.json").is_file() == peft
+    assert (tmp_path / "model.safetensors").is_file() != peft

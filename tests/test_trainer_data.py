@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import random
 
+import datasets
 import pytest
 import torch
 
 from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import GlobalMinibatchSampler, PlannedMinibatchCollator, count_target_tokens
+from hf_odc.trainer.data import require_sft_columns
 
 
 def _examples(n: int, seed: int = 0) -> list[dict]:
@@ -109,3 +111,23 @@ def test_packed_microbatch_has_position_ids_and_no_attention_mask():
     mb = _collator(0, 1)(_examples(4))["microbatches"][0]
     assert mb["input_ids"].dtype == torch.long and mb["position_ids"].dtype == torch.long
     assert "attention_mask" not in mb  # a mask would make the model ignore the packed boundaries
+
+
+@pytest.mark.parametrize(
+    ("columns", "says"),
+    [
+        ({"messages": []}, r"The training dataset is empty \(its columns: \['messages'\]\)"),
+        ({"conversation": [[]]}, r"it needs 'messages' or 'body' or .*; its columns are \['conversation'\]"),
+        ({"body": ["w1"]}, None),  # the text field, as configured
+        ({"prompt": ["w1"], "completion": ["w2"]}, None),
+    ],
+)
+def test_a_dataset_sft_cannot_train_on_is_refused_naming_its_columns(columns, says):
+    """Said before TRL reads a row, which would fail on one rank only (an ``IndexError`` on an empty dataset, a
+    ``KeyError`` for a missing column) while the others wait in a collective."""
+    dataset = datasets.Dataset.from_dict(columns)
+    if says is None:
+        require_sft_columns(dataset, text_field="body")
+        return
+    with pytest.raises(ValueError, match=says):
+        require_sft_columns(dataset, text_field="body")

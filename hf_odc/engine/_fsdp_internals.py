@@ -49,6 +49,7 @@ __all__ = [
     "describe_groups",
     "gradient_divisor",
     "install_comms",
+    "lazy_init_root",
     "set_replica_all_reduce",
     "take_unreduced_gradient",
 ]
@@ -276,6 +277,15 @@ def describe_groups(model: nn.Module) -> list[GroupSpec]:
                 )
             )
     return specs
+
+
+def lazy_init_root(model: FSDPModule) -> None:
+    """FSDP2's lazy initialisation from ``model``, the root, which its first forward runs: for a call that enters the
+    model below the root (a PEFT model's ``generate`` calls the wrapped model's), where the first sharded layer would
+    otherwise take itself for the root."""
+    state = model._get_fsdp_state()
+    require(state, ("_lazy_init",), "FSDP2's root state")
+    state._lazy_init()
 
 
 def install_comms(spec: GroupSpec, all_gather, reduce_scatter=None) -> None:

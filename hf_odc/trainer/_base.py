@@ -27,6 +27,7 @@ from ..packing.calibration import FEATURES
 from . import _checkpoint
 from ._bounded import bound_process_groups, is_backend_failure, named_failure
 from ._console import CONSOLE_CALLBACKS
+from ._quiet import without_resumed_batch_size_warning
 from .attention import use_packed_attention
 
 CALIBRATION_FILE = "odc_calibration.json"
@@ -218,6 +219,15 @@ class _ODCConfig:
                 f"per_device_train_batch_size must be >= 1 (samples per rank in each global minibatch), got "
                 f"{self.per_device_train_batch_size}."
             )
+        if getattr(self, "activation_checkpointing", False) is None:
+            # transformers 5.23 renamed gradient_checkpointing, and warns when the old name is set: TRL's configs set
+            # it by default, and the examples' documented flag is --gradient_checkpointing. Both names mean the same.
+            for old, new in (
+                ("gradient_checkpointing", "activation_checkpointing"),
+                ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+            ):
+                if getattr(self, new) is None:
+                    setattr(self, new, getattr(self, old))
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"{type(self).__name__} runs one global minibatch per optimizer step, cut into microbatches by the "
@@ -282,6 +292,11 @@ class _ODCTrainer:
         cost = named_cost(analytical, self.model.config.get_text_config())
         sync = "minibatch" if self.odc.active else "layer"
         return MinibatchPlanner(args.balance, world_size, sync, cost, calibrator)
+
+    @property
+    def _global_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.args.per_device_train_batch_size * self.accelerator.num_processes
 
     @property
     def _is_sharded(self) -> bool:
@@ -431,10 +446,14 @@ class _ODCTrainer:
             resume_from_checkpoint = True if not os.path.isdir(resume_from_checkpoint) else resume_from_checkpoint
         if resume_from_checkpoint is True:
             resume_from_checkpoint = _checkpoint.last_complete_checkpoint(self.args.output_dir)
+        quiet = contextlib.nullcontext()
         if isinstance(resume_from_checkpoint, str | os.PathLike):
             _checkpoint.check_resumable(os.fspath(resume_from_checkpoint))
+            if _checkpoint.saved_global_batch_size(os.fspath(resume_from_checkpoint)) == self._global_batch_size:
+                quiet = without_resumed_batch_size_warning()  # another process count, the same minibatches
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            with quiet:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as error:
             odc = self.odc.odc
             if odc is None or isinstance(error, PeerFailureError):
@@ -464,7 +483,7 @@ class _ODCTrainer:
             self.args.save_total_limit = save_total_limit
         self.accelerator.wait_for_everyone()  # every rank's shards and RNG state are written
         if self.args.should_save:
-            _checkpoint.mark_complete(output_dir, self.state.global_step)
+            _checkpoint.mark_complete(output_dir, self.state.global_step, self._global_batch_size)
             _checkpoint.rotate(run_dir, save_total_limit, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

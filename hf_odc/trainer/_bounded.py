@@ -33,9 +33,13 @@ def bound_process_groups(timeout: float) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     c10d = dist.distributed_c10d
-    require(c10d, ("_set_pg_timeout", "_world"), "torch.distributed.distributed_c10d")
+    require(c10d, ("_world",), "torch.distributed.distributed_c10d")
+    set_timeout = getattr(dist, "set_timeout", None)  # torch >= 2.14; its private predecessor warns there
+    if set_timeout is None:
+        require(c10d, ("_set_pg_timeout",), "torch.distributed.distributed_c10d")
+        set_timeout = c10d._set_pg_timeout
     for group in list(c10d._world.pg_map):
-        c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+        set_timeout(timedelta(seconds=timeout), group)
 
 
 def is_backend_failure(error: BaseException) -> bool:

@@ -14,9 +14,12 @@ group) writes and reads the same format. So every ODC checkpoint, whatever the p
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import warnings
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ COMPLETE_MARKER = "odc_checkpoint_complete"
 """File of a Trainer checkpoint that says its save finished; it holds the global step."""
 
 _DCP_METADATA = ".metadata"  # what DCP writes last, and reads first
+_GLOBAL_BATCH = "global_batch_size"  # the marker's second line: "global_batch_size <N>"
 _CHECKPOINT_NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
@@ -66,7 +70,7 @@ def save_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
 def load_model_state(model: nn.Module, path: str) -> None:
     """Load the model entry of the checkpoint at ``path`` into ``model`` (its shards, if sharded; collective)."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path, no_dist=_no_process_group())
+    _load(state, path)
     set_model_state_dict(model, state["model"])
 
 
@@ -74,8 +78,79 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, pat
     """Load the optimizer entry of the checkpoint at ``path`` (collective). DCP steps an optimizer without state once,
     at learning rate 0, to give it the state's shape."""
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path, no_dist=_no_process_group())
+    _load(state, path)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _load(state: dict, path: str) -> None:
+    """``dcp.load``, with a failure that comes from a damaged file of the checkpoint said in one line: the file, the
+    checkpoint, what to do (DCP's own error is a deep traceback naming neither)."""
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=_no_process_group())
+    except (Exception, dcp.CheckpointException):  # DCP's gathers every rank's failure in a BaseException
+        damaged = _damaged(path, read_items=True)
+        if damaged is None:
+            raise
+        raise ValueError(_damaged_message(os.path.dirname(path), damaged)) from None  # one line, not DCP's trace
+
+
+def _stored_items(path: str) -> dict[str, list[tuple[int, int]]]:
+    """Each file of the DCP checkpoint at ``path`` with the (offset, length) of every item its metadata places there."""
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    files: dict[str, list[tuple[int, int]]] = {}
+    for info in storage.values():  # private: torch.distributed.checkpoint.filesystem._StorageInfo's fields
+        files.setdefault(info.relative_path, []).append((info.offset, info.length))
+    return files
+
+
+def _damaged(path: str, read_items: bool) -> str | None:
+    """What is wrong with a file of the DCP checkpoint at ``path``, or ``None``: its metadata unreadable, a file
+    missing or shorter than its items need, or (``read_items``: reading every item, after a load failed) an item that
+    is not the archive ``torch.save`` wrote."""
+    metadata = os.path.join(path, _DCP_METADATA)
+    try:
+        files = _stored_items(path)
+    except Exception as error:
+        return f"{_relative(path, metadata)} cannot be read ({type(error).__name__})"
+    for name, items in sorted(files.items()):
+        file = os.path.join(path, name)
+        needed = max(offset + length for offset, length in items)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None:
+            return f"{_relative(path, file)} is missing"
+        if size < needed:
+            return f"{_relative(path, file)} is truncated ({size} of its {needed} bytes)"
+        if read_items and (broken := _broken_item(file, items)) is not None:
+            return f"{_relative(path, file)} is corrupted (its item at byte {broken} does not read back)"
+    return None
+
+
+def _broken_item(file: str, items: list[tuple[int, int]]) -> int | None:
+    """The offset of the first item of ``file`` whose bytes are not a sound zip archive (what ``torch.save`` writes:
+    every member's CRC is checked), or ``None``."""
+    with open(file, "rb") as f:
+        for offset, length in sorted(items):
+            f.seek(offset)
+            try:
+                with zipfile.ZipFile(io.BytesIO(f.read(length))) as archive:
+                    if archive.testzip() is None:
+                        continue
+            except (zipfile.BadZipFile, OSError, EOFError):
+                pass
+            return offset
+    return None
+
+
+def _relative(path: str, file: str) -> str:
+    return os.path.join(STATE_DIR, os.path.relpath(file, path))
+
+
+def _damaged_message(checkpoint_dir: str, damaged: str) -> str:
+    return (
+        f"Cannot resume from {checkpoint_dir}: {damaged}. Its save completed, so the file was damaged afterwards (a "
+        "copy cut short, a full disk, a storage fault): restore the checkpoint from a good copy, or resume from an "
+        "earlier one (resume_from_checkpoint=<its path>)."
+    )
 
 
 def _no_process_group() -> bool:
@@ -98,13 +173,24 @@ def rotate(run_dir: str, save_total_limit: int | None, best_model_checkpoint: st
     )
 
 
-def mark_complete(checkpoint_dir: str, step: int) -> None:
-    """Declare the checkpoint at ``checkpoint_dir`` complete (one process, once every rank's part is written). The
-    marker appears whole or not at all (written aside, then renamed), so a kill while writing it leaves none."""
+def mark_complete(checkpoint_dir: str, step: int, global_batch_size: int | None = None) -> None:
+    """Declare the checkpoint at ``checkpoint_dir`` complete (one process, once every rank's part is written): the
+    global step, then the global minibatch's size. The marker appears whole or not at all (written aside, then
+    renamed), so a kill while writing it leaves none."""
     marker = os.path.join(checkpoint_dir, COMPLETE_MARKER)
     with open(f"{marker}.tmp", "w") as f:
-        f.write(f"{step}\n")
+        f.write(f"{step}\n" + (f"{_GLOBAL_BATCH} {global_batch_size}\n" if global_batch_size is not None else ""))
     os.replace(f"{marker}.tmp", marker)
+
+
+def saved_global_batch_size(checkpoint_dir: str) -> int | None:
+    """The global minibatch size the checkpoint's run trained with, as its marker says (``None``: not said)."""
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(checkpoint_dir, COMPLETE_MARKER)) as f:
+        for line in f.read().splitlines()[1:]:
+            name, _, value = line.partition(" ")
+            if name == _GLOBAL_BATCH:
+                return int(value)
+    return None
 
 
 def unmark_complete(checkpoint_dir: str) -> None:
@@ -121,8 +207,9 @@ def is_complete(checkpoint_dir: str) -> bool:
 
 def check_resumable(checkpoint_dir: str) -> None:
     """Raise ``ValueError``, saying what is missing and what to do, unless training can resume from ``checkpoint_dir``:
-    the checkpoint is complete and holds the model and optimizer state, the LR scheduler's and the trainer state.
-    (The Trainer would skip a missing optimizer or scheduler silently, and crash deep in DCP on a partial save.)"""
+    the checkpoint is complete and holds the model and optimizer state, the LR scheduler's and the trainer state, and
+    no file of its state is missing or shorter than its metadata says (the Trainer would skip a missing optimizer or
+    scheduler silently, and crash deep in DCP on a partial save or a truncated file)."""
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(f"Cannot resume from {checkpoint_dir}: no such directory.")
     if not is_complete(checkpoint_dir):
@@ -148,6 +235,9 @@ def check_resumable(checkpoint_dir: str) -> None:
             f"hf_odc does not read (optimizer.pt). To train on from its weights with a new optimizer and LR schedule, "
             f"load it as the model (from_pretrained({checkpoint_dir!r})) instead of resuming from it."
         )
+    damaged = _damaged(os.path.join(checkpoint_dir, STATE_DIR), read_items=False)
+    if damaged is not None:
+        raise ValueError(_damaged_message(checkpoint_dir, damaged))
 
 
 def last_complete_checkpoint(output_dir: str) -> str:

@@ -24,7 +24,25 @@ __all__ = [
     "PlannedMinibatchCollator",
     "count_target_tokens",
     "global_minibatch",
+    "require_sft_columns",
 ]
+
+
+def require_sft_columns(dataset: Any, text_field: str = "text") -> None:
+    """Raise ``ValueError`` unless ``dataset`` has rows in a format SFT trains on: a ``messages`` column
+    (conversations), a ``text_field`` column, ``prompt`` and ``completion``, or ``input_ids`` (tokenized). Said before
+    anything reads a row: TRL would fail on the first one it reads (a ``KeyError``, an ``IndexError`` on an empty
+    dataset), on one rank while the others wait in a collective."""
+    formats = (("messages",), (text_field,), ("prompt", "completion"), ("input_ids",))
+    expected = " or ".join(" and ".join(repr(c) for c in columns) for columns in formats)
+    if len(dataset) == 0:
+        raise ValueError(f"The training dataset is empty (its columns: {dataset.column_names}).")
+    if not any(all(c in dataset.column_names for c in columns) for columns in formats):
+        raise ValueError(
+            f"The training dataset has no column SFT trains on: it needs {expected}; its columns are "
+            f"{dataset.column_names}. Rename the one that holds your data (dataset.rename_column(old, new); a list of "
+            "role/content messages goes in 'messages')."
+        )
 
 
 class GlobalMinibatchSampler(Sampler[list[int]]):

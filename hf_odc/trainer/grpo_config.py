@@ -60,5 +60,7 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
             )
         super().__post_init__()
         # Every rank loads the whole model (the policy given by name, the reference model) and hf_odc shards it:
-        # TRL's default device_map="auto" would spread it over all of this host's GPUs instead.
-        self.model_init_kwargs = {"device_map": None, **(self.model_init_kwargs or {})}
+        # TRL's default device_map="auto" would spread it over all of this host's GPUs instead. Unset, the trainer
+        # sets them when it loads a model (ODCGRPOTrainer), so that TRL does not warn they are ignored when it does not.
+        if self.model_init_kwargs is not None:
+            self.model_init_kwargs = {"device_map": None, **self.model_init_kwargs}

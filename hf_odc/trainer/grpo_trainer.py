@@ -27,11 +27,15 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
+from accelerate.utils import is_peft_model
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from trl import GRPOTrainer
 
 from ..accelerate_plugin import ODCRuntime
+from ..engine._fsdp_internals import lazy_init_root
 from ._base import _ODCTrainer
+from ._quiet import without_ignored_model_init_kwargs_warning
 from .grpo_config import ODCGRPOConfig
 from .rollouts import PlannedStep, Rollouts, gather_rollouts, plan_generation_batch
 
@@ -72,7 +76,13 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             raise TypeError(f"ODCGRPOTrainer needs an ODCGRPOConfig, got {type(args).__name__}.")
         self._deferring_scores = False
         self._completion_lengths: list[int] = []
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        quiet = contextlib.nullcontext()
+        if args.model_init_kwargs is None and _loads_a_model(model, reward_funcs, args):
+            args.model_init_kwargs = {"device_map": None}  # whole models on every rank (see ODCGRPOConfig)
+            if not isinstance(model, str):
+                quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
+        with quiet:
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if self.aux_loss_enabled:
             raise NotImplementedError(
                 "ODCGRPOTrainer does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
@@ -94,8 +104,11 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
     def _generate(self, prompts: list) -> tuple:
-        """TRL's, recording each completion's true length (TRL pads them to the longest)."""
-        result = super()._generate(prompts)
+        """TRL's, recording each completion's true length (TRL pads them to the longest). A sharded PEFT policy
+        generates through the model it wraps, below the FSDP root: the root's parameters (embeddings, head) are
+        gathered around it, as the root's forward would."""
+        with _root_gathered(self.model) if _generates_below_the_root(self.model) else contextlib.nullcontext():
+            result = super()._generate(prompts)
         self._completion_lengths = [len(ids) for ids in result[1]]
         return result
 
@@ -358,6 +371,27 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         if self._ref_odc is not None:
             self._ref_odc.close()
         super().close_odc()
+
+
+def _generates_below_the_root(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule) and is_peft_model(model)
+
+
+@contextlib.contextmanager
+def _root_gathered(model: FSDPModule) -> Iterator[None]:
+    lazy_init_root(model)
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+def _loads_a_model(model: Any, reward_funcs: Any, args: ODCGRPOConfig) -> bool:
+    """Whether TRL will load a model by name with ``model_init_kwargs``: the policy, the reference model (``beta > 0``
+    without PEFT) or a reward model."""
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    return isinstance(model, str) or args.beta != 0.0 or any(isinstance(func, str) for func in funcs)
 
 
 def _sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

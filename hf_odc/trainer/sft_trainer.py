@@ -32,7 +32,13 @@ from trl import SFTTrainer
 
 from ._base import _ODCTrainer
 from .config import ODCSFTConfig
-from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator, global_minibatch
+from .data import (
+    GlobalMinibatchSampler,
+    MinibatchDataLoader,
+    PlannedMinibatchCollator,
+    global_minibatch,
+    require_sft_columns,
+)
 
 __all__ = ["ODCSFTTrainer"]
 
@@ -76,6 +82,8 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         train_dataset = kwargs.get("train_dataset")
         if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
             raise TypeError("ODCSFTTrainer needs a map-style `datasets.Dataset`: it samples global minibatches.")
+        if train_dataset is not None:
+            require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
