@@ -6,7 +6,8 @@ Collective+LB-Micro and ODC+LB-Mini with the attention cost (the trainers' defau
 ``MinibatchPlanner`` whose ``Calibrator`` is fed every step's gathered microbatch times, exactly as the trainers do
 with ``cost_model="calibrated"``::
 
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --nproc_per_node 2 \\
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
+        --nproc_per_node 2 \\
         benchmarks/calibrated_balance.py --model qwen2.5-1.5b --distribution longalign --json calibrated.json \\
         [--straggler]
 

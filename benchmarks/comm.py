@@ -3,7 +3,7 @@
 Run on one host with one process per GPU::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        torchrun --nproc_per_node 2 benchmarks/comm.py --json comm.json
+        torchrun --standalone --nproc_per_node 2 benchmarks/comm.py --json comm.json
 
 ``size`` is the bytes of the full (gathered / pre-reduction) tensor. Gather moves bf16 (what ODC gathers under bf16
 mixed precision), reduce moves fp32 (FSDP's ``reduce_dtype``). Bus bandwidth = size * (W - 1) / W / time, NCCL's

@@ -4,7 +4,7 @@ A Qwen2-shaped model (random weights, built from a config) is trained with bf16 
 same number of equal-length microbatches, so FSDP2 loses nothing to imbalance and ODC's own overhead shows::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        torchrun --nproc_per_node 2 benchmarks/e2e_step.py --json e2e.json
+        torchrun --standalone --nproc_per_node 2 benchmarks/e2e_step.py --json e2e.json
 
 The defaults (Qwen2-1.5B shape, 4 x 8192 tokens per rank) keep the GPUs busy. Smaller steps are bound by the host
 launching kernels (Qwen2-0.5B, 4 x 4096 tokens: the GPU computes about a third of the step on an H200), and then the

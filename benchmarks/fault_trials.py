@@ -2,13 +2,15 @@
 checks are measured with. Each trial prints one line; a table closes each mode.
 
     python benchmarks/fault_trials.py stall --trials 8 --timeout 5      # SIGSTOP of rank 1 at a random moment
+    python benchmarks/fault_trials.py stall --script grpo --after 2     # the same in GRPO (mostly in generation)
     python benchmarks/fault_trials.py startup --trials 4 --timeout 5    # SIGSTOP of rank 1 5 s after the launch
     python benchmarks/fault_trials.py launcher --at 1 3 5 10            # SIGKILL of the launcher alone
     python benchmarks/fault_trials.py exits --repeats 20                # clean exits, each example, ODC and FSDP2
 
-``stall``: ``examples/sft.py`` with ``--odc_timeout T``; after step 20, at a random moment (uniform over the next
-second and a half), rank 1 is stopped; the trial records how long rank 0 lives on and whether its last error names
-rank 1. ``startup``: the same with the stop 5 s after the launch (imports, process-group creation, dataset preparation).
+``stall``: ``examples/sft.py`` (or ``grpo.py``) with ``--odc_timeout T``; after step 20 (``--after``), at a random
+moment (uniform over the next second and a half; for GRPO over the span one step took), rank 1 is stopped; the trial
+records how long rank 0 lives on and whether its last error names rank 1. ``startup``: the same with the stop 5 s
+after the launch (imports, process-group creation, dataset preparation).
 ``launcher``: the launcher is SIGKILLed at each time given; 10 s later, the trial counts the run's processes still
 alive. ``exits``: the exit status of repeated runs, and how many printed gloo's "terminate called".
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 SFT_FAST = ["--num_samples", "64", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no"]
+GRPO_FAST = ["--num_prompts", "64", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no"]
 NAMED = re.compile(r"(hf_odc: |^\s+)(rank 1 \(pid|ranks \[1\] did not)", re.MULTILINE)
 
 
@@ -129,17 +132,21 @@ def stall(args: argparse.Namespace) -> None:
     for trial in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
             log = Path(tmp) / "log"
-            sft_args = [*SFT_FAST, "--max_steps", "100000", "--odc_timeout", str(args.timeout), "--output_dir", tmp]
-            process = _launch("examples/sft.py", sft_args, log)
-            delay = random.uniform(0, 1.5)
-            state = {"at": None}
+            script_args = SFT_FAST if args.script == "sft" else GRPO_FAST
+            script_args = [*script_args, "--max_steps", "100000", "--odc_timeout", str(args.timeout)]
+            process = _launch(f"examples/{args.script}.py", [*script_args, "--output_dir", tmp], log)
+            state = {"at": None, "seen": None}
 
-            def after_step_20(state=state, log=log, delay=delay):
-                if state["at"] is None and log.read_text().count("'loss'") >= 20:
-                    state["at"] = time.monotonic() + delay
+            def after_some_steps(state=state, log=log):
+                steps = log.read_text().count("'loss'")
+                if state["seen"] is None and steps >= args.after:
+                    state["seen"] = time.monotonic()
+                if state["at"] is None and steps >= args.after + 1:  # one step's span: where to stop at random
+                    span = 1.5 if args.script == "sft" else time.monotonic() - state["seen"]
+                    state["at"] = time.monotonic() + random.uniform(0, span)
                 return state["at"] is not None and time.monotonic() >= state["at"]
 
-            result = _stop_rank_1(log, process, after_step_20, args.timeout + 60)
+            result = _stop_rank_1(log, process, after_some_steps, args.timeout + 60)
         results.append(result)
         print(f"stall trial {trial + 1}: {result}", flush=True)
     _table("stall", results, args.timeout, 5)
@@ -230,11 +237,12 @@ def exits(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
-    for name, default_trials in (("stall", 8), ("startup", 4)):
+    for name, default_trials, after in (("stall", 8, 20), ("startup", 4, 5.0)):
         sub = modes.add_parser(name)
         sub.add_argument("--trials", type=int, default=default_trials)
         sub.add_argument("--timeout", type=float, default=5.0)
-        sub.add_argument("--after", type=float, default=5.0, help="startup: seconds after the launch")
+        sub.add_argument("--after", type=type(after), default=after, help="stall: steps; startup: seconds")
+        sub.add_argument("--script", choices=["sft", "grpo"], default="sft")
     sub = modes.add_parser("launcher")
     sub.add_argument("--at", type=float, nargs="+", default=[1, 3, 5, 10])
     sub = modes.add_parser("exits")

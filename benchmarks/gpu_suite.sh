@@ -25,12 +25,12 @@ if [[ $STEPS == *tests* ]]; then
 fi
 if [[ $STEPS == *comm* ]]; then
   for cfg in ${COMM_CONFIGS:-p0 p32}; do  # p<N>: the accumulate kernel with at most N programs (0: uncapped)
-    HF_ODC_SCATTER_PROGRAMS=${cfg:1} timeout 120 torchrun --nproc_per_node "$nproc" \
+    HF_ODC_SCATTER_PROGRAMS=${cfg:1} timeout 120 torchrun --standalone --nproc_per_node "$nproc" \
       benchmarks/comm.py --label "$cfg" --json "$OUT/comm_$cfg.json" 2>&1 | tee "$OUT/comm_$cfg.log" | grep -v Warning | tail -7
   done
 fi
 if [[ $STEPS == *e2e* ]]; then
-  timeout 300 torchrun --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8
+  timeout 300 torchrun --standalone --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8
 fi
 if [[ $STEPS == *attn* ]]; then
   timeout 150 python3 benchmarks/packed_attention.py --dense --json "$OUT/packed_attention.json" 2>&1 | tee "$OUT/packed_attention.log" | tail -7
@@ -38,7 +38,7 @@ fi
 if [[ $STEPS == *headline* ]]; then
   # HEADLINE_ARGS e.g. "--distribution swe-smith --samples-per-device 4"; the name tags the output files.
   name=${HEADLINE_NAME:-headline}
-  timeout "${HEADLINE_TIMEOUT:-540}" torchrun --nproc_per_node "$nproc" benchmarks/sft_throughput.py ${HEADLINE_ARGS:-} \
+  timeout "${HEADLINE_TIMEOUT:-540}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/sft_throughput.py ${HEADLINE_ARGS:-} \
     --json "$OUT/sft_$name.json" --plot "$OUT/sft_$name.png" 2>&1 | tee "$OUT/sft_$name.log" | grep -v Warning | tail -16
 fi
 if [[ $STEPS == *sft* ]]; then
@@ -56,17 +56,17 @@ if [[ $STEPS == *grpo* ]]; then
 fi
 if [[ $STEPS == *hybrid* ]]; then
   # Hybrid ODC (each GPU a one-GPU "host", replicated) against ODC on one host and Collective HSDP; HYBRID_ARGS extra.
-  timeout "${HYBRID_TIMEOUT:-420}" torchrun --nproc_per_node "$nproc" benchmarks/hybrid_step.py ${HYBRID_ARGS:-} \
+  timeout "${HYBRID_TIMEOUT:-420}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/hybrid_step.py ${HYBRID_ARGS:-} \
     --json "$OUT/hybrid_step.json" 2>&1 | tee "$OUT/hybrid_step.log" | grep -v Warning | tail -8
 fi
 if [[ $STEPS == *meeting* ]]; then
   # The cost of the meeting before each collective of a trainer's step (bounded collectives).
-  timeout 120 torchrun --nproc_per_node "$nproc" benchmarks/meeting_cost.py --json "$OUT/meeting_cost.json" 2>&1 \
+  timeout 120 torchrun --standalone --nproc_per_node "$nproc" benchmarks/meeting_cost.py --json "$OUT/meeting_cost.json" 2>&1 \
     | tee "$OUT/meeting_cost.log" | grep -v Warning | tail -2
 fi
 if [[ $STEPS == *calibration* ]]; then
   # LB-Mini with the calibrated cost model against the attention cost; CAL_ARGS="--straggler" slows one GPU.
   name=${CAL_NAME:-calibrated}
-  timeout "${CAL_TIMEOUT:-540}" torchrun --nproc_per_node "$nproc" benchmarks/calibrated_balance.py ${CAL_ARGS:-} \
+  timeout "${CAL_TIMEOUT:-540}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/calibrated_balance.py ${CAL_ARGS:-} \
     --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v Warning | tail -12
 fi

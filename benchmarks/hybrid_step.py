@@ -12,7 +12,8 @@ The schemes run the same global minibatches, interleaved minibatch by minibatch;
 sit on one NVLink switch here, so the "cross-host" all-reduce runs at NVLink speed: this measures hybrid ODC's
 mechanics and overheads, not an InfiniBand fabric (``hf-odc plan --gpus-per-host`` models that)::
 
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --nproc_per_node 2 \\
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
+        --nproc_per_node 2 \\
         benchmarks/hybrid_step.py --model qwen2.5-1.5b --distribution longalign --samples-per-device 8 --json h.json
 """
 

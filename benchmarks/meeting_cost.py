@@ -1,7 +1,7 @@
 """What bounding a step's collectives costs: one ``ODC.meet`` (the meeting before each collective of an ODC trainer's
 step, see ``hf_odc/trainer/_bounded.py``) against the smallest collective it guards, an 8-float all-reduce::
 
-    torchrun --nproc_per_node 2 benchmarks/meeting_cost.py --json meeting_cost.json
+    torchrun --standalone --nproc_per_node 2 benchmarks/meeting_cost.py --json meeting_cost.json
 
 On GPUs the meeting also waits for the device (the step reads its loss and norm on the host right after anyway).
 """

@@ -7,7 +7,8 @@ minibatch so that drift hits them alike. Plain FSDP2 is the ODC model outside ``
 two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
 microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.timing`)::
 
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --nproc_per_node 2 \\
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
+        --nproc_per_node 2 \\
         benchmarks/sft_throughput.py --model qwen2.5-1.5b --distribution longalign --samples-per-device 8 \\
         --json sft.json --plot sft.png
 

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from _machine import scaled
 
 
 def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float, cuda: bool) -> None:
@@ -56,8 +57,9 @@ def launch(
 
     Raises :class:`WorkersTimedOut` (after killing them) if they outlive ``timeout``, or ``RuntimeError`` with the
     failing ranks' tracebacks. Ranks in ``may_fail`` may die instead: their result is ``None``. With ``cuda``, rank
-    ``r`` uses GPU ``r`` and NCCL.
+    ``r`` uses GPU ``r`` and NCCL. Both timeouts are :func:`~_machine.scaled` to how busy the machine is.
     """
+    timeout, pg_timeout = scaled(timeout, world_size), scaled(pg_timeout, world_size)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
         procs = [

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _machine import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -26,7 +28,9 @@ def run(script: str, *args: str, processes: int = 1, env: dict | None = None, ti
 def launch(
     script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0
 ) -> tuple[int, str]:
-    """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout)."""
+    """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout, which
+    :func:`~_machine.scaled` stretches on a busy machine)."""
+    timeout = scaled(timeout, processes)
     command = _command(script, args, processes)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **_popen_options(env))
     try:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _machine import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
     out, png = tmp_path / "sft.json", tmp_path / "sft.png"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny", "--distribution", "longalign",
         "--samples-per-device", "4", "--length-scale", "0.004", "--steps", "2", "--warmup", "1",
         "--predict-world-sizes", "8", "--json", str(out), "--plot", str(png),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "ODC+LB-Mini" in done.stdout and png.stat().st_size > 0
     result = json.loads(out.read_text())["results"][0]
@@ -41,12 +42,12 @@ def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
 def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):
     out = tmp_path / "calibrated.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "calibrated_balance.py"), "--model", "tiny", "--samples-per-device", "8",
         "--length-scale", "0.004", "--steps", "2", "--warmup", "3", "--straggler", "--neighbour-size", "256",
         "--json", str(out),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["ideal_time_s"] > 0
@@ -62,11 +63,11 @@ def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
     """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step."""
     out = tmp_path / "hybrid.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "hybrid_step.py"), "--model", "tiny", "--samples-per-device", "4",
         "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--json", str(out),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["Hybrid ODC+LB-Mini (2 hosts x 1)"]["all_reduce_s_median"] > 0

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _machine import scaled
 
 from hf_odc.cli import main
 from hf_odc.packing import CalibratedCost, Calibration
@@ -59,7 +60,7 @@ def test_the_console_script_runs():
         [script, "plan", "--distribution", "swe-smith", "--world-sizes", "4", "--minibatches", "1"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert result.returncode == 0, result.stderr
     assert all(name in result.stdout for name in SCHEMES)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from _machine import scaled
 from _trainer_launch import EXAMPLES, logged_steps, run
 
 sys.path.insert(0, str(EXAMPLES))
@@ -72,7 +73,7 @@ def loaded(trained, adapter):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=scaled(180),
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

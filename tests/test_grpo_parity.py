@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from _grpo_parity import CASES
+from _machine import scaled
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -24,7 +25,7 @@ ENV = {**os.environ, **QUIET, "PYTHONUNBUFFERED": "1"}
 
 
 def _launch(command: list[str], timeout: float = 600) -> None:
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=scaled(timeout, 2))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
 
 

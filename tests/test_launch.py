@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from _machine import scaled
+
 WORKER_AT_EXIT = """
 import ctypes, sys, threading, time
 import torch.distributed  # a process that uses torch.distributed (gloo's threads live there)
@@ -32,7 +34,7 @@ def test_exit_waits_for_gloo_workers_to_finish_their_last_collective(tmp_path):
     wrote its file), not during the worker's work."""
     released = tmp_path / "released"
     done = subprocess.run(
-        [sys.executable, "-c", WORKER_AT_EXIT, str(released)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", WORKER_AT_EXIT, str(released)], capture_output=True, text=True, timeout=scaled(120)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert released.read_text() == "released"

@@ -12,10 +12,11 @@ import signal
 import time
 
 import pytest
+from _machine import scaled
 from _stall_sft import POINTS, STOPS
 from _trainer_launch import ROOT, launch, start
 
-TIMEOUT = 3
+TIMEOUT = max(3, round(scaled(3, 2)))  # a healthy rank of a busy machine must not miss it
 COMMON = (
     "--num_samples", "64", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--logging_steps", "1",
     "--odc_timeout", str(TIMEOUT),
@@ -52,7 +53,7 @@ def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tm
     ended = time.time()
     assert code != 0, output[-3000:]
     pid, stalled_at = stall_file.read_text().split()
-    assert ended - float(stalled_at) < TIMEOUT + 10, output[-3000:]
+    assert ended - float(stalled_at) < TIMEOUT + scaled(10, 2), output[-3000:]
     assert re.search(rf"PeerFailureError: hf_odc: {SAYS[point]}", output), output[-3000:]
     assert not os.path.exists(f"/proc/{pid}"), "the stalled rank outlived the job"
     assert _segments() <= before
@@ -63,8 +64,8 @@ STOPPED_SAYS = {
     "stopped-in-gather": r"PeerFailureError: hf_odc: rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its "
     r"process is stopped: SIGSTOP, a debugger or a paused container\); it was last seen .*\(the step's metrics gather "
     r"failed: ",
-    "stopped-at-startup": r"hf_odc: ending rank 0: a rank went silent for longer than the ODC timeout \(3 s\):\n"
-    r"\s+rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its process is stopped",
+    "stopped-at-startup": r"hf_odc: ending rank 0: a rank went silent for longer than the ODC timeout "
+    r"\({timeout} s\):\n\s+rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its process is stopped",
 }
 
 
@@ -79,12 +80,12 @@ def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, t
     process = start(str(ROOT / "tests" / "_stall_sft.py"), *args, log=log, env=env)
     pid, said = None, None
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + scaled(240, 2)
         while said is None and process.poll() is None and time.monotonic() < deadline:
             if pid is None and stall_file.exists() and stall_file.read_text().strip():
                 pid = int(stall_file.read_text().split()[0])
             if pid is not None:
-                said = re.search(STOPPED_SAYS[point].format(pid=pid), log.read_text())
+                said = re.search(STOPPED_SAYS[point].format(pid=pid, timeout=TIMEOUT), log.read_text())
             time.sleep(0.2)
     finally:
         if pid is not None:  # torchrun starts each rank in a session of its own, and a stopped one ignores SIGTERM
@@ -107,17 +108,18 @@ def test_killing_the_launcher_ends_its_workers(when, tmp_path):
     launcher = start("sft.py", *args, log=log)
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120, 2)
         # torchrun starts each worker in a session of its own: they are the launcher's children
         while len(workers := _children(launcher.pid)) < 2 or (when == "training" and "'loss'" not in log.read_text()):
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         launcher.kill()
         launcher.wait()
-        limit = 10 if when == "training" else 60  # at startup a worker first finishes importing (a loaded machine)
+        # At startup a worker first finishes importing its libraries; a busy machine takes longer to end a process.
+        limit = scaled(10 if when == "training" else 60, 2)
         deadline = time.monotonic() + limit
         while alive := [pid for pid in workers if _running(pid)]:
-            assert time.monotonic() < deadline, f"workers {alive} outlived their launcher by {limit} s"
+            assert time.monotonic() < deadline, f"workers {alive} outlived their launcher by {limit:.0f} s"
             time.sleep(0.1)
     finally:
         for pid in [launcher.pid, *workers]:

@@ -394,21 +394,27 @@ def describe_peers() -> str | None:
 
 
 def _describe_stack(frame) -> str:
-    """``in f (file:line)``, and the innermost caller outside torch's package when that frame is inside it."""
+    """``in f (file:line)``, and when that frame is torch's (or the standard library's), the innermost caller that
+    is neither: the library or script code that called it."""
     frames = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False, limit=200)
     if not frames:
         return "idle"
     inner = frames[0]
     text = f"in {inner.name} ({_short(inner.filename)}:{inner.lineno})"
-    if _in_torch(inner.filename):
-        caller = next((f for f in frames if not _in_torch(f.filename)), None)
+    if _plumbing(inner.filename):
+        caller = next((f for f in frames if not _plumbing(f.filename)), None)
         if caller is not None:
             text += f" called from {caller.name} ({_short(caller.filename)}:{caller.lineno})"
     return text
 
 
-def _in_torch(path: str) -> bool:
-    return f"{os.sep}torch{os.sep}" in path
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def _plumbing(path: str) -> bool:
+    """Whether ``path`` is torch's, the standard library's or typing_extensions' (decorators' wrappers)."""
+    in_stdlib = path.startswith(_STDLIB) and "site-packages" not in path
+    return in_stdlib or f"{os.sep}torch{os.sep}" in path or path.endswith("typing_extensions.py")
 
 
 def _short(path: str) -> str:
