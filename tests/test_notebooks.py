@@ -53,7 +53,7 @@ def test_the_notebook_runs_top_to_bottom_on_cpu(path, monkeypatch):
     before = _leftovers()
     notebook = nbformat.read(path, as_version=4)
     where = {"metadata": {"path": NOTEBOOK_DIR}}
-    timeout = scaled(240, 2)  # a cell's; the launches run 2 processes
+    timeout = round(scaled(240, 2))  # a cell's; the launches run 2 processes
     client = NotebookClient(notebook, timeout=timeout, kernel_name="python3", record_timing=False, resources=where)
     client.execute()  # raises CellExecutionError, naming the cell, on the first error
     assert _leftovers() == before
