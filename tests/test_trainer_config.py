@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
 from _trainer_launch import run
 from datasets import Dataset
 
-from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer import ODCGRPOConfig, ODCSFTConfig, ODCSFTTrainer
 
 
 def config(tmp_path, **kwargs) -> ODCSFTConfig:
@@ -24,6 +25,19 @@ def test_defaults(tmp_path, monkeypatch):
     # CPU processes must know it, whatever the launcher told them; CUDA ones keep TrainingArguments' defaults
     cpu = not torch.cuda.is_available()
     assert args.use_cpu is cpu and (args.bf16 is False if cpu else args.bf16 is not False)
+
+
+@pytest.mark.parametrize("checkpointing", [{}, {"gradient_checkpointing": True}], ids=["default", "old-name"])
+def test_the_readme_configs_warn_about_nothing_the_user_did(tmp_path, checkpointing):
+    """The README's ``ODCSFTConfig(...)`` and an ``ODCGRPOConfig``, with TRL's default or the examples' documented
+    ``gradient_checkpointing``: transformers 5.23 renamed that field and warns whenever the old name is set, which
+    TRL's own default does; the ODC configs take the old name as the new one, silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sft = ODCSFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, **checkpointing)
+        grpo = ODCGRPOConfig(output_dir=str(tmp_path), **checkpointing)
+    assert sft.gradient_checkpointing is True and grpo.gradient_checkpointing is True  # TRL's default, kept
+    assert grpo.model_init_kwargs is None  # set by the trainer only when it loads a model
 
 
 def test_odc_follows_the_environment_and_the_baseline_uses_lb_micro(tmp_path, monkeypatch):
