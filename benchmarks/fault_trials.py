@@ -157,7 +157,7 @@ def startup(args: argparse.Namespace) -> None:
     for trial in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
             log = Path(tmp) / "log"
-            sft_args = [*SFT_FAST, "--max_steps", "5", "--odc_timeout", str(args.timeout), "--output_dir", tmp]
+            sft_args = [*SFT_FAST, "--max_steps", "200", "--odc_timeout", str(args.timeout), "--output_dir", tmp]
             at = time.monotonic() + args.after
             process = _launch("examples/sft.py", sft_args, log)
             result = _stop_rank_1(log, process, lambda at=at: time.monotonic() >= at, args.timeout + 120)

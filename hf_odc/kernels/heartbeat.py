@@ -411,10 +411,14 @@ def _describe_stack(frame) -> str:
 _STDLIB = os.path.dirname(os.__file__)
 
 
+_OWN = (__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "_launch.py"))  # starting to beat
+
+
 def _plumbing(path: str) -> bool:
-    """Whether ``path`` is torch's, the standard library's or typing_extensions' (decorators' wrappers)."""
+    """Whether ``path`` is torch's, the standard library's, typing_extensions' (decorators' wrappers) or what starts
+    the heartbeat (at import: the caller is the script's import line)."""
     in_stdlib = path.startswith(_STDLIB) and "site-packages" not in path
-    return in_stdlib or f"{os.sep}torch{os.sep}" in path or path.endswith("typing_extensions.py")
+    return in_stdlib or f"{os.sep}torch{os.sep}" in path or path.endswith("typing_extensions.py") or path in _OWN
 
 
 def _short(path: str) -> str:

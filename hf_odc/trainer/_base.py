@@ -46,8 +46,9 @@ _ODC_PARAMETERS = """
         odc_timeout (`float`, *optional*):
             Seconds any rank waits for another before raising `hf_odc.PeerFailureError` naming it: at the minibatch
             barriers, before every collective of a step (metrics, clipping, logging, evaluation, checkpoints), and
-            inside them (every process group gets this timeout, on CPU too). `None` reads `HF_ODC_TIMEOUT`, else
-            `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
+            inside them (every process group gets this timeout, on CPU too). A rank that stops beating (stopped or
+            frozen: `hf_odc.kernels.heartbeat`) is named after it too, during startup as well. `None` reads
+            `HF_ODC_TIMEOUT`, else `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
         odc_transport (`str`, *optional*):
             The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
             `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
