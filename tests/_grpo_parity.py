@@ -35,7 +35,11 @@ CASES = {
     # Two steps on one generation batch: the second scores against the old policy's log-probabilities.
     "iterations": {"loss_type": "dapo", "num_iterations": 2, "epsilon": 0.02, "max_steps": 2},
     "off-policy-mask": {"loss_type": "grpo", "num_iterations": 2, "off_policy_mask_threshold": 1e-4, "max_steps": 2},
+    # Four accumulation steps per optimizer step: 32 rollouts, one ODC minibatch (TRL: four slices of 8).
+    "accumulation": {"loss_type": "grpo", "gradient_accumulation_steps": 4},
+    "accumulation-dapo": {"loss_type": "dapo", "gradient_accumulation_steps": 4, "max_steps": 2},
 }
+ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}  # their larger generation batches draw longer rollouts
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
@@ -53,7 +57,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     else:
         args = ODCGRPOConfig(
             output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=48, cost_model="tokens", **COMMON, **overrides,
+            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **COMMON, **overrides,
         )  # fmt: skip
         trainer_class = ODCGRPOTrainer
     trainer = trainer_class(

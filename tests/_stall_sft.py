@@ -66,7 +66,7 @@ def _stall_at_the_exit_barrier() -> None:
 
 
 def _die_inside_the_metrics_gather() -> None:
-    original = ODCSFTTrainer._log_minibatch
+    original = ODCSFTTrainer._log_step
     gather = Accelerator.gather
 
     def dying(self, tensor):
@@ -80,13 +80,13 @@ def _die_inside_the_metrics_gather() -> None:
         finally:
             self.accelerator.gather = gather.__get__(self.accelerator)
 
-    ODCSFTTrainer._log_minibatch = logged
+    ODCSFTTrainer._log_step = logged
 
 
 POINTS = {
-    "microbatch": lambda: _stall_in_trainer("compute_loss"),
+    "microbatch": lambda: _stall_in_trainer("_microbatch_loss"),
     "exit-barrier": _stall_at_the_exit_barrier,
-    "metrics-gather": lambda: _stall_in_trainer("_log_minibatch"),
+    "metrics-gather": lambda: _stall_in_trainer("_log_step"),
     "clip-grad": lambda: _stall_in_trainer("_clip_grad_norm"),
     "logging": lambda: _stall_in_trainer("_maybe_log_save_evaluate"),
     "checkpoint-save": lambda: _stall_in_trainer("_save_checkpoint"),

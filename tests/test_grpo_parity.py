@@ -19,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 SCRIPT = str(ROOT / "tests" / "_grpo_parity.py")
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
+PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
 ENV = {**os.environ, **QUIET, "PYTHONUNBUFFERED": "1"}
 
@@ -56,6 +57,8 @@ def test_odc_grpo_matches_stock_trl_on_one_process(runs, case):
         for name, value in expected.items():
             if name in TIMINGS or not isinstance(value, float) or math.isnan(value):
                 continue
+            if name in PER_SLICE and CASES[case].get("gradient_accumulation_steps", 1) > 1:
+                continue  # TRL averages per-slice means; ODC's mean is over the whole minibatch (ODCGRPOConfig)
             assert name in entry, f"TRL logs {name!r}, ODC does not"
             assert entry[name] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{name} at step {step}"
     for name, tensor in reference["params"].items():

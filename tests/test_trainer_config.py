@@ -50,7 +50,7 @@ def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
         ({"max_tokens_per_microbatch": 0}, ">= 1"),
         ({"packing_ratio": 0.0}, "> 0"),
         ({"max_length": None}, "max_tokens_per_microbatch when max_length is None"),
-        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=1"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
         ({"packing": True}, "packs each microbatch itself"),
         ({"padding_free": True}, "packs each microbatch itself"),
         ({"odc_timeout": -5}, "positive"),

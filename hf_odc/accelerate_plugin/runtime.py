@@ -13,6 +13,9 @@ Accelerate script needs two lines::
         optimizer.step(); optimizer.zero_grad()
     odc.close()
 
+Around the script's own collectives (a metrics all-reduce, clipping, a checkpoint), ``with odc.bounded("what"):``
+makes a dead or stalled peer an error naming it within the ODC timeout instead of a hang, as the trainers do.
+
 With ``HF_ODC_ENABLED=0`` the very same script runs plain FSDP2: ``minibatch()`` then only meets the other ranks at
 its entry and exit, as ODC does (:class:`~hf_odc.engine.CollectiveMinibatch`), so that :attr:`ODCRuntime.last` times
 both alike; the ranks must then run equal microbatch counts, e.g. with ``hf_odc.packing.lb_micro``.
@@ -25,6 +28,7 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +36,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable
+from ..kernels import PeerFailureError
+from ._bounded import bound_process_groups, is_backend_failure, named_failure
 from .plugin import ODCPlugin
 from .sharding import remap_optimizer, shard_model
 
@@ -68,10 +74,12 @@ class ODCRuntime:
     def enable(self, model: nn.Module) -> ODC | None:
         """Install ODC on the sharded ``model`` (collective) if the plugin enables it; after :meth:`shard`, before any
         forward. Otherwise (disabled, or one process) :meth:`minibatch` runs the model as it is, between the same
-        meeting points."""
+        meeting points. Either way every process group of the job gets the plugin's timeout (gloo's default is 30
+        minutes, and transformers passes none to a CPU group), so that no collective blocks for longer."""
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
             self._odc = enable(model, timeout=self.plugin.timeout, transport=self.plugin.transport)
             _end_with_launcher()
+        bound_process_groups(self.plugin.timeout)
         if self._runner is None:
             self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
         return self._odc
@@ -135,6 +143,41 @@ class ODCRuntime:
         (what a calibrated cost model learns from); a no-op before :meth:`enable`."""
         if self._runner is not None:
             self._runner.lap()
+
+    # -- failures -----------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def bounded(self, what: str) -> Iterator[None]:
+        """Run the collectives of ``what`` once every rank has met (:meth:`hf_odc.ODC.meet` names a rank that died or
+        stalled, within the ODC timeout, where the collective would block); a collective that fails inside is
+        re-raised as :class:`~hf_odc.PeerFailureError` naming the rank if it is known. Every rank must enter the same
+        blocks in the same order, as they run the same collectives. Without ODC the process groups' timeout alone
+        bounds them."""
+        if self._odc is None:
+            yield
+            return
+        self._odc.meet(f"{what} (hf_odc's meeting before its collectives)")
+        try:
+            yield
+        except RuntimeError as error:
+            if not is_backend_failure(error):
+                raise
+            raise named_failure(self._odc, what, error) from error
+
+    @contextlib.contextmanager
+    def failing_together(self, what: str = "training") -> Iterator[None]:
+        """Around a whole run: if it fails on this rank, the others are told at once (their next meeting fails naming
+        this rank, instead of waiting out the timeout), and a collective that failed because a peer went away is
+        re-raised as :class:`~hf_odc.PeerFailureError` naming it."""
+        try:
+            yield
+        except BaseException as error:
+            if self._odc is None or isinstance(error, PeerFailureError):
+                raise
+            self._odc.abort(f"{type(error).__name__}: {error}")
+            if is_backend_failure(error):
+                raise named_failure(self._odc, what, error) from error
+            raise
 
     def close(self) -> None:
         """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""

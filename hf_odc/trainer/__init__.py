@@ -7,6 +7,8 @@ attention (``attn_implementation="odc_packed"``, registered with transformers on
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
 
+from .._compat import check_classes
+from ._step import PlannedStep, StepMetrics
 from .attention import (
     PACKED_ATTENTION,
     PACKED_ATTENTION_IMPLEMENTATIONS,
@@ -27,6 +29,8 @@ from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
 from .sft_trainer import ODCSFTTrainer
 
+check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)
+
 __all__ = [
     "PACKED_ATTENTION",
     "PACKED_ATTENTION_IMPLEMENTATIONS",
@@ -37,6 +41,8 @@ __all__ = [
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "PlannedMinibatchCollator",
+    "PlannedStep",
+    "StepMetrics",
     "check_packed_attention",
     "count_target_tokens",
     "global_minibatch",

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Sampler
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from ..packing import MinibatchPlanner, Plan
+from ._step import PlannedStep
 
 __all__ = [
     "GlobalMinibatchSampler",
@@ -84,14 +85,12 @@ def global_minibatch(examples: list[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass
 class PlannedMinibatchCollator:
-    """Turns one global minibatch (a list of tokenized samples) into this rank's packed microbatches.
+    """Turns one global minibatch (a list of tokenized samples) into this rank's :class:`~hf_odc.trainer.PlannedStep`.
 
-    Returns a dict with ``microbatches`` (a list, possibly empty, of padding-free batches from TRL's
+    Its ``microbatches`` (a list, possibly empty) are padding-free batches from TRL's
     ``DataCollatorForLanguageModeling``: one row, ``position_ids`` restarting at 0 for each sample, the label at each
-    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels), ``microbatch_lengths`` (every
-    rank's microbatches as lists of sample lengths, what measured times are calibrated against),
-    ``num_target_tokens`` and ``num_tokens`` of the whole global minibatch, and the plan's
-    ``predicted_bubble_rate``.
+    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels. ``num_loss_tokens`` counts the whole
+    minibatch's target tokens (:func:`count_target_tokens`).
     """
 
     rank: int
@@ -105,13 +104,14 @@ class PlannedMinibatchCollator:
     def plan(self, lengths: Sequence[int]) -> Plan:
         return self.planner.plan(lengths, self.max_tokens)
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, examples: list[dict[str, Any]]) -> PlannedStep:
         lengths = [len(example["input_ids"]) for example in examples]
         plan = self.plan(lengths)
-        return {
-            "microbatches": [self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
-            "microbatch_lengths": [[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
-            "num_target_tokens": sum(count_target_tokens(example) for example in examples),
-            "num_tokens": sum(lengths),
-            "predicted_bubble_rate": self.planner.predicted_bubble(plan, lengths, self.max_tokens),
-        }
+        return PlannedStep(
+            microbatches=[self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
+            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
+            num_samples=len(examples),
+            num_tokens=sum(lengths),
+            num_loss_tokens=sum(count_target_tokens(example) for example in examples),
+            predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, self.max_tokens),
+        )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig
 
-from ._base import _document_odc_fields, _ODCConfig
+from ._base_config import _document_odc_fields, _ODCConfig
 
 
 @_document_odc_fields
@@ -19,15 +19,20 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     cut into `steps_per_generation` minibatches of `per_device_train_batch_size * world_size` rollouts (a seeded
     permutation, the same on every rank), and each minibatch is planned with `hf_odc.packing` across the ranks: the
     ranks' shares may hold different numbers of rollouts and microbatches, each microbatch a padding-free packed row.
-    `gradient_accumulation_steps` must stay 1 (grow `per_device_train_batch_size`; the planner cuts the minibatch into
-    microbatches). `steps_per_generation` and `num_iterations` keep TRL's meaning.
+    `steps_per_generation` and `num_iterations` keep TRL's meaning, and so does `gradient_accumulation_steps`: an
+    optimizer step takes `per_device_train_batch_size * gradient_accumulation_steps` rollouts per process, so the
+    generation batch is cut into `steps_per_generation / gradient_accumulation_steps` minibatches (a whole number:
+    `steps_per_generation` defaults to `gradient_accumulation_steps`), each planned as one ODC minibatch.
 
     Every loss normaliser is global, computed once per minibatch from the gathered rollouts, so that the update equals
     TRL's on one process holding the whole minibatch: with `B` the minibatch's rollouts and `N` its trained
     completion tokens, `grpo` and `sapo` divide each rollout's token mean by `B`; `bnpo` divides the token sum by `N`;
     `dr_grpo` by `B * max_completion_length`; `luspo` divides each rollout's token sum by `B`; `dapo`, `cispo` and
-    `vespo` divide the token sum by the generation batch's trained tokens over `steps_per_generation` (TRL's
-    definition); the entropy bonus is the mean entropy over the minibatch's trained tokens.
+    `vespo` divide the token sum by the generation batch's trained tokens per optimizer step (TRL's definition); the
+    entropy bonus is the mean entropy over the minibatch's trained tokens. With `gradient_accumulation_steps > 1` TRL
+    computes `bnpo`'s token mean, the entropy bonus and its logged means per accumulation slice and averages the
+    slices; hf_odc takes them over the whole minibatch (the same whatever the number of processes), which equals TRL's
+    when the slices hold equal numbers of trained tokens. Every other loss equals TRL's with any accumulation.
 
     Parameters:
     {odc_parameters}
@@ -59,6 +64,13 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
                 "Set top_entropy_quantile=1.0."
             )
         super().__post_init__()
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"ODCGRPOTrainer plans each optimizer step's rollouts as one minibatch of a generation batch, so "
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}); leave steps_per_generation unset (it defaults to "
+                "gradient_accumulation_steps) or set a multiple of it."
+            )
         # Every rank loads the whole model (the policy given by name, the reference model) and hf_odc shards it:
         # TRL's default device_map="auto" would spread it over all of this host's GPUs instead.
         self.model_init_kwargs = {"device_map": None, **(self.model_init_kwargs or {})}

@@ -1,14 +1,15 @@
-"""Every collective of an ODC trainer's step ends within the ODC timeout, with an error that names the culprit.
+"""Every collective around ODC's minibatches ends within the ODC timeout, with an error that names the culprit.
 
 A collective cannot tell who is missing: gloo waits for its process group's timeout (30 minutes by default, and
 transformers does not pass ``ddp_timeout`` to a CPU group) and then names nobody; a peer that died mid-collective
-surfaces as "Connection reset by peer". So the trainers
+surfaces as "Connection reset by peer". So :class:`~hf_odc.accelerate_plugin.ODCRuntime`, for the trainers and
+plain scripts alike (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.bounded`),
 
-* meet before each collective of a step (:meth:`hf_odc.ODC.meet`: ODC's host barrier, and across hosts the replicas'
+* meets before each collective of a step (:meth:`hf_odc.ODC.meet`: ODC's host barrier, and across hosts the replicas'
   meeting), which names a rank that died, gave up or stalled since the last meeting, within the ODC timeout;
-* give every process group the ODC timeout (:func:`bound_process_groups`), so that a rank stalling *inside* a
+* gives every process group the ODC timeout (:func:`bound_process_groups`), so that a rank stalling *inside* a
   collective, after the meeting, is bounded too;
-* turn a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank the host knows dead or aborted
+* turns a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank the host knows dead or aborted
   (:func:`named_failure`).
 
 Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
