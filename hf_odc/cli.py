@@ -167,12 +167,12 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from .packing.planners import token_cap
+    from .packing.planners import max_tokens_for
     from .packing.planning_cli import choose_cost, choose_source, simulate
     from .packing.planning_cli.report import render_table, write_json
 
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split, args.tokenizer)
-    max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
+    max_tokens = args.max_tokens or max_tokens_for(source.max_length, args.packing_ratio)
     _check_cap(source, max_tokens)
     cost = choose_cost(args.cost, args.model_config, args.calibration, max_tokens)
     cross_host = _cross_host(args, cost)

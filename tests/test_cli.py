@@ -214,7 +214,7 @@ def test_json_dash_writes_the_json_to_stdout_and_the_table_to_stderr(tmp_path, c
     assert not (tmp_path / "-").exists()
 
 
-def test_token_cap_packing_ratio_and_cost_options(tmp_path, capsys):
+def test_max_tokens_packing_ratio_and_cost_options(tmp_path, capsys):
     lengths_file = str(_lengths_file(tmp_path))
     doubled = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--packing-ratio", "2", "--cost", "tokens")
     assert doubled["config"]["max_tokens"] == 2 * max(LENGTHS)

@@ -41,7 +41,7 @@ def test_pack_points_every_completion_token_at_the_log_prob_that_scores_it():
 
 def plan(batch, rank, world_size=2, steps=2, balance="lb-mini"):
     planner = MinibatchPlanner(balance, world_size, "minibatch", TokenCost())
-    return plan_generation_batch(batch, steps=steps, rank=rank, seed=3, planner=planner, token_cap=lambda n: 2 * n)
+    return plan_generation_batch(batch, steps=steps, rank=rank, seed=3, planner=planner, max_tokens_for=lambda n: 2 * n)
 
 
 def test_every_rank_plans_the_same_minibatches_and_each_rollout_runs_once():

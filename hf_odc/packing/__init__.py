@@ -26,7 +26,7 @@ from .cost import (
 from .distributions import DISTRIBUTIONS, LengthDistribution, sample_lengths
 from .online import MinibatchPlanner
 from .partition import karmarkar_karp
-from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, token_cap
+from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, max_tokens_for
 from .schemes import BASELINE, SCHEMES, Scheme
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "lb_micro",
     "lb_mini",
     "local_sort",
+    "max_tokens_for",
     "microbatch_features",
     "named_cost",
     "plan_costs",
@@ -64,5 +65,4 @@ __all__ = [
     "resolve_cost",
     "sample_lengths",
     "sync_time",
-    "token_cap",
 ]

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import packing
 from ..accelerate_plugin import ODCPlugin
 from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
-from ..packing import COSTS, PLANNERS, token_cap
+from ..packing import COSTS, PLANNERS
 
 _COST_MODELS = (*COSTS, "calibrated")
 
@@ -218,9 +219,9 @@ class _ODCConfig:
         """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe, built once, when the config was."""
         return self._odc_plugin
 
-    def token_cap_for(self, longest_sample: int) -> int:
+    def max_tokens_for(self, longest_sample: int) -> int:
         """Tokens one packed microbatch may hold: ``max_tokens_per_microbatch``, else ``packing_ratio`` (default 1)
         times ``longest_sample``, the longest sample the microbatches must fit."""
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
-        return token_cap(longest_sample, self.packing_ratio or 1.0)
+        return packing.max_tokens_for(longest_sample, self.packing_ratio or 1.0)

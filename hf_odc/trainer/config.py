@@ -34,8 +34,3 @@ class ODCSFTConfig(_ODCConfig, SFTConfig):
         if self.max_tokens_per_microbatch is None and self.max_length is None:
             raise ValueError("Set max_tokens_per_microbatch when max_length is None (there is nothing to scale).")
         super().__post_init__()
-
-    @property
-    def microbatch_token_cap(self) -> int:
-        """Tokens one packed microbatch may hold (see `max_tokens_per_microbatch` and `packing_ratio`)."""
-        return self.token_cap_for(self.max_length)

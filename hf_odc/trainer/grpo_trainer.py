@@ -144,7 +144,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             rank=self.accelerator.process_index,
             seed=args.seed + self._generation_index,
             planner=self._planner,
-            token_cap=args.token_cap_for,
+            max_tokens_for=args.max_tokens_for,
         )
         self._generation_index += 1
         microbatches = [microbatch for step in planned for microbatch in step.microbatches]

@@ -82,8 +82,8 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     # -- data -------------------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> MinibatchDataLoader:
-        """One item per optimizer step: this rank's packed microbatches of the global minibatch (not sharded by
-        Accelerate: every rank needs the whole minibatch to plan it)."""
+        """One item per accumulation step: ``per_device_train_batch_size x world_size`` samples, the same on every rank
+        (not sharded by Accelerate: every rank needs the whole minibatch to plan it)."""
         if self.train_dataset is None:
             raise ValueError("ODCSFTTrainer needs a train_dataset.")
         args = self.args
@@ -93,7 +93,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         dataset = self.train_dataset.select_columns(
             [c for c in ("input_ids", "labels") if c in self.train_dataset.column_names]
         )
-        self._check_token_cap(dataset)
+        self._check_max_tokens(dataset)
         world_size = self.accelerator.num_processes
         sampler = GlobalMinibatchSampler(
             len(dataset),
@@ -104,7 +104,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         self._collator = PlannedMinibatchCollator(
             rank=self.accelerator.process_index,
             planner=self._planner,
-            max_tokens=args.microbatch_token_cap,
+            max_tokens=args.max_tokens_for(args.max_length),
             pad_token_id=self._tokenizer.pad_token_id,
         )
         workers = args.dataloader_num_workers
@@ -118,13 +118,14 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         )
 
-    def _check_token_cap(self, dataset: datasets.Dataset) -> None:
-        """Refuse, before the first step, a token cap that the dataset's longest sample does not fit (the planner would
-        only find out at the minibatch that draws it)."""
-        args, cap = self.args, self.args.microbatch_token_cap
+    def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
+        """Refuse, before the first step, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
+        sample does not fit (the planner would only find out at the minibatch that draws it)."""
+        args = self.args
+        max_tokens = args.max_tokens_for(args.max_length)
         lengths = [len(ids) for ids in dataset["input_ids"]]
         longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-        if longest is None or lengths[longest] <= cap:
+        if longest is None or lengths[longest] <= max_tokens:
             return
         setting = (
             f"max_tokens_per_microbatch={args.max_tokens_per_microbatch}"
@@ -134,8 +135,8 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         ratio = f", or --packing_ratio to at least {lengths[longest] / args.max_length:.3g}" if args.max_length else ""
         raise ValueError(
             f"Sample {longest} of the training dataset has {lengths[longest]} tokens, more than one microbatch holds "
-            f"({cap} tokens, from {setting}). Set --max_tokens_per_microbatch to at least {lengths[longest]}{ratio}, "
-            "or drop or truncate that sample."
+            f"({max_tokens} tokens, from {setting}). Set --max_tokens_per_microbatch to at least "
+            f"{lengths[longest]}{ratio}, or drop or truncate that sample."
         )
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
