@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _parity import finish, trained_state
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -46,7 +47,6 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
-    from hf_odc.trainer._checkpoint import full_model_state_dict
 
     overrides = {"max_steps": 1} | CASES[name]
     tokenizer = build_tokenizer()
@@ -69,15 +69,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         rollout_func=SyntheticRollouts("synthetic", "swe-smith", seed=0),
     )
     trainer.train()
-    if kind == "odc":
-        state = full_model_state_dict(trainer.model)
-        trainer.close_odc()
-    else:
-        state = trainer.model.state_dict()
-    if trainer.accelerator.process_index != 0:
-        return None
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
-    return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
+    return trained_state(trainer)
 
 
 def main() -> None:
@@ -85,11 +77,7 @@ def main() -> None:
     results = {name: train_case(kind, model_dir, name, f"{out}.{name}") for name in names}
     if all(result is not None for result in results.values()):
         torch.save(results, out)
-    if torch.distributed.is_initialized():
-        # As the trainers' end(): a process group left to interpreter exit can abort gloo ("terminate called
-        # without an active exception"), which failed this script once in the full suite.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

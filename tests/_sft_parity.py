@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _parity import finish, trained_state
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -32,7 +33,6 @@ def main() -> None:
     from trl import SFTConfig, SFTTrainer
 
     from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
-    from hf_odc.trainer._checkpoint import full_model_state_dict
 
     kind, model_dir, out = sys.argv[1:]
     dataset = chat_dataset(BATCH * ACCUMULATION * STEPS, COMMON["max_length"], "swe-smith", seed=0)
@@ -49,14 +49,10 @@ def main() -> None:
         )  # fmt: skip
         trainer = ODCSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer())
     trainer.train()
-    if kind == "odc":
-        state = full_model_state_dict(trainer.model)
-        trainer.end()
-    else:
-        state = trainer.model.state_dict()
-    if int(os.environ.get("RANK", "0")) == 0:
-        logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
-        torch.save({"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}, out)
+    result = trained_state(trainer)
+    if result is not None:
+        torch.save(result, out)
+    finish()
 
 
 if __name__ == "__main__":

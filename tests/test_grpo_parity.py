@@ -7,26 +7,17 @@ two ranks different numbers of microbatches in some of these steps, which the te
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from _grpo_parity import CASES
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
+from _parity import run_checked
+from _trainer_launch import logged_steps, run
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-SCRIPT = str(ROOT / "tests" / "_grpo_parity.py")
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
-ENV = {**os.environ, **QUIET, "PYTHONUNBUFFERED": "1"}
-
-
-def _launch(command: list[str], timeout: float = 600) -> None:
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +30,8 @@ def runs(tmp_path_factory):
     )  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     model, names = str(directory / "model"), list(CASES)
-    _launch([sys.executable, SCRIPT, "trl", model, str(directory / "trl.pt"), *names])
-    config_file = str(EXAMPLES / "odc_cpu.yaml")
-    _launch([str(ACCELERATE), "launch", "--config_file", config_file, SCRIPT, "odc", model, str(directory / "odc.pt"),
-             *names])  # fmt: skip
+    run_checked("_grpo_parity.py", "trl", model, str(directory / "trl.pt"), *names, env=QUIET)
+    run_checked("_grpo_parity.py", "odc", model, str(directory / "odc.pt"), *names, processes=2, env=QUIET)
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 

@@ -5,26 +5,17 @@ ODC minibatch, must update the model exactly as stock TRL ``SFTTrainer`` does on
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT
+from _parity import run_checked
+from _trainer_launch import EXAMPLES
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(EXAMPLES))
 
 from sft import build_tokenizer
-
-SCRIPT = str(ROOT / "tests" / "_sft_parity.py")
-
-
-def _launch(command: list[str]) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +30,8 @@ def runs(tmp_path_factory):
     )  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     model = str(directory / "model")
-    _launch([sys.executable, SCRIPT, "trl", model, str(directory / "trl.pt")])
-    config_file = str(EXAMPLES / "odc_cpu.yaml")
-    _launch([str(ACCELERATE), "launch", "--config_file", config_file, SCRIPT, "odc", model, str(directory / "odc.pt")])
+    run_checked("_sft_parity.py", "trl", model, str(directory / "trl.pt"))
+    run_checked("_sft_parity.py", "odc", model, str(directory / "odc.pt"), processes=2)
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 

@@ -1,0 +1,48 @@
+"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``) save after training, and how their tests launch
+them: a stock TRL trainer on one process against an ODC trainer on several, compared step by step and parameter by
+parameter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from _trainer_launch import ACCELERATE, EXAMPLES, ROOT
+
+
+def trained_state(trainer) -> dict | None:
+    """After ``trainer.train()``: the logged training steps and the full parameters (gathered from the shards for an
+    ODC trainer, which is then closed), on the first process; ``None`` on the others."""
+    from hf_odc.trainer._checkpoint import full_model_state_dict
+
+    is_odc = hasattr(trainer, "close_odc")
+    state = full_model_state_dict(trainer.model) if is_odc else trainer.model.state_dict()
+    if is_odc:
+        trainer.close_odc()
+    if trainer.accelerator.process_index != 0:
+        return None
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
+
+
+def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 600) -> None:
+    """Run ``tests/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate launch`` with
+    ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
+    path = str(ROOT / "tests" / script)
+    command = [sys.executable, path, *args]
+    if processes > 1:
+        config = str(EXAMPLES / "odc_cpu.yaml")
+        command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes), path, *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+
+
+def finish() -> None:
+    """Barrier, then destroy the process group, as the trainers' ``end()`` does: a process group left to interpreter
+    exit can abort gloo ("terminate called without an active exception")."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
