@@ -90,7 +90,7 @@ class StepMetrics:
             self._slots[name] = len(initial)
             initial.append(-math.inf)
         self._initial = torch.tensor(initial, dtype=torch.float64)
-        self._values = self._initial.to(device)
+        self._values = self._initial.to(device, copy=True)  # a copy also on the CPU: reset() restores from it
 
     def __len__(self) -> int:
         """How many float64 values a rank contributes to the gather."""
