@@ -15,7 +15,7 @@ Per configuration (samples per device x packing ratio) and scheme it prints the 
 timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, and
 the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits a ``Calibration`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
-for 8, 32 and 128 GPUs (``hf_odc.packing.planning_cli.simulate``). ``--plot`` draws tokens/s per configuration and
+for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
 """
 
@@ -33,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import hf_odc
 from hf_odc.accelerate_plugin import shard_model
+from hf_odc.cli.plan import LengthPool, simulate
 from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import (
     BASELINE,
@@ -48,7 +49,6 @@ from hf_odc.packing import (
 )
 from hf_odc.packing.bubble import sync_time
 from hf_odc.packing.distributions import get_distribution
-from hf_odc.packing.planning_cli import LengthPool, simulate
 from hf_odc.trainer import PACKED_ATTENTION, PlannedMinibatchCollator
 
 MODELS = {

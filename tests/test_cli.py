@@ -316,8 +316,8 @@ def test_the_plot_legend_explains_the_shades_and_the_gaps(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.patches import Rectangle
 
-    from hf_odc.packing.planning_cli import LengthPool, simulate
-    from hf_odc.packing.planning_cli.plot import plot_simulation
+    from hf_odc.cli.plan import LengthPool, simulate
+    from hf_odc.cli.plan.plot import plot_simulation
 
     simulation = simulate(LengthPool("measured", tuple(LENGTHS)), [2, 4], 6, max(LENGTHS), num_minibatches=1)
     figure = plot_simulation(simulation, tmp_path / "plan.png")

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .._compat import mark_fsdp_managed
 from .._env import parse_bool
-from ..kernels.hosts import host_ranks
+from ..kernels.transports.hosts import host_ranks
 
 __all__ = ["device_mesh", "mixed_precision_policy", "remap_optimizer", "shard_model"]
 

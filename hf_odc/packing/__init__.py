@@ -5,7 +5,7 @@ per minibatch, so only each rank's total must be balanced (LB-Mini). This packag
 models they balance, the bubble model that predicts idle time, the four schemes every comparison names, the
 built-in length distributions, and the calibration that fits the cost model (and each rank's speed) to measured
 microbatch times while training (:class:`MinibatchPlanner` plans with it). The simulator and the rest of
-``hf-odc plan``'s back end are in :mod:`hf_odc.packing.planning_cli`.
+``hf-odc plan``'s back end are in :mod:`hf_odc.cli.plan`.
 """
 
 from .bubble import bubble_rate, idle_fraction, plan_costs, predicted_time, sync_time
