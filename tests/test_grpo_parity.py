@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 from _grpo_parity import CASES
+from _models import tiny_qwen2_config
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 SCRIPT = str(ROOT / "tests" / "_grpo_parity.py")
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
@@ -32,10 +33,8 @@ def _launch(command: list[str], timeout: float = 600) -> None:
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("grpo_parity")
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=507, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=3,
-    )  # fmt: skip
+    config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                               pad_token_id=0, eos_token_id=3)  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     model, names = str(directory / "model"), list(CASES)
     _launch([sys.executable, SCRIPT, "trl", model, str(directory / "trl.pt"), *names])
