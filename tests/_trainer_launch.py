@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from _slow import require_slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -29,6 +31,7 @@ def launch(
     script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout)."""
+    require_slow(f"the script {Path(script).name}")
     if processes == 1:
         command = [sys.executable, str(EXAMPLES / script), *args]
     else:

@@ -76,6 +76,7 @@ def loaded(trained, adapter):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_saved_tokenizer_and_model_load_with_the_auto_classes(loaded):
     """Every word of a chat gets its id back (the tokenizer class of a Qwen2 model type would drop them all)."""
     tokenizer = build_tokenizer()
@@ -88,6 +89,7 @@ def test_the_saved_tokenizer_and_model_load_with_the_auto_classes(loaded):
     assert loaded["generated"][: len(prompt)] == prompt and len(loaded["generated"]) == len(prompt) + 3
 
 
+@pytest.mark.slow
 def test_the_lora_adapter_loads_and_generates_offline(adapter, loaded):
     directory, _ = adapter
     assert json.loads((directory / "adapter_config.json").read_text())["lora_dropout"] == 0
@@ -95,6 +97,7 @@ def test_the_lora_adapter_loads_and_generates_offline(adapter, loaded):
     assert len(loaded["lora_generated"]) == len(loaded["generated"])
 
 
+@pytest.mark.slow
 def test_a_checkpoint_flag_alone_switches_checkpoints_on(trained):
     directory, _ = trained
     assert (directory / "checkpoint-1").is_dir() and (directory / "checkpoint-2").is_dir()
@@ -122,6 +125,7 @@ def test_a_checkpoint_setting_of_a_config_file_counts_as_given(tmp_path):
     assert training_args.save_strategy == "steps" and training_args.save_steps == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_output", ["trained", "adapter"])
 def test_the_console_summarises_what_trainer_state_keeps_per_rank(request, run_output):
     """With tqdm (``ProgressCallback``) and without (``PrinterCallback``); nor the warnings the example avoids (PEFT's

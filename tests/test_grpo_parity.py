@@ -18,6 +18,7 @@ from _models import tiny_qwen2_config
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
 from transformers import Qwen2ForCausalLM
 
+pytestmark = pytest.mark.slow  # every test starts processes
 SCRIPT = str(ROOT / "tests" / "_grpo_parity.py")
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
