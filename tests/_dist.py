@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from _slow import require_slow
 
 
 def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float, cuda: bool) -> None:
@@ -58,6 +59,7 @@ def launch(
     failing ranks' tracebacks. Ranks in ``may_fail`` may die instead: their result is ``None``. With ``cuda``, rank
     ``r`` uses GPU ``r`` and NCCL.
     """
+    require_slow(f"{world_size} processes")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
         procs = [

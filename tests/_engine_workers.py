@@ -9,26 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from _models import VOCAB, tiny_qwen2_config
+from _models import VOCAB, tiny_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-
-def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, device: str = "cpu"):
-    """A 2-layer, hidden-64 Qwen2 from a config (tied embeddings), identical on every rank for one seed."""
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(max_position_embeddings=256, tie_word_embeddings=True))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(seed + 1)
-        model = get_peft_model(
-            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        )
-    return model.to(device)
 
 
 def minibatch(step: int, n_micro: int, device: str = "cpu") -> list[torch.Tensor]:

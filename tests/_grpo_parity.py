@@ -3,24 +3,20 @@
 ``python tests/_grpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` on one process with the
 whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_parity.py odc MODEL_DIR OUT CASE...`` trains
 ``ODCGRPOTrainer`` on each process with its share (``8 / world_size`` generated per rank, then re-planned). Rollouts
-are ``examples/grpo.py``'s synthetic ones, the same whatever the number of ranks. Rank 0 saves, per case, the logged
-step entries and the full parameters.
+are the GRPO example's synthetic ones (``hf_odc.demo.SyntheticRollouts``), the same whatever the number of ranks.
+Rank 0 saves, per case, the logged step entries and the full parameters.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 from _parity import finish, trained_state
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from grpo import SyntheticRollouts, echo_reward, length_reward, prompt_dataset
-from sft import build_tokenizer
+from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
 
 MINIBATCH = 8
 COMMON = dict(

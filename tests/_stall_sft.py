@@ -9,20 +9,17 @@ connection reset). Launched like the example: ``accelerate launch ... tests/_sta
 from __future__ import annotations
 
 import os
+import runpy
 import signal
-import sys
 import time
 from pathlib import Path
 
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import sft
-
 from hf_odc.engine.odc import ODC
 from hf_odc.trainer import ODCSFTTrainer
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
 STALLED_RANK = 1
 STEP = 2  # the optimizer step (1-based) in which rank 1 stalls
 
@@ -97,4 +94,4 @@ POINTS = {
 if __name__ == "__main__":
     if int(os.environ["RANK"]) == STALLED_RANK:
         POINTS[os.environ["HF_ODC_TEST_STALL"]]()
-    sft.main(*sft.make_parser().parse_args_and_config())
+    runpy.run_path(str(EXAMPLE), run_name="__main__")

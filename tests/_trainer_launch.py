@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+from _slow import require_slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -27,6 +31,7 @@ def launch(
     script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout)."""
+    require_slow(f"the script {Path(script).name}")
     if processes == 1:
         command = [sys.executable, str(EXAMPLES / script), *args]
     else:
@@ -51,6 +56,16 @@ def launch(
         output, _ = process.communicate()
         raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{output[-8000:]}") from None
     return process.returncode, output
+
+
+def load_example(script: str) -> ModuleType:
+    """``examples/<script>`` as a module, its ``__main__`` block not run, for tests of the script's own command line
+    (what the examples share comes from :mod:`hf_odc.demo`)."""
+    spec = importlib.util.spec_from_file_location(f"example_{Path(script).stem}", EXAMPLES / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses' annotations are resolved
+    spec.loader.exec_module(module)
+    return module
 
 
 def logged_steps(output_dir: str | Path) -> dict[int, dict]:

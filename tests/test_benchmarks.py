@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test starts processes
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,10 +11,12 @@ import math
 import pytest
 import torch
 from _grpo_parity import CASES
+from _models import tiny_qwen2_config
 from _parity import run_checked
 from _trainer_launch import logged_steps, run
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+pytestmark = pytest.mark.slow  # every test starts processes
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
@@ -24,10 +26,8 @@ QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in T
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("grpo_parity")
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=507, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=3,
-    )  # fmt: skip
+    config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                               pad_token_id=0, eos_token_id=3)  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     model, names = str(directory / "model"), list(CASES)
     run_checked("_grpo_parity.py", "trl", model, str(directory / "trl.pt"), *names, env=QUIET)

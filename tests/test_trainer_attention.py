@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from _engine_workers import VOCAB, tiny_model
+from _models import VOCAB, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import add_fused_lm_head

@@ -83,6 +83,7 @@ def test_trainer_needs_its_own_config(tmp_path):
         ODCSFTTrainer(model="unused", args=SFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False))
 
 
+@pytest.mark.slow
 def test_max_tokens_below_the_longest_sample_is_refused_before_the_first_step(tmp_path):
     """The whole dataset is checked up front (the planner alone would only fail at the minibatch drawing it)."""
     with pytest.raises(AssertionError) as failure:
@@ -97,6 +98,7 @@ def test_max_tokens_below_the_longest_sample_is_refused_before_the_first_step(tm
     assert "'loss'" not in message, "refused before any step ran"
 
 
+@pytest.mark.slow
 def test_more_ranks_than_samples_is_refused_before_the_first_step(tmp_path):
     """2 processes, 1 sample: fewer samples than one global minibatch, refused naming what to change."""
     with pytest.raises(AssertionError) as failure:

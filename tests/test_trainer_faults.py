@@ -38,6 +38,7 @@ def _segments() -> set[str]:
     return set(glob.glob("/dev/shm/hf_odc_*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", list(POINTS))
 def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tmp_path):
     """Rank 1 stalls (or dies) at ``point`` of the second step; rank 0 ends within timeout + 10 s with PeerFailureError
@@ -59,6 +60,7 @@ def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tm
     assert _segments() <= before
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_ends_its_workers(tmp_path):
     """SIGKILL of `accelerate launch` alone (its workers untouched): the workers end too (the kernel's parent-death
     signal), instead of training on, unsupervised, to the end."""
