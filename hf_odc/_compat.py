@@ -10,8 +10,9 @@ library, its version and what is missing. torch's private names have their own g
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "UnsupportedLibraryError",
     "check_classes",
     "check_trainer",
+    "decoding_alone",
     "mark_fsdp_managed",
     "trainer_prepare_inputs",
 ]
@@ -45,6 +47,7 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
     # GRPO's generation, scoring and loss pieces ODCGRPOTrainer wraps or reuses.
     "trl:GRPOTrainer": (
         "_generate",
+        "_generate_single_turn",
         "_generate_and_score_completions",
         "_get_per_token_logps_and_entropies",
         "_prepare_inputs",
@@ -116,3 +119,16 @@ def mark_fsdp_managed(model: Any) -> None:
             f"{_library_version('transformers:x')} no longer reads _is_fsdp_managed_module: hf_odc cannot mark a model "
             "it sharded as FSDP-managed. Update hf_odc/_compat.py."
         )
+
+
+@contextlib.contextmanager
+def decoding_alone(model: Any) -> Iterator[None]:
+    """Inside the block transformers' ``generate`` decodes ``model`` on this rank alone, without lockstep: it keeps
+    ranks in lockstep (``synced_gpus``) exactly for the modules it knows FSDP-managed, so the mark is lifted for the
+    block (for a model whose forwards need no collective, e.g. its parameters held unsharded)."""
+    marked = getattr(model, "_is_fsdp_managed_module", False)
+    model._is_fsdp_managed_module = False
+    try:
+        yield
+    finally:
+        model._is_fsdp_managed_module = marked

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable
+from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable, held_unsharded
 from ..kernels import PeerFailureError
 from ._bounded import bound_process_groups, is_backend_failure, named_failure
 from .plugin import ODCPlugin
@@ -137,6 +137,23 @@ class ODCRuntime:
         if self._runner is None:
             return torch.no_grad() if not backward else contextlib.nullcontext()
         return self._runner.minibatch(backward=backward)
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[None]:
+        """``model``'s whole parameters unsharded until the block ends, for many forwards without communication (e.g.
+        decoding a generation batch, where each rank may run a different number of forwards).
+
+        They are assembled once, inside a forward-only :meth:`minibatch` (with ODC: one-sided reads of the peers'
+        shards, no collective; without it, FSDP's all-gather once per group), held through any number of forwards,
+        and freed on exit. Costs the unsharded parameters' memory (in the compute dtype) while held. A no-op for a
+        model that is not sharded."""
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        with held_unsharded(model) as unshard:
+            with self.minibatch(backward=False):
+                unshard()
+            yield
 
     def lap(self) -> None:
         """Mark the end of a microbatch inside :meth:`minibatch`, so that :attr:`last` holds each one's device time

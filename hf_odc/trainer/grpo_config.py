@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from ._base_config import _document_odc_fields, _ODCConfig
+from .generation import GENERATION_MODES
 
 
 @_document_odc_fields
@@ -37,15 +38,39 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     Parameters:
     {odc_parameters}
 
+        > Parameters of generation on the sharded policy
+
+        odc_generation (`str`, *optional*):
+            How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`); never in lockstep but
+            for `"lockstep"`. `"gathered"`: the policy's full weights assembled once per generation batch (one-sided
+            reads, no collective) and freed before the update; costs the full weights in the compute dtype while
+            decoding. `"sharded"`: decoding inside a forward-only ODC minibatch, each forward reading its layers'
+            shards from the peers (no copy; needs ODC). `"lockstep"`: TRL's own path (an all-gather per layer group
+            per token, ranks in lockstep), the baseline. `None`: `"gathered"` when the copy takes at most half of the
+            device's free memory, else `"sharded"`. A rank that finishes decoding first waits for the others at the
+            rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding times.
+
     > [!NOTE]
-    > Not supported, refused at construction: `use_vllm` (generation runs with transformers, in lockstep across ranks),
+    > Not supported, refused at construction: `use_vllm` (generation runs with transformers on each rank),
     > `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its threshold is a quantile over the whole
     > minibatch's entropies under the current policy, which an ODC minibatch has no collective to compute), PEFT with
     > `beta > 0`, multimodal prompts and Mixture-of-Experts auxiliary losses. `model_init_kwargs` defaults
     > `device_map` to `None`: every rank loads whole models and hf_odc shards them.
     """
 
+    odc_generation: str | None = field(
+        default=None,
+        metadata={
+            "help": "How each rank decodes its prompts: 'gathered' (full weights assembled once per generation batch), "
+            "'sharded' (one-sided reads per forward, no copy) or 'lockstep' (TRL's, the baseline). Unset: gathered "
+            "when the copy fits in half the free device memory, else sharded.",
+            "choices": list(GENERATION_MODES),
+        },
+    )
+
     def __post_init__(self):
+        if self.odc_generation is not None and self.odc_generation not in GENERATION_MODES:
+            raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {self.odc_generation!r}.")
         if self.use_vllm:
             raise ValueError(
                 "ODCGRPOTrainer generates with transformers (use_vllm=False): a vLLM engine holds its own copy of the "

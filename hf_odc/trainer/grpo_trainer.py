@@ -5,6 +5,7 @@ What is GRPO-specific, hook by hook (the step loop, sharding, ODC, the timings, 
 are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 
 * ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy.
+* ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`).
 * ``_generate``: TRL's, recording each completion's true length (TRL pads them).
 * ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
   passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
@@ -31,6 +32,7 @@ from trl import GRPOTrainer
 from ..accelerate_plugin import ODCRuntime
 from ._base_trainer import _ODCTrainer
 from ._step import StepMetrics
+from .generation import choose_generation_mode, decoding
 from .grpo_config import ODCGRPOConfig
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
@@ -88,6 +90,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             self.ref_model = self._ref_odc.shard(self.ref_model)
             self._ref_odc.enable(self.ref_model)
         self._generation_index = 0
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        self._generation_mode = choose_generation_mode(args.odc_generation, self.model, self.odc, dtype)
 
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
@@ -96,6 +100,11 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         result = super()._generate(prompts)
         self._completion_lengths = [len(ids) for ids in result[1]]
         return result
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
+        """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`)."""
+        with decoding(self.model, self.odc, self._generation_mode):
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
         """TRL's, except while a training generation batch is scored: then the old/reference passes are deferred to
