@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import torch
+from _slow import require_slow
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT
 
 
@@ -30,6 +31,7 @@ def trained_state(trainer) -> dict | None:
 def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 600) -> None:
     """Run ``tests/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate launch`` with
     ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
+    require_slow(f"the script {script}")
     path = str(ROOT / "tests" / script)
     command = [sys.executable, path, *args]
     if processes > 1:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 from _parity import finish, trained_state
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from sft import build_tokenizer, chat_dataset
+from hf_odc.demo import build_tokenizer, chat_dataset
 
 BATCH, ACCUMULATION, STEPS = 8, 4, 2
 COMMON = dict(

@@ -2,8 +2,8 @@
 group, an example or test script, a benchmark or a notebook kernel (seconds to minutes each) is marked
 ``@pytest.mark.slow``, so that ``python -m pytest -q -m "not slow"`` runs the others in well under two minutes (a
 planning subprocess of a second, as in ``test_cli.py``, is not slow). The launch helpers (``_dist.launch``,
-``_trainer_launch.launch`` and ``run``) refuse to start processes for an unmarked test, so that the fast subset stays
-fast as tests are added."""
+``_trainer_launch.launch`` and ``run``, ``_parity.run_checked``) refuse to start processes for an unmarked test, so
+that the fast subset stays fast as tests are added."""
 
 from __future__ import annotations
 

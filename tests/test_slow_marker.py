@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from _dist import launch as launch_workers
+from _parity import run_checked
 from _trainer_launch import launch as launch_script
 
 
@@ -20,3 +21,8 @@ def test_an_unmarked_test_cannot_start_a_process_group():
 def test_an_unmarked_test_cannot_run_a_script():
     with pytest.raises(RuntimeError, match=r"starts the script sft\.py: mark it @pytest\.mark\.slow"):
         launch_script("sft.py", "--help")
+
+
+def test_an_unmarked_test_cannot_run_a_parity_script():
+    with pytest.raises(RuntimeError, match=r"starts the script _sft_parity\.py: mark it @pytest\.mark\.slow"):
+        run_checked("_sft_parity.py", "--help")

@@ -5,17 +5,15 @@ ODC minibatch, must update the model exactly as stock TRL ``SFTTrainer`` does on
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from _models import tiny_qwen2_config
 from _parity import run_checked
-from _trainer_launch import EXAMPLES
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
-sys.path.insert(0, str(EXAMPLES))
+from hf_odc.demo import build_tokenizer
 
-from sft import build_tokenizer
+pytestmark = pytest.mark.slow  # every test starts processes
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +21,9 @@ def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sft_accumulation")
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )  # fmt: skip
+    config = tiny_qwen2_config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                               max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     model = str(directory / "model")
     run_checked("_sft_parity.py", "trl", model, str(directory / "trl.pt"))
