@@ -76,7 +76,7 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
 
 
 def test_the_default_example_generates_and_trains_on_two_processes(tmp_path):
-    """No argument but the output: transformers generation (lockstep across the sharded ranks), then ODC updates."""
+    """No argument but the output: transformers generation (each rank decoding alone, the default), then ODC updates."""
     run("grpo.py", "--max_steps", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
         env=QUIET)  # fmt: skip
     logs = logged_steps(tmp_path)
