@@ -89,12 +89,25 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 self.is_distributed_loading_by_transformers = True
         self.odc.enable(self.model)
         self._planner = self._minibatch_planner()
+        self._frozen_runtimes: list[ODCRuntime] = []
         self._step_metrics = step_metrics
         self._window: list[Any] = []
         # The Trainer's estimate (6 x parameters x tokens), counted on the tokens of this rank's share.
         count = getattr(self.model, "num_parameters", None)
         self._flops_per_token = 6 * count(exclude_embeddings=True) if count is not None else 0
         self._step_flos = 0
+
+    def _shard_frozen(self, model: nn.Module) -> tuple[nn.Module, ODCRuntime]:
+        """A frozen model the trainer reads beside the trained one (a reference policy), set up like it: packed
+        attention, sharded, with ODC of its own (run it in ``runtime.minibatch(backward=False)``), released by
+        :meth:`close_odc`. Returns the sharded model and its runtime. Call it after :meth:`_setup_odc`."""
+        model.requires_grad_(False)  # no gradient buffers: it is only read
+        use_packed_attention(model, self.args.packed_attention, self.args.device)
+        runtime = ODCRuntime(self.args.odc_plugin(), self.accelerator)
+        model = runtime.shard(model)
+        runtime.enable(model)
+        self._frozen_runtimes.append(runtime)
+        return model, runtime
 
     def _minibatch_planner(self) -> MinibatchPlanner:
         """The run's planner: ``balance`` with the configured cost model (a calibrated one starts from the attention
@@ -248,7 +261,10 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     # -- the end ------------------------------------------------------------------------------------------------------
 
     def close_odc(self) -> None:
-        """Release ODC (collective), keeping the process group: the model then runs as plain FSDP2."""
+        """Release ODC (collective), on the frozen models too, keeping the process group: the model then runs as
+        plain FSDP2."""
+        for runtime in self._frozen_runtimes:
+            runtime.close()
         self.odc.close()
 
     def end(self) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from ..packing import MinibatchPlanner, Plan
@@ -25,6 +25,7 @@ __all__ = [
     "PlannedMinibatchCollator",
     "count_target_tokens",
     "global_minibatch",
+    "minibatch_loader",
 ]
 
 
@@ -68,6 +69,32 @@ class MinibatchDataLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
+
+
+def minibatch_loader(dataset: Dataset, args: Any, world_size: int) -> MinibatchDataLoader:
+    """An ODC trainer's training loader: one item per accumulation call of ``training_step``, the
+    ``per_device_train_batch_size x world_size`` samples of :class:`GlobalMinibatchSampler` (the same on every rank,
+    not sharded by Accelerate: every rank plans the whole minibatch), as :func:`global_minibatch` gives them; ``args``
+    the trainer's config (its sampling strategy, seed and loader settings)."""
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential"):
+        raise ValueError(f"hf_odc's trainers sample 'random' or 'sequential' minibatches, not {strategy!r}.")
+    sampler = GlobalMinibatchSampler(
+        len(dataset),
+        args.per_device_train_batch_size * world_size,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        shuffle=strategy == "random",
+    )
+    workers = args.dataloader_num_workers
+    return MinibatchDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=global_minibatch,
+        num_workers=workers,
+        pin_memory=args.dataloader_pin_memory,
+        persistent_workers=args.dataloader_persistent_workers and workers > 0,
+        prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+    )
 
 
 def count_target_tokens(example: dict[str, Any]) -> int:

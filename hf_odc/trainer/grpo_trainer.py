@@ -84,11 +84,9 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 "adapter disabled); set beta=0.0, or train without PEFT."
             )
         self._setup_odc(self._declare_step_metrics())
-        self._ref_odc = ODCRuntime(args.odc_plugin(), self.accelerator) if self.ref_model is not None else None
-        if self._ref_odc is not None:
-            self.ref_model.requires_grad_(False)  # no gradient buffers: it is only read
-            self.ref_model = self._ref_odc.shard(self.ref_model)
-            self._ref_odc.enable(self.ref_model)
+        self._ref_odc = None
+        if self.ref_model is not None:
+            self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
         self._generation_index = 0
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
         self._generation_mode = choose_generation_mode(args.odc_generation, self.model, self.odc, dtype)
@@ -311,12 +309,6 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 self.entropy_coef = max(self.entropy_coef - delta, self.args.entropy_coef_min)
             self._last_world_entropy = world_entropy
         self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
-
-    def close_odc(self) -> None:
-        """Release ODC on the policy and on the reference model (collective)."""
-        if self._ref_odc is not None:
-            self._ref_odc.close()
-        super().close_odc()
 
 
 def _sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

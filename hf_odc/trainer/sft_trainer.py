@@ -26,7 +26,7 @@ from trl import SFTTrainer
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep, StepMetrics
 from .config import ODCSFTConfig
-from .data import GlobalMinibatchSampler, MinibatchDataLoader, PlannedMinibatchCollator, global_minibatch
+from .data import MinibatchDataLoader, PlannedMinibatchCollator, minibatch_loader
 
 __all__ = ["ODCSFTTrainer"]
 
@@ -86,37 +86,17 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         (not sharded by Accelerate: every rank needs the whole minibatch to plan it)."""
         if self.train_dataset is None:
             raise ValueError("ODCSFTTrainer needs a train_dataset.")
-        args = self.args
-        strategy = getattr(args, "train_sampling_strategy", "random")
-        if strategy not in ("random", "sequential"):
-            raise ValueError(f"ODCSFTTrainer samples 'random' or 'sequential' minibatches, not {strategy!r}.")
         dataset = self.train_dataset.select_columns(
             [c for c in ("input_ids", "labels") if c in self.train_dataset.column_names]
         )
         self._check_max_tokens(dataset)
-        world_size = self.accelerator.num_processes
-        sampler = GlobalMinibatchSampler(
-            len(dataset),
-            args.per_device_train_batch_size * world_size,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-            shuffle=strategy == "random",
-        )
         self._collator = PlannedMinibatchCollator(
             rank=self.accelerator.process_index,
             planner=self._planner,
-            max_tokens=args.max_tokens_for(args.max_length),
+            max_tokens=self.args.max_tokens_for(self.args.max_length),
             pad_token_id=self._tokenizer.pad_token_id,
         )
-        workers = args.dataloader_num_workers
-        return MinibatchDataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=global_minibatch,
-            num_workers=workers,
-            pin_memory=args.dataloader_pin_memory,
-            persistent_workers=args.dataloader_persistent_workers and workers > 0,
-            prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
-        )
+        return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
         """Refuse, before the first step, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
