@@ -31,7 +31,6 @@ accelerate launch --config_file examples/odc.yaml examples/sft.py \
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass, field
 
@@ -40,7 +39,7 @@ from datasets import Dataset, load_dataset, load_from_disk
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from hf_odc.demo import (
-    ExampleParser,
+    GlobalBatchParser,
     build_model,
     chat_dataset,
     load_tokenizer,
@@ -139,28 +138,8 @@ def main(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_arg
     train_and_save(trainer)
 
 
-class SFTParser(ExampleParser):
-    """:class:`ExampleParser` for this script: the global minibatch (``--global_batch_size``) is the same whatever the
-    number of processes, unless ``--per_device_train_batch_size`` is given."""
-
-    def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
-        super().complete(namespace, given)
-        processes = int(os.environ.get("WORLD_SIZE", "1"))
-        if "per_device_train_batch_size" in given:
-            if "global_batch_size" in given:
-                self.error("set --global_batch_size or --per_device_train_batch_size, not both")
-            namespace.global_batch_size = namespace.per_device_train_batch_size * processes
-            return
-        if namespace.global_batch_size < processes or namespace.global_batch_size % processes:
-            self.error(
-                f"--global_batch_size {namespace.global_batch_size} is not a positive multiple of the number of "
-                f"processes ({processes}); pick one that is, or set --per_device_train_batch_size"
-            )
-        namespace.per_device_train_batch_size = namespace.global_batch_size // processes
-
-
-def make_parser() -> SFTParser:
-    parser = SFTParser((ODCScriptArguments, ODCSFTConfig, ModelConfig))
+def make_parser() -> GlobalBatchParser:
+    parser = GlobalBatchParser((ODCScriptArguments, ODCSFTConfig, ModelConfig))
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(output_dir="odc-sft-output", max_length=256, max_steps=30, learning_rate=3e-3)
     return parser

@@ -1,6 +1,6 @@
-"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``) save after training, and how their tests launch
-them: a stock TRL trainer on one process against an ODC trainer on several, compared step by step and parameter by
-parameter."""
+"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``, ``_dpo_parity.py``) save after training, and
+how their tests launch them: a stock TRL trainer on one process against an ODC trainer on several, compared step by
+step and parameter by parameter."""
 
 from __future__ import annotations
 

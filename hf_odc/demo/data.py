@@ -1,5 +1,6 @@
 """The demos' built-in datasets, long-tailed like real post-training data: chats and pre-tokenized samples for SFT,
-prompts asking for replies of a given length for GRPO. Lengths follow :data:`hf_odc.packing.DISTRIBUTIONS`, rescaled."""
+prompts asking for replies of a given length for GRPO, preference pairs for DPO. Lengths follow
+:data:`hf_odc.packing.DISTRIBUTIONS`, rescaled."""
 
 from __future__ import annotations
 
@@ -55,4 +56,29 @@ def prompt_dataset(num_prompts: int, max_completion_length: int, distribution: s
         words = [f"w{i}" for i in rng.integers(0, NUM_WORDS, size=int(rng.integers(4, 12)))]
         content = " ".join(words)
         rows.append({"prompt": [{"role": "user", "content": content}], "target_length": target})
+    return Dataset.from_list(rows)
+
+
+_PAIR_TEMPLATE_TOKENS = 7  # <|im_start|> user <|im_end|> <|im_start|> assistant, and <|im_end|> after each reply
+
+
+def preference_dataset(num_pairs: int, max_length: int, distribution: str, seed: int) -> Dataset:
+    """Conversational preference pairs (TRL's ``prompt`` / ``chosen`` / ``rejected``): the user lists words; the
+    chosen reply repeats them in reverse, the rejected one is random words. Each sequence's length (prompt, reply and
+    template tokens) follows ``distribution``, drawn independently for the chosen and the rejected reply."""
+    rng = np.random.default_rng(seed)
+    lengths = longtail_lengths(2 * num_pairs, max_length, distribution, seed)
+    rows = []
+    for chosen_length, rejected_length in zip(lengths[::2], lengths[1::2], strict=True):
+        prompt = [f"w{i}" for i in rng.integers(0, NUM_WORDS, size=int(rng.integers(2, 8)))]
+        overhead = len(prompt) + _PAIR_TEMPLATE_TOKENS
+        chosen = [prompt[::-1][i % len(prompt)] for i in range(max(1, chosen_length - overhead))]
+        rejected = [f"w{i}" for i in rng.integers(0, NUM_WORDS, size=max(1, rejected_length - overhead))]
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": " ".join(prompt)}],
+                "chosen": [{"role": "assistant", "content": " ".join(chosen)}],
+                "rejected": [{"role": "assistant", "content": " ".join(rejected)}],
+            }
+        )
     return Dataset.from_list(rows)

@@ -1,5 +1,6 @@
 """What the example scripts share around their trainer: TRL's parser with the demos' command-line conventions
-(:class:`ExampleParser`) and the end of a run (:func:`train_and_save`)."""
+(:class:`ExampleParser`, and :class:`GlobalBatchParser` for a global minibatch that does not depend on the number of
+processes) and the end of a run (:func:`train_and_save`)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,24 @@ class ExampleParser(TrlParser):
             time.sleep(ERROR_GRACE_S)  # the first process prints; the launcher ends this one when that one exits
             self.exit(2)
         super().error(message)
+
+
+class GlobalBatchParser(ExampleParser):
+    """:class:`ExampleParser` for a script whose arguments have a ``global_batch_size`` field: the global minibatch is
+    the same whatever the number of processes (each gets ``global_batch_size / processes`` samples as
+    ``per_device_train_batch_size``), unless ``--per_device_train_batch_size`` is given."""
+
+    def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
+        super().complete(namespace, given)
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if "per_device_train_batch_size" in given:
+            if "global_batch_size" in given:
+                self.error("set --global_batch_size or --per_device_train_batch_size, not both")
+            namespace.global_batch_size = namespace.per_device_train_batch_size * processes
+            return
+        if namespace.global_batch_size < processes or namespace.global_batch_size % processes:
+            self.error(
+                f"--global_batch_size {namespace.global_batch_size} is not a positive multiple of the number of "
+                f"processes ({processes}); pick one that is, or set --per_device_train_batch_size"
+            )
+        namespace.per_device_train_batch_size = namespace.global_batch_size // processes
