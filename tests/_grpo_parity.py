@@ -10,10 +10,8 @@ Rank 0 saves, per case, the logged step entries and the full parameters.
 from __future__ import annotations
 
 import os
-import sys
 
-import torch
-from _parity import finish, trained_state
+from _parity import run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
@@ -68,13 +66,5 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     return trained_state(trainer)
 
 
-def main() -> None:
-    kind, model_dir, out, *names = sys.argv[1:]
-    results = {name: train_case(kind, model_dir, name, f"{out}.{name}") for name in names}
-    if all(result is not None for result in results.values()):
-        torch.save(results, out)
-    finish()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(train_case)

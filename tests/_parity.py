@@ -4,10 +4,13 @@ step and parameter by parameter."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 
+import pytest
 import torch
 from _slow import require_slow
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT
@@ -48,3 +51,41 @@ def finish() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def run_cases(train_case: Callable[[str, str, str, str], dict | None]) -> None:
+    """A parity script's ``main``: ``SCRIPT KIND MODEL_DIR OUT CASE...`` trains each case with
+    ``train_case(kind, model_dir, case, output_dir)`` and saves every case's :func:`trained_state` in ``OUT`` (on the
+    first process)."""
+    kind, model_dir, out, *names = sys.argv[1:]
+    results = {name: train_case(kind, model_dir, name, f"{out}.{name}") for name in names}
+    if all(result is not None for result in results.values()):
+        torch.save(results, out)
+    finish()
+
+
+def assert_same_training(
+    reference: dict,
+    ours: dict,
+    *,
+    skip: Iterable[str] = (),
+    absolute: dict[str, float] | None = None,
+) -> None:
+    """``ours`` (an ODC trainer's :func:`trained_state`) equals ``reference`` (stock TRL's) at every logged step:
+    loss and gradient norm (rtol 1e-4), every float metric TRL logs but the names in ``skip`` (rtol 1e-4, absolute
+    1e-6 or ``absolute[name]``), and the parameters after training (atol 5e-5)."""
+    assert len(ours["logs"]) == len(reference["logs"]) > 0
+    skip, absolute = set(skip), absolute or {}
+    for expected, entry in zip(reference["logs"], ours["logs"], strict=True):
+        step = expected["step"]
+        assert entry["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6), f"loss at step {step}"
+        assert entry["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), f"grad norm at step {step}"
+        for name, value in expected.items():
+            if name in skip or not isinstance(value, float) or math.isnan(value):
+                continue
+            assert name in entry, f"TRL logs {name!r}, ODC does not"
+            tolerance = absolute.get(name, 1e-6)
+            assert entry[name] == pytest.approx(value, rel=1e-4, abs=tolerance), f"{name} at step {step}"
+    assert reference["params"].keys() == ours["params"].keys()
+    for name, tensor in reference["params"].items():
+        torch.testing.assert_close(ours["params"][name], tensor, rtol=0, atol=5e-5, msg=name)
