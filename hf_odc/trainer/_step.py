@@ -7,6 +7,7 @@ training_step`) can run, time, gather and log any trainer's step without knowing
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PlannedStep", "StepMetrics"]
+__all__ = ["PlannedStep", "StepMetrics", "packed_row"]
 
 
 @dataclass
@@ -148,3 +149,22 @@ class StepMetrics:
 
 def _as_double(value: torch.Tensor | float) -> torch.Tensor | float:
     return value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+
+
+def packed_row(
+    input_ids: torch.Tensor, labels: torch.Tensor, lengths: Sequence[int]
+) -> dict[str, torch.Tensor | int]:
+    """A packed microbatch's model inputs: one row of documents of ``lengths`` tokens (``input_ids`` and ``labels``
+    1-D, concatenated), ``position_ids`` restarting at 0 for each document, and ``cu_seq_lens_q/k`` /
+    ``max_length_q/k`` for varlen kernels (``odc_packed`` attention reads the documents' bounds from them)."""
+    cu_seq_lens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    max_length = max(lengths)
+    return {
+        "input_ids": input_ids[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "labels": labels[None],
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..packing import MinibatchPlanner
-from ._step import PlannedStep
+from ._step import PlannedStep, packed_row
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -81,13 +81,12 @@ def pack_pairs(
     pair, ``completion_tokens`` ``(k, 2)`` (each completion's length, as TRL's IPO and ``sigmoid_norm`` normalise
     by it) and, if ``references`` is given, ``ref_logps`` ``(k, 2)``.
     """
-    ids, positions, labels, owner, weights, lengths, starts = [], [], [], [], [], [], [0]
+    ids, labels, owner, weights, lengths, sizes = [], [], [], [], [], []
     for pair, (chosen, rejected) in enumerate(documents):
         scored = [sum(mask[1:]) for _, mask in (chosen, rejected)]
         shared = min(scored)
         for side, (tokens, mask) in enumerate((chosen, rejected)):
             ids += tokens
-            positions += range(len(tokens))
             labels += [-100] + [t if m else -100 for t, m in zip(tokens[1:], mask[1:], strict=True)]
             owner += [2 * pair + side] * len(tokens)
             counted = 0
@@ -96,19 +95,9 @@ def pack_pairs(
                 counted += m
                 weights.append(0.0 if not m else 1.0 if ld_alpha is None or counted <= shared else ld_alpha)
             lengths.append(sum(mask))
-            starts.append(starts[-1] + len(tokens))
-    cu_seq_lens = torch.tensor(starts, dtype=torch.int32)
-    max_length = int(cu_seq_lens.diff().max())
+            sizes.append(len(tokens))
     packed = {
-        "model": {
-            "input_ids": torch.tensor(ids)[None],
-            "position_ids": torch.tensor(positions)[None],
-            "labels": torch.tensor(labels)[None],
-            "cu_seq_lens_q": cu_seq_lens,
-            "cu_seq_lens_k": cu_seq_lens,
-            "max_length_q": max_length,
-            "max_length_k": max_length,
-        },
+        "model": packed_row(torch.tensor(ids), torch.tensor(labels), sizes),
         "pairs": {
             "document": torch.tensor(owner[1:]),
             "weight": torch.tensor(weights[1:]),

@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ..packing import MinibatchPlanner, get_planner
-from ._step import PlannedStep
+from ._step import PlannedStep, packed_row
 
 __all__ = ["RolloutStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch"]
 
@@ -202,29 +202,15 @@ def pack_rollouts(rollouts: Rollouts, indices: Sequence[int]) -> dict[str, Any]:
     points at position 0), ``mask`` (the loss mask, 0 on padding),
     ``sampling_logps`` (or ``None``), and ``advantages`` ``(k,)``.
     """
-    ids, positions, labels, starts = [], [], [], [0]
-    token_index = []
+    ids, labels, lengths, token_index = [], [], [], []
     for i in indices:
         prompt, completion = rollouts.prompt_ids[i], rollouts.completion_ids[i]
-        offset = starts[-1]
-        sample = torch.cat([prompt, completion])
-        ids.append(sample)
-        positions.append(torch.arange(len(sample)))
+        first = sum(lengths) + len(prompt)
+        ids.append(torch.cat([prompt, completion]))
         labels.append(torch.cat([torch.full_like(prompt, -100), completion]))
-        first = offset + len(prompt)
         token_index.append(torch.arange(first - 1, first - 1 + len(completion)))
-        starts.append(offset + len(sample))
-    cu_seq_lens = torch.tensor(starts, dtype=torch.int32)
-    max_length = int(cu_seq_lens.diff().max())
-    model_inputs = {
-        "input_ids": torch.cat(ids)[None],
-        "position_ids": torch.cat(positions)[None],
-        "labels": torch.cat(labels)[None],
-        "cu_seq_lens_q": cu_seq_lens,
-        "cu_seq_lens_k": cu_seq_lens,
-        "max_length_q": max_length,
-        "max_length_k": max_length,
-    }
+        lengths.append(len(prompt) + len(completion))
+    model_inputs = packed_row(torch.cat(ids), torch.cat(labels), lengths)
     width = max(1, max(len(rollouts.completion_ids[i]) for i in indices))
     loss = {
         "token_index": _pad(token_index, width, 0).long(),
