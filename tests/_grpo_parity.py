@@ -43,6 +43,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
     from hf_odc.trainer._checkpoint import full_model_state_dict
+    from hf_odc.trainer.attention import attention_implementation
 
     overrides = {"max_steps": 1} | CASES[name]
     tokenizer = build_tokenizer()
@@ -73,7 +74,8 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     if trainer.accelerator.process_index != 0:
         return None
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
-    return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
+    reference = None if trainer.ref_model is None else attention_implementation(trainer.ref_model)
+    return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}, "ref_attention": reference}
 
 
 def main() -> None:

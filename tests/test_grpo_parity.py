@@ -17,6 +17,8 @@ from _grpo_parity import CASES
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hf_odc.trainer import PACKED_ATTENTION
+
 SCRIPT = str(ROOT / "tests" / "_grpo_parity.py")
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
@@ -60,6 +62,15 @@ def test_odc_grpo_matches_stock_trl_on_one_process(runs, case):
             assert entry[name] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{name} at step {step}"
     for name, tensor in reference["params"].items():
         torch.testing.assert_close(ours["params"][name], tensor, rtol=0, atol=5e-5, msg=name)
+
+
+def test_the_reference_model_runs_packed_attention(runs):
+    """With beta > 0 TRL builds the reference model with the policy's attention before ODC switches the policy; ODC
+    switches the reference too, so its passes over packed rows build no dense T x T mask (the "kl" case's parity
+    above holds with it)."""
+    assert runs[0]["kl"]["ref_attention"] == "sdpa"
+    assert runs[1]["kl"]["ref_attention"] == PACKED_ATTENTION
+    assert all(runs[1][case]["ref_attention"] is None for case in CASES if "beta" not in CASES[case])
 
 
 def test_some_step_gave_the_ranks_different_microbatch_counts(runs):

@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 
 from ..accelerate_plugin import ODCRuntime
 from ._base import _ODCTrainer
+from .attention import use_packed_attention
 from .grpo_config import ODCGRPOConfig
 from .rollouts import PlannedStep, Rollouts, gather_rollouts, plan_generation_batch
 
@@ -85,6 +86,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         self._setup_odc()
         self._ref_odc = ODCRuntime(args.odc_plugin(), self.accelerator) if self.ref_model is not None else None
         if self._ref_odc is not None:
+            use_packed_attention(self.ref_model, args.packed_attention, args.device)  # TRL built it with sdpa
             self.ref_model.requires_grad_(False)  # no gradient buffers: it is only read
             self.ref_model = self._ref_odc.shard(self.ref_model)
             self._ref_odc.enable(self.ref_model)
