@@ -15,6 +15,7 @@ from _parity import run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
+from hf_odc.trainer.attention import attention_implementation
 
 MINIBATCH = 8
 COMMON = dict(
@@ -63,7 +64,10 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         rollout_func=SyntheticRollouts("synthetic", "swe-smith", seed=0),
     )
     trainer.train()
-    return trained_state(trainer)
+    result = trained_state(trainer)
+    if result is not None:  # the reference model's attention (GRPO with beta > 0): hf_odc switches it to packed
+        result["ref_attention"] = None if trainer.ref_model is None else attention_implementation(trainer.ref_model)
+    return result
 
 
 if __name__ == "__main__":

@@ -92,3 +92,19 @@ def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
     assert [r["gathered"]["steps"] for r in ranks] == [r["gathered"]["longest"] - 1 for r in ranks]
     assert ranks[0]["gathered"]["steps"] < ranks[1]["gathered"]["steps"]
     assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
+
+
+@pytest.mark.parametrize("mode", ["model", "forward"])
+def test_packed_attention_whole_model_modes_run_on_cpu(tmp_path, mode):
+    """The whole-model and reference-pass modes on a 2-layer model (per-document SDPA: varlen is CUDA-only)."""
+    out = tmp_path / "attention.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "packed_attention.py"), "--mode", mode, "--tiny", "--rows",
+        "4x16,grpo", "--tokens", "64", "--warmup", "0", "--reps", "1", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["4x16"]["lengths"] == [16] * 4 and sum(rows["grpo"]["lengths"]) == 64
+    columns = {"model": ["sdpa", "auto"], "forward": ["policy", "reference", "reference-dense"]}[mode]
+    assert all(list(row["ms"]) == columns and min(row["ms"].values()) > 0 for row in rows.values())

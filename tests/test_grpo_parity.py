@@ -14,6 +14,8 @@ from _parity import assert_same_training, run_checked
 from _trainer_launch import logged_steps, run
 from transformers import Qwen2ForCausalLM
 
+from hf_odc.trainer import PACKED_ATTENTION
+
 pytestmark = pytest.mark.slow  # every test starts processes
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
@@ -40,6 +42,15 @@ def test_odc_grpo_matches_stock_trl_on_one_process(runs, case):
     # With accumulation TRL averages per-slice token means; ODC's mean is over the whole minibatch (ODCGRPOConfig).
     accumulating = CASES[case].get("gradient_accumulation_steps", 1) > 1
     assert_same_training(reference, ours, skip=TIMINGS + (PER_SLICE if accumulating else ()))
+
+
+def test_the_reference_model_runs_packed_attention(runs):
+    """With beta > 0 TRL builds the reference model with the policy's attention before ODC switches the policy; ODC
+    switches the reference too, so its passes over packed rows build no dense T x T mask (the "kl" case's parity
+    above holds with it)."""
+    assert runs[0]["kl"]["ref_attention"] == "sdpa"
+    assert runs[1]["kl"]["ref_attention"] == PACKED_ATTENTION
+    assert all(runs[1][case]["ref_attention"] is None for case in CASES if "beta" not in CASES[case])
 
 
 def test_some_step_gave_the_ranks_different_microbatch_counts(runs):

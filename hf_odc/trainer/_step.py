@@ -151,9 +151,7 @@ def _as_double(value: torch.Tensor | float) -> torch.Tensor | float:
     return value.detach().double() if isinstance(value, torch.Tensor) else float(value)
 
 
-def packed_row(
-    input_ids: torch.Tensor, labels: torch.Tensor, lengths: Sequence[int]
-) -> dict[str, torch.Tensor | int]:
+def packed_row(input_ids: torch.Tensor, labels: torch.Tensor, lengths: Sequence[int]) -> dict[str, torch.Tensor | int]:
     """A packed microbatch's model inputs: one row of documents of ``lengths`` tokens (``input_ids`` and ``labels``
     1-D, concatenated), ``position_ids`` restarting at 0 for each document, and ``cu_seq_lens_q/k`` /
     ``max_length_q/k`` for varlen kernels (``odc_packed`` attention reads the documents' bounds from them)."""
