@@ -89,7 +89,7 @@ def build(args, device: torch.device, shard_size: int | None = None):
 
 def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
     """One optimizer step of this rank's microbatches; returns its timings and microbatch features."""
-    microbatches = batch["microbatches"]
+    microbatches = batch.microbatches
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with runner.minibatch():
@@ -98,7 +98,7 @@ def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
             inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
             out = model(**inputs, use_cache=False, fused_lm_head=True)
-            (-out.log_probs.float().sum() * (world_size / batch["num_target_tokens"])).backward()
+            (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
             runner.lap()
     model.set_requires_gradient_sync(True)
     optimizer.step()
@@ -138,7 +138,7 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
             if step >= args.warmup:
                 result["plan"] = collator.plan(chunk)
                 result["lengths"] = chunk
-                result["predicted_bubble"] = batch["predicted_bubble_rate"]
+                result["predicted_bubble"] = batch.predicted_bubble_rate
                 result["tokens"] = sum(chunk)
                 records[scheme.name].append(result)
         if rank == 0:
