@@ -18,6 +18,7 @@ Its cost is a few meetings per optimizer step, each a host barrier in shared mem
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,6 +28,8 @@ from ..engine import ODC
 from ..kernels import PeerFailureError
 
 __all__ = ["bound_process_groups", "is_backend_failure", "named_failure"]
+
+_GRACE_S = 5.0  # how long a failed collective waits for the host to learn which peer died
 
 
 def bound_process_groups(timeout: float) -> None:
@@ -51,13 +54,22 @@ def is_backend_failure(error: BaseException) -> bool:
     )
 
 
-def named_failure(odc: ODC, what: str, error: BaseException) -> PeerFailureError:
+def named_failure(odc: ODC, what: str, error: BaseException, grace: float = _GRACE_S) -> PeerFailureError:
     """The :class:`PeerFailureError` for a collective of ``what`` that failed with ``error``: naming the rank the host
-    (or, across hosts, the job's store) knows dead or aborted, else saying that no rank is known to be."""
-    try:
-        odc.check()
-    except PeerFailureError as known:
-        return PeerFailureError(f"{known} ({what} failed: {error})")
+    (or, across hosts, the job's store) knows dead or aborted, else saying that no rank is known to be.
+
+    A peer whose connection just closed has usually just died, but the host knows it dead only once its process is
+    reaped (a killed process stays a zombie until its launcher waits for it, later on a loaded machine): so the host
+    is asked again for up to ``grace`` seconds before the error names nobody."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            odc.check()
+        except PeerFailureError as known:
+            return PeerFailureError(f"{known} ({what} failed: {error})")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     return PeerFailureError(
         f"hf_odc: a collective of {what} failed and no rank is known to have died or given up (a rank stalled inside "
         f"the collective past the ODC timeout, or another host went away): {error}"
