@@ -82,6 +82,10 @@ class _LoraMerge:
                 )
         self._adapters = {name for entries in self.deltas.values() for entry in entries for name in entry[:2]}
 
+    def _complete(self, base: str, adapters: dict[str, torch.Tensor]) -> bool:
+        """Whether every adapter of the base weight ``base`` has been assembled."""
+        return all(a_name in adapters and b_name in adapters for a_name, b_name, *_ in self.deltas[base])
+
     def merge(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``weights`` with each LoRA base weight merged and the adapters' own weights kept back. A base weight waits
         for its adapters, which FSDP holds in the same group (the layer's)."""
@@ -98,7 +102,7 @@ class _LoraMerge:
             else:
                 yield name, tensor
                 continue
-            for base in [b for b in waiting if all(a in adapters and b_ in adapters for a, b_, *_ in self.deltas[b])]:
+            for base in [base for base in waiting if self._complete(base, adapters)]:
                 merged = waiting.pop(base)
                 for a_name, b_name, scaling, fan_in_fan_out in self.deltas[base]:
                     merged = _merged(merged, adapters.pop(a_name), adapters.pop(b_name), scaling, fan_in_fan_out)
