@@ -23,6 +23,7 @@ __all__ = [
     "check_trainer",
     "decoding_alone",
     "mark_fsdp_managed",
+    "mark_vllm_weights_awake",
     "trainer_prepare_inputs",
 ]
 
@@ -135,3 +136,14 @@ def decoding_alone(model: Any) -> Iterator[None]:
         yield
     finally:
         model._is_fsdp_managed_module = marked
+
+
+def mark_vllm_weights_awake(generation: Any) -> None:
+    """Tell TRL's ``VLLMGeneration`` that its engine's weights are awake and loaded: while its private
+    ``_llm_weights_sleeping`` is set (sleep level 2 discarded them), its ``generate()`` pushes the weights again."""
+    if not hasattr(generation, "_llm_weights_sleeping"):
+        raise UnsupportedLibraryError(
+            f"{_library_version('trl:x')}'s VLLMGeneration no longer has _llm_weights_sleeping: hf_odc cannot tell it "
+            "that the weights it loaded after sleep are awake. Update hf_odc/_compat.py."
+        )
+    generation._llm_weights_sleeping = False

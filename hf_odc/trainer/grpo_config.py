@@ -35,27 +35,37 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     slices; hf_odc takes them over the whole minibatch (the same whatever the number of processes), which equals TRL's
     when the slices hold equal numbers of trained tokens. Every other loss equals TRL's with any accumulation.
 
+    With `use_vllm=True`, TRL's vLLM generation runs (`vllm_mode="colocate"`: an engine on each rank, within
+    `vllm_gpu_memory_utilization` of its device, sleep mode honoured; `"server"`: a vLLM server started as TRL
+    documents, sent TRL's requests by rank 0) and only the weight sync is hf_odc's (`hf_odc.trainer.vllm_sync`): when
+    TRL syncs, once per generation batch, the policy's full weights are assembled one FSDP group at a time by
+    one-sided reads of the peers' shards, no collective, LoRA adapters merged, and loaded by every rank into its
+    engine (colocate) or streamed by rank 0 to the server. TRL's importance-sampling correction of vLLM's rollouts
+    (`vllm_importance_sampling_*`) is applied on the packed microbatches, and its `sampling/*` metrics cover the whole
+    generation batch, as one process holding it logs them.
+
     Parameters:
     {odc_parameters}
 
         > Parameters of generation on the sharded policy
 
         odc_generation (`str`, *optional*):
-            How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`); never in lockstep but
-            for `"lockstep"`. `"gathered"`: the policy's full weights assembled once per generation batch (one-sided
-            reads, no collective) and freed before the update; costs the full weights in the compute dtype while
-            decoding. `"sharded"`: decoding inside a forward-only ODC minibatch, each forward reading its layers'
-            shards from the peers (no copy; needs ODC). `"lockstep"`: TRL's own path (an all-gather per layer group
-            per token, ranks in lockstep), the baseline. `None`: `"gathered"` when the copy takes at most half of the
-            device's free memory, else `"sharded"`. A rank that finishes decoding first waits for the others at the
-            rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding times.
+            How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`; unset with `use_vllm`,
+            where vLLM decodes); never in lockstep but for `"lockstep"`. `"gathered"`: the policy's full weights
+            assembled once per generation batch (one-sided reads, no collective) and freed before the update; costs
+            the full weights in the compute dtype while decoding. `"sharded"`: decoding inside a forward-only ODC
+            minibatch, each forward reading its layers' shards from the peers (no copy; needs ODC). `"lockstep"`:
+            TRL's own path (an all-gather per layer group per token, ranks in lockstep), the baseline. `None`:
+            `"gathered"` when the copy takes at most half of the device's free memory, else `"sharded"`. A rank that
+            finishes decoding first waits for the others at the rollouts' gather, within `odc_timeout`: set it above
+            the spread of the ranks' decoding times.
 
     > [!NOTE]
-    > Not supported, refused at construction: `use_vllm` (generation runs with transformers on each rank),
-    > `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its threshold is a quantile over the whole
-    > minibatch's entropies under the current policy, which an ODC minibatch has no collective to compute), PEFT with
-    > `beta > 0`, multimodal prompts and Mixture-of-Experts auxiliary losses. `model_init_kwargs` defaults
-    > `device_map` to `None`: every rank loads whole models and hf_odc shards them.
+    > Not supported, refused at construction: `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its
+    > threshold is a quantile over the whole minibatch's entropies under the current policy, which an ODC minibatch
+    > has no collective to compute), PEFT with `beta > 0`, multimodal prompts, Mixture-of-Experts auxiliary losses,
+    > and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers (their merge).
+    > `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole models and hf_odc shards them.
     """
 
     odc_generation: str | None = field(
@@ -71,11 +81,10 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     def __post_init__(self):
         if self.odc_generation is not None and self.odc_generation not in GENERATION_MODES:
             raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {self.odc_generation!r}.")
-        if self.use_vllm:
+        if self.use_vllm and self.odc_generation is not None:
             raise ValueError(
-                "ODCGRPOTrainer generates with transformers (use_vllm=False): a vLLM engine holds its own copy of the "
-                "weights, which ODC's one-sided reads do not update. Set use_vllm=False, or use trl.GRPOTrainer for "
-                "vLLM generation."
+                "odc_generation chooses how each rank decodes with transformers; with use_vllm=True vLLM decodes. "
+                "Leave odc_generation unset, or set use_vllm=False."
             )
         if self.use_transformers_continuous_batching:
             raise ValueError(

@@ -5,7 +5,8 @@ What is GRPO-specific, hook by hook (the step loop, sharding, ODC, the timings, 
 are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 
 * ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy.
-* ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`).
+* ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`);
+  with vLLM, TRL's as it is, the weights pushed by hf_odc's sync (:mod:`hf_odc.trainer.vllm_sync`).
 * ``_generate``: TRL's, recording each completion's true length (TRL pads them).
 * ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
   passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
@@ -30,11 +31,13 @@ from torch import nn
 from trl import GRPOTrainer
 
 from ..accelerate_plugin import ODCRuntime
+from . import _sampling_correction
 from ._base_trainer import _ODCTrainer
 from ._step import StepMetrics
 from .generation import choose_generation_mode, decoding
 from .grpo_config import ODCGRPOConfig
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
+from .vllm_sync import ODCWeightSync
 
 __all__ = ["ODCGRPOTrainer"]
 
@@ -84,6 +87,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 "adapter disabled); set beta=0.0, or train without PEFT."
             )
         self._setup_odc(self._declare_step_metrics())
+        if args.use_vllm:
+            ODCWeightSync.install(self.vllm_generation, self.model, self.odc)
         self._ref_odc = None
         if self.ref_model is not None:
             self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
@@ -100,7 +105,10 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         return result
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
-        """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`)."""
+        """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`), or by
+        vLLM."""
+        if self.use_vllm:
+            return super()._generate_single_turn(*args, **kwargs)
         with decoding(self.model, self.odc, self._generation_mode):
             return super()._generate_single_turn(*args, **kwargs)
 
@@ -160,6 +168,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             passes.append((self.ref_model, self._ref_odc, "ref_logps"))
         if passes:
             metrics["scoring_s"].append(sum(self._score_rollouts(*p[:2], microbatches, p[2]) for p in passes))
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            self._log_sampling_correction(microbatches)
         return planned
 
     def _score_rollouts(
@@ -173,6 +183,26 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
                 microbatch["loss"][key] = outputs.log_probs[0][inputs["loss"]["token_index"]].float()
         return runtime.last.step
+
+    def _sampling_ratio(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """TRL's importance-sampling ratio of vLLM's rollouts for one packed microbatch's loss inputs, or ``None``
+        when the correction is off (:mod:`hf_odc.trainer._sampling_correction`)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return None
+        return _sampling_correction.importance_sampling_ratio(
+            inputs["old_logps"], inputs["sampling_logps"], inputs["mask"], self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
+
+    def _log_sampling_correction(self, microbatches: list[dict[str, Any]]) -> None:
+        """TRL's correction metrics over the whole generation batch, in place of those TRL logged while scoring
+        (from the deferred old log-probabilities' placeholders); one gather."""
+        mode = self.vllm_importance_sampling_mode
+        local = _sampling_correction.local_statistics(microbatches, self._sampling_ratio, mode)
+        with self.odc.bounded("the sampling-correction metrics gather"):
+            gathered = self.accelerator.gather(local[None].to(self.args.device)).cpu()
+        for name, value in _sampling_correction.metrics(gathered).items():
+            self._metrics["train"][name][-1] = value
 
     # -- the loss ---------------------------------------------------------------------------------------------------
 
@@ -192,6 +222,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             sampling = inputs["sampling_logps"] if inputs["sampling_logps"] is not None else old_logps
             threshold = self.off_policy_mask_threshold
             off_policy_mask = self.get_off_policy_mask(advantages, logps, sampling, mask, threshold)
+        sampling_ratio = self._sampling_ratio(inputs)
         log_ratio = logps - old_logps
         if self.importance_sampling_level == "token":
             log_weights = log_ratio
@@ -219,7 +250,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
         elif loss_type == "vespo":
             phi_seq = self.get_gamma_weights(
-                advantages, log_ratio, mask, None,
+                advantages, log_ratio, mask, sampling_ratio,
                 args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg,
             )  # fmt: skip
             per_token_loss = -phi_seq * advantages * logps
@@ -227,6 +258,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             raise ValueError(f"Unknown loss_type {loss_type!r}.")
         if self.off_policy_mask_threshold is not None:
             per_token_loss = per_token_loss * off_policy_mask
+        if sampling_ratio is not None and loss_type != "vespo":
+            per_token_loss = per_token_loss * sampling_ratio
         if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
