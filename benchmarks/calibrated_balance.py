@@ -100,13 +100,13 @@ def run(args, model, optimizer, device) -> dict:
                               sync == "minibatch", device)  # fmt: skip
             gathered: list = [None] * world_size
             dist.all_gather_object(gathered, (result["busy"], result["wait"], result["microbatch_s"]))
-            planners[name].record(batch["microbatch_lengths"], [times for *_, times in gathered])
+            planners[name].record(batch.microbatch_lengths, [times for *_, times in gathered])
             calibration = planners[name].calibration
             if step >= args.warmup:
                 records[name].append({
                     "busy": [b for b, _, _ in gathered], "wait": [w for _, w, _ in gathered],
-                    "microbatch_s": [t for *_, t in gathered], "microbatch_lengths": batch["microbatch_lengths"],
-                    "tokens": sum(lengths), "predicted_bubble": batch["predicted_bubble_rate"],
+                    "microbatch_s": [t for *_, t in gathered], "microbatch_lengths": batch.microbatch_lengths,
+                    "tokens": sum(lengths), "predicted_bubble": batch.predicted_bubble_rate,
                     "calibration": calibration.to_dict() if calibration is not None else None,
                 })  # fmt: skip
         if rank == 0:

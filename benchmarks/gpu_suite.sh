@@ -33,7 +33,10 @@ if [[ $STEPS == *e2e* ]]; then
   timeout 300 torchrun --standalone --nproc_per_node "$nproc" benchmarks/e2e_step.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -8
 fi
 if [[ $STEPS == *attn* ]]; then
-  timeout 150 python3 benchmarks/packed_attention.py --dense --json "$OUT/packed_attention.json" 2>&1 | tee "$OUT/packed_attention.log" | tail -7
+  # Packed attention: one layer against unpacked documents, a 1.5B model's packed rows per backend, reference passes.
+  timeout 150 python3 benchmarks/packed_attention.py --mode layer --dense --json "$OUT/packed_attention.json" 2>&1 | tee "$OUT/packed_attention.log" | tail -7
+  timeout 300 python3 benchmarks/packed_attention.py --mode model --json "$OUT/packed_attention_model.json" 2>&1 | tee "$OUT/packed_attention_model.log" | tail -12
+  timeout 120 python3 benchmarks/packed_attention.py --mode forward --json "$OUT/packed_attention_forward.json" 2>&1 | tee "$OUT/packed_attention_forward.log" | tail -12
 fi
 if [[ $STEPS == *headline* ]]; then
   # HEADLINE_ARGS e.g. "--distribution swe-smith --samples-per-device 4"; the name tags the output files.

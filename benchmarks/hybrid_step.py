@@ -66,8 +66,8 @@ def run(args, device: torch.device) -> dict[str, list[dict]]:
                 records[name].append({
                     "busy": [g[0] for g in gathered], "wait": [g[1] for g in gathered],
                     "all_reduce": [g[2] for g in gathered], "peak_gib": max(g[3] for g in gathered),
-                    "tokens": sum(lengths), "predicted_bubble": batch["predicted_bubble_rate"],
-                    "microbatches": [len(r) for r in batch["microbatch_lengths"]],
+                    "tokens": sum(lengths), "predicted_bubble": batch.predicted_bubble_rate,
+                    "microbatches": [len(r) for r in batch.microbatch_lengths],
                 })  # fmt: skip
         if rank == 0:
             print(f"  minibatch {step + 1}/{steps} done", flush=True)

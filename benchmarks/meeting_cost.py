@@ -1,5 +1,5 @@
 """What bounding a step's collectives costs: one ``ODC.meet`` (the meeting before each collective of an ODC trainer's
-step, see ``hf_odc/trainer/_bounded.py``) against the smallest collective it guards, an 8-float all-reduce::
+step, see ``ODCRuntime.bounded``) against the smallest collective it guards, an 8-float all-reduce::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/meeting_cost.py --json meeting_cost.json
 

@@ -16,7 +16,7 @@ Per configuration (samples per device x packing ratio) and scheme it prints the 
 timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, and
 the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits a ``Calibration`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
-for 8, 32 and 128 GPUs (``hf_odc.packing.planning_cli.simulate``). ``--plot`` draws tokens/s per configuration and
+for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
 """
 
@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import hf_odc
 from hf_odc.accelerate_plugin import shard_model
+from hf_odc.cli.plan import LengthPool, simulate
 from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import (
     BASELINE,
@@ -49,7 +50,6 @@ from hf_odc.packing import (
 )
 from hf_odc.packing.bubble import sync_time
 from hf_odc.packing.distributions import get_distribution
-from hf_odc.packing.planning_cli import LengthPool, simulate
 from hf_odc.trainer import PACKED_ATTENTION, PlannedMinibatchCollator
 
 MODELS = {
@@ -90,7 +90,7 @@ def build(args, device: torch.device, shard_size: int | None = None):
 
 def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
     """One optimizer step of this rank's microbatches; returns its timings and microbatch features."""
-    microbatches = batch["microbatches"]
+    microbatches = batch.microbatches
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with runner.minibatch():
@@ -99,7 +99,7 @@ def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
             inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
             out = model(**inputs, use_cache=False, fused_lm_head=True)
-            (-out.log_probs.float().sum() * (world_size / batch["num_target_tokens"])).backward()
+            (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
             runner.lap()
     model.set_requires_gradient_sync(True)
     optimizer.step()
@@ -139,7 +139,7 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
             if step >= args.warmup:
                 result["plan"] = collator.plan(chunk)
                 result["lengths"] = chunk
-                result["predicted_bubble"] = batch["predicted_bubble_rate"]
+                result["predicted_bubble"] = batch.predicted_bubble_rate
                 result["tokens"] = sum(chunk)
                 records[scheme.name].append(result)
         if rank == 0:

@@ -87,10 +87,11 @@ def main() -> None:
                 loss = F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum")
                 accelerator.backward(loss * world_size / num_targets)
                 loss_sum += loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        with odc.bounded("clipping and the loss reduction"):  # a dead or stalled peer is named, not waited for
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+            mean_loss = accelerator.reduce(loss_sum, "sum").item() / num_targets
         optimizer.step()
         optimizer.zero_grad()
-        mean_loss = accelerator.reduce(loss_sum, "sum").item() / num_targets
         history.append({"step": step + 1, "loss": mean_loss, "grad_norm": float(grad_norm)})
         accelerator.print(json.dumps(history[-1]))
     if args.output and accelerator.is_main_process:

@@ -2,9 +2,10 @@
 """GRPO with On-Demand Communication (ODC): policy updates packed and balanced across ranks (LB-Mini), in TRL's
 script style.
 
-With no argument it runs on CPU in a couple of minutes: a tiny Llama-style model built from a config, the word-level
-tokenizer of `examples/sft.py`, a built-in prompt set whose prompts ask for long-tailed reply lengths, and two
-rule-based rewards written below (reply length close to the asked length; reply words taken from the prompt).
+With no argument it runs on CPU in a couple of minutes: a tiny Llama-style model built from a config, the SFT
+example's word-level tokenizer, a built-in prompt set whose prompts ask for long-tailed reply lengths, and two
+rule-based rewards (reply length close to the asked length; reply words taken from the prompt): the demo's parts, from
+`hf_odc.demo` (`hf_odc/demo/rewards.py` shows how a reward function is written).
 
 ```bash
 # one process
@@ -37,24 +38,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import zlib
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-from datasets import Dataset
-from sft import (
-    NUM_WORDS,
-    SPECIAL_TOKENS,
+from trl import ModelConfig, ScriptArguments, get_peft_config
+
+from hf_odc.demo import (
     ExampleParser,
+    SyntheticRollouts,
     build_model,
+    echo_reward,
+    length_reward,
     load_tokenizer,
-    longtail_lengths,
+    prompt_dataset,
     save_initial_model,
     train_and_save,
 )
-from trl import ModelConfig, ScriptArguments, get_peft_config
-
 from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
 
@@ -95,81 +93,11 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
-def prompt_dataset(num_prompts: int, max_completion_length: int, distribution: str, seed: int) -> Dataset:
-    """Prompts "reply with N words from: w.. w.." (conversational), with the asked length N long-tailed."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for target in longtail_lengths(num_prompts, max_completion_length, distribution, seed):
-        words = [f"w{i}" for i in rng.integers(0, NUM_WORDS, size=int(rng.integers(4, 12)))]
-        content = " ".join(words)
-        rows.append({"prompt": [{"role": "user", "content": content}], "target_length": target})
-    return Dataset.from_list(rows)
-
-
-def _text(completion: Any) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else completion
-
-
-def length_reward(completions: list, target_length: list[int], **kwargs: Any) -> list[float]:
-    """1 when the reply has the asked number of words, falling linearly to 0 at twice or zero that length."""
-    return [
-        max(0.0, 1.0 - abs(len(_text(c).split()) - target) / target)
-        for c, target in zip(completions, target_length, strict=True)
-    ]
-
-
-def echo_reward(prompts: list, completions: list, **kwargs: Any) -> list[float]:
-    """The fraction of the reply's words that appear in the prompt."""
-    rewards = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        allowed, words = set(_text(prompt).split()), _text(completion).split()
-        rewards.append(sum(word in allowed for word in words) / len(words) if words else 0.0)
-    return rewards
-
-
-class SyntheticRollouts:
-    """TRL's ``rollout_func``: completions drawn, not generated, reproducibly wherever they are drawn.
-
-    A completion's length and tokens come from a generator seeded by ``seed``, its prompt's text and its index in
-    the prompt's group of ``num_generations`` (from its global position, ``rank * len(prompts) + i``, the layout of
-    TRL's ``RepeatSampler``). It ends with the end-of-sequence token unless it reaches ``max_completion_length``.
-    """
-
-    def __init__(self, mode: str, distribution: str, seed: int):
-        self.mode, self.distribution, self.seed = mode, distribution, seed
-
-    def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
-        tokenizer, args = trainer.processing_class, trainer.args
-        rank = trainer.accelerator.process_index
-        num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
-        low = len(SPECIAL_TOKENS) + 3  # after the special tokens and role names
-        vocab = len(tokenizer)
-        prompt_ids, completion_ids = [], []
-        for i, prompt in enumerate(prompts):
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-            index = (rank * len(prompts) + i) % num_generations
-            seed = zlib.crc32(f"{self.seed}|{text}|{index}".encode())
-            rng = np.random.default_rng(seed)
-            limit = args.max_completion_length
-            if self.mode == "skewed":
-                length = (
-                    int(limit * rng.uniform(0.8, 1.0)) if rank == 0 else max(2, int(limit * rng.uniform(0.02, 0.1)))
-                )
-            else:
-                length = longtail_lengths(1, limit, self.distribution, seed % 2**31)[0]
-            tokens = rng.integers(low, vocab, size=length).tolist()
-            if length < limit:
-                tokens[-1] = tokenizer.eos_token_id
-            completion_ids.append(tokens)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
-
-
 def build_trainer(
     script_args: GRPOScriptArguments, training_args: ODCGRPOConfig, model_args: ModelConfig
 ) -> ODCGRPOTrainer:
     tokenizer = load_tokenizer(model_args)
-    model = build_model(script_args, model_args, tokenizer, seed=training_args.seed)
+    model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
     if (training_args.beta != 0.0 or peft_config is not None) and not model_args.model_name_or_path:
         # TRL loads the reference model from the policy's name; a LoRA adapter records its base model's name.

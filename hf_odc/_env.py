@@ -9,7 +9,7 @@ An explicit argument always wins; the variable is the fallback, the way Accelera
 | ``HF_ODC_RESHARD_AFTER_FORWARD`` | FSDP2's ``reshard_after_forward`` for the layers hf_odc shards |
 | ``HF_ODC_TRANSPORT`` | the transport by name (``hf_odc.kernels.TRANSPORTS``); unset: the device's |
 | ``HF_ODC_SHARD_SIZE`` | ranks per shard group, replicated across groups (hybrid ODC); unset: a host's ranks |
-| ``HF_ODC_HOST_ID`` | tests only: ranks with different values count as different hosts (:mod:`hf_odc.kernels.hosts`) |
+| ``HF_ODC_HOST_ID`` | tests only: ranks with different values are different hosts (``kernels.transports.hosts``) |
 | ``HF_ODC_SCATTER_PROGRAMS`` | cap on the GPU accumulate kernel's programs (0: uncapped), a tuning knob |
 """
 

@@ -1,8 +1,8 @@
 """Which torch hf_odc runs on: a floor, the versions its suite has run on, and checks of the private layouts it reads.
 
 hf_odc reads FSDP2's private state (:mod:`hf_odc.engine._fsdp_internals`) and uses private symmetric memory
-(:mod:`hf_odc.kernels.cuda`). Rather than a fixed list of versions, every such use is checked where it happens
-(:func:`require`): a torch that renamed or dropped one fails with an error naming it, instead of computing wrong
+(:mod:`hf_odc.kernels.transports.cuda`). Rather than a fixed list of versions, every such use is checked where it
+happens (:func:`require`): a torch that renamed or dropped one fails with an error naming it, instead of computing wrong
 gradients. A torch newer than the newest the suite has run on is admitted with a warning, once its layouts pass.
 """
 

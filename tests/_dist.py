@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from _machine import scaled
+from _slow import require_slow
 
 
 def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float, cuda: bool) -> None:
@@ -60,6 +61,7 @@ def launch(
     ``r`` uses GPU ``r`` and NCCL. Both timeouts are :func:`~_machine.scaled` to how busy the machine is.
     """
     timeout, pg_timeout = scaled(timeout, world_size), scaled(pg_timeout, world_size)
+    require_slow(f"{world_size} processes")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
         procs = [

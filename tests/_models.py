@@ -1,4 +1,4 @@
-"""The tiny model shape the tests build from a config: no download, a forward pass in milliseconds on CPU."""
+"""The tests' one tiny-model factory, built from a config: no download, a forward pass in milliseconds on CPU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ VOCAB = 128
 
 
 def tiny_qwen2_config(**overrides):
-    """A Qwen2 config with 2 layers, hidden 64, 4 heads (2 KV), vocabulary ``VOCAB``, eager attention."""
+    """A Qwen2 config with 2 layers, hidden 64, 4 heads (2 KV), vocabulary ``VOCAB``, eager attention (not saved with
+    the config); ``overrides`` set any field."""
     from transformers import Qwen2Config
 
     shape = {
@@ -19,3 +20,23 @@ def tiny_qwen2_config(**overrides):
         "attn_implementation": "eager",
     }
     return Qwen2Config(**{**shape, **overrides})
+
+
+def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, device: str = "cpu"):
+    """A Qwen2 of :func:`tiny_qwen2_config` with tied embeddings and 256 positions, identical on every rank for one
+    seed; with ``checkpointing``, activation checkpointing; with ``lora``, a LoRA adapter on q and v."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(max_position_embeddings=256, tie_word_embeddings=True))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed + 1)
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+    return model.to(device)

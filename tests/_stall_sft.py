@@ -11,20 +11,17 @@ Launched like the example: ``accelerate launch ... tests/_stall_sft.py <sft.py a
 from __future__ import annotations
 
 import os
+import runpy
 import signal
-import sys
 import time
 from pathlib import Path
 
 from accelerate import Accelerator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import sft
-
 from hf_odc.engine.odc import ODC
 from hf_odc.trainer import ODCSFTTrainer
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
 STALLED_RANK = 1
 STEP = 2  # the optimizer step (1-based) in which rank 1 stalls
 
@@ -68,7 +65,7 @@ def _stall_at_the_exit_barrier() -> None:
 
 
 def _end_inside_the_metrics_gather(kill: bool) -> None:
-    original = ODCSFTTrainer._log_minibatch
+    original = ODCSFTTrainer._log_step
     gather = Accelerator.gather
 
     def dying(self, tensor):
@@ -82,13 +79,13 @@ def _end_inside_the_metrics_gather(kill: bool) -> None:
         finally:
             self.accelerator.gather = gather.__get__(self.accelerator)
 
-    ODCSFTTrainer._log_minibatch = logged
+    ODCSFTTrainer._log_step = logged
 
 
 POINTS = {
-    "microbatch": lambda: _stall_in_trainer("compute_loss"),
+    "microbatch": lambda: _stall_in_trainer("_microbatch_loss"),
     "exit-barrier": _stall_at_the_exit_barrier,
-    "metrics-gather": lambda: _stall_in_trainer("_log_minibatch"),
+    "metrics-gather": lambda: _stall_in_trainer("_log_step"),
     "clip-grad": lambda: _stall_in_trainer("_clip_grad_norm"),
     "logging": lambda: _stall_in_trainer("_maybe_log_save_evaluate"),
     "checkpoint-save": lambda: _stall_in_trainer("_save_checkpoint"),
@@ -103,4 +100,4 @@ STOPS = {
 if __name__ == "__main__":
     if int(os.environ["RANK"]) == STALLED_RANK:
         {**POINTS, **STOPS}[os.environ["HF_ODC_TEST_STALL"]]()
-    sft.main(*sft.make_parser().parse_args_and_config())
+    runpy.run_path(str(EXAMPLE), run_name="__main__")

@@ -6,13 +6,13 @@ others' speed (as a throttled GPU would). Launched like the example: ``accelerat
 from __future__ import annotations
 
 import os
-import sys
+import runpy
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import hf_odc.demo
 
-import sft
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
 
 
 def _slowed(build_model):
@@ -31,5 +31,5 @@ def _slowed(build_model):
 
 
 if __name__ == "__main__":
-    sft.build_model = _slowed(sft.build_model)
-    sft.main(*sft.make_parser().parse_args_and_config())
+    hf_odc.demo.build_model = _slowed(hf_odc.demo.build_model)  # before the example imports it
+    runpy.run_path(str(EXAMPLE), run_name="__main__")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-from _engine_workers import VOCAB, tiny_model
+from _models import VOCAB, tiny_model
 from torch.distributed.fsdp import fully_shard
 
 import hf_odc

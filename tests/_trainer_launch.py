@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from _machine import scaled
+from _slow import require_slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -30,6 +33,7 @@ def launch(
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout, which
     :func:`~_machine.scaled` stretches on a busy machine)."""
+    require_slow(f"the script {Path(script).name}")
     timeout = scaled(timeout, processes)
     command = _command(script, args, processes)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **_popen_options(env))
@@ -45,6 +49,7 @@ def launch(
 def start(script: str, *args: str, log: Path, processes: int = 2, env: dict | None = None) -> subprocess.Popen:
     """Start what :func:`launch` runs, its output going to ``log``, and return at once (the caller ends it: with
     ``os.killpg(process.pid, signal.SIGKILL)``, every rank with the launcher)."""
+    require_slow(f"the script {Path(script).name}")
     with open(log, "w") as out:
         return subprocess.Popen(_command(script, args, processes), stdout=out, **_popen_options(env))
 
@@ -61,6 +66,16 @@ def _popen_options(env: dict | None) -> dict:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **(env or {})}
     # A session of its own, so that a timeout kills the launcher and every rank it started, not only the launcher.
     return dict(cwd=ROOT, env=full_env, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def load_example(script: str) -> ModuleType:
+    """``examples/<script>`` as a module, its ``__main__`` block not run, for tests of the script's own command line
+    (what the examples share comes from :mod:`hf_odc.demo`)."""
+    spec = importlib.util.spec_from_file_location(f"example_{Path(script).stem}", EXAMPLES / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses' annotations are resolved
+    spec.loader.exec_module(module)
+    return module
 
 
 def logged_steps(output_dir: str | Path) -> dict[int, dict]:

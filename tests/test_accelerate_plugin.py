@@ -104,6 +104,7 @@ def single_process(tmp_path_factory):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enabled", ["1", "0"], ids=["odc-lb-mini", "fsdp2-lb-micro"])
 def test_plain_accelerate_loop_matches_a_single_process(single_process, tmp_path, enabled):
     """examples/accelerate_odc.py on 2 processes (ODC + LB-Mini, or plain FSDP2 + LB-Micro) vs 1 process."""
@@ -116,6 +117,7 @@ def test_plain_accelerate_loop_matches_a_single_process(single_process, tmp_path
         assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_sharding_under_an_accelerate_fsdp_config():
     """One FSDP group per decoder layer plus the root, fp32 master weights under a bf16 policy, and Accelerate's
     later ``prepare`` still finds nothing to re-wrap."""

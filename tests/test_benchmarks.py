@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _machine import scaled
 
+pytestmark = pytest.mark.slow  # every test starts processes
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,3 +74,38 @@ def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
     assert summary["Hybrid ODC+LB-Mini (2 hosts x 1)"]["all_reduce_s_median"] > 0
     assert summary["ODC+LB-Mini (1 host x 2)"]["all_reduce_s_median"] == 0
     assert all(row["tokens_per_second"] > 0 for row in summary.values())
+
+
+def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
+    out = tmp_path / "generation.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "grpo_generation.py"), "--model-config", "tiny", "--prompts", "4",
+        "--max-new-tokens", "24", "--prompt-length", "8", "--lockstep-tokens", "8", "--row-tokens", "256",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"gathered", "sharded", "lockstep"} and result["update_s"] > 0
+    ranks = result["per_rank"]
+    # Each rank decodes to its own longest completion, except in lockstep (capped), where both step together.
+    assert [r["gathered"]["steps"] for r in ranks] == [r["gathered"]["longest"] - 1 for r in ranks]
+    assert ranks[0]["gathered"]["steps"] < ranks[1]["gathered"]["steps"]
+    assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
+
+
+@pytest.mark.parametrize("mode", ["model", "forward"])
+def test_packed_attention_whole_model_modes_run_on_cpu(tmp_path, mode):
+    """The whole-model and reference-pass modes on a 2-layer model (per-document SDPA: varlen is CUDA-only)."""
+    out = tmp_path / "attention.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "packed_attention.py"), "--mode", mode, "--tiny", "--rows",
+        "4x16,grpo", "--tokens", "64", "--warmup", "0", "--reps", "1", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["4x16"]["lengths"] == [16] * 4 and sum(rows["grpo"]["lengths"]) == 64
+    columns = {"model": ["sdpa", "auto"], "forward": ["policy", "reference", "reference-dense"]}[mode]
+    assert all(list(row["ms"]) == columns and min(row["ms"].values()) > 0 for row in rows.values())

@@ -215,7 +215,7 @@ def test_json_dash_writes_the_json_to_stdout_and_the_table_to_stderr(tmp_path, c
     assert not (tmp_path / "-").exists()
 
 
-def test_token_cap_packing_ratio_and_cost_options(tmp_path, capsys):
+def test_max_tokens_packing_ratio_and_cost_options(tmp_path, capsys):
     lengths_file = str(_lengths_file(tmp_path))
     doubled = _json_report(capsys, tmp_path, "--lengths", lengths_file, "--packing-ratio", "2", "--cost", "tokens")
     assert doubled["config"]["max_tokens"] == 2 * max(LENGTHS)
@@ -317,8 +317,8 @@ def test_the_plot_legend_explains_the_shades_and_the_gaps(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.patches import Rectangle
 
-    from hf_odc.packing.planning_cli import LengthPool, simulate
-    from hf_odc.packing.planning_cli.plot import plot_simulation
+    from hf_odc.cli.plan import LengthPool, simulate
+    from hf_odc.cli.plan.plot import plot_simulation
 
     simulation = simulate(LengthPool("measured", tuple(LENGTHS)), [2, 4], 6, max(LENGTHS), num_minibatches=1)
     figure = plot_simulation(simulation, tmp_path / "plan.png")

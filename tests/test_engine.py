@@ -37,9 +37,15 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs"))])
+_NEEDS_2_GPUS = pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.fixture(
+    params=[pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=[pytest.mark.slow, _NEEDS_2_GPUS])]
+)
 def device(request) -> str:
-    """Every engine test runs on CPU (shared memory, gloo) and, where 2 GPUs exist, on CUDA (symmetric memory)."""
+    """Every engine test runs on CPU (shared memory, gloo) and, where 2 GPUs exist, on CUDA (symmetric memory), in
+    processes it starts: a test taking this fixture is slow."""
     return request.param
 
 
@@ -273,6 +279,7 @@ def test_a_failing_rank_on_another_host_ends_every_rank_with_an_error_naming_it(
         assert_no_segments(survivor["prefix"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hosts", "shard_size", "expected"),
     [

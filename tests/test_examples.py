@@ -16,13 +16,12 @@ import sys
 
 import pytest
 from _machine import scaled
-from _trainer_launch import EXAMPLES, logged_steps, run
+from _trainer_launch import load_example, logged_steps, run
 
-sys.path.insert(0, str(EXAMPLES))
+from hf_odc.demo import build_tokenizer, script
 
-import grpo
-import sft
-
+sft = load_example("sft.py")
+grpo = load_example("grpo.py")
 FAST = ("--max_steps", "2", "--num_samples", "32", "--global_batch_size", "4")
 CHAT = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": "w3 w2 w1"}]
 
@@ -79,9 +78,10 @@ def loaded(trained, adapter):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_saved_tokenizer_and_model_load_with_the_auto_classes(loaded):
     """Every word of a chat gets its id back (the tokenizer class of a Qwen2 model type would drop them all)."""
-    tokenizer = sft.build_tokenizer()
+    tokenizer = build_tokenizer()
     ids = tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=False)
     turns = [["<|im_start|>", "user", "w1", "w2", "w3", "<|im_end|>"], ["<|im_start|>", "assistant", "w3", "w2", "w1"]]
     assert ids == tokenizer.convert_tokens_to_ids([*turns[0], *turns[1], "<|im_end|>"])
@@ -91,6 +91,7 @@ def test_the_saved_tokenizer_and_model_load_with_the_auto_classes(loaded):
     assert loaded["generated"][: len(prompt)] == prompt and len(loaded["generated"]) == len(prompt) + 3
 
 
+@pytest.mark.slow
 def test_the_lora_adapter_loads_and_generates_offline(adapter, loaded):
     directory, _ = adapter
     assert json.loads((directory / "adapter_config.json").read_text())["lora_dropout"] == 0
@@ -98,6 +99,7 @@ def test_the_lora_adapter_loads_and_generates_offline(adapter, loaded):
     assert len(loaded["lora_generated"]) == len(loaded["generated"])
 
 
+@pytest.mark.slow
 def test_a_checkpoint_flag_alone_switches_checkpoints_on(trained):
     directory, _ = trained
     assert (directory / "checkpoint-1").is_dir() and (directory / "checkpoint-2").is_dir()
@@ -125,6 +127,7 @@ def test_a_checkpoint_setting_of_a_config_file_counts_as_given(tmp_path):
     assert training_args.save_strategy == "steps" and training_args.save_steps == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_output", ["trained", "adapter"])
 def test_the_console_summarises_what_trainer_state_keeps_per_rank(request, run_output):
     """With tqdm (``ProgressCallback``) and without (``PrinterCallback``); nor the warnings the example avoids (PEFT's
@@ -184,7 +187,7 @@ def test_a_bad_flag_fails_with_one_error_line_from_the_first_process_only(monkey
     assert failure.value.code == 2 and usage.startswith("usage: ") and len(usage) <= 80
     assert error.startswith(f"{sft.make_parser().prog}: error: ") and named in error
     monkeypatch.setenv("RANK", "1")  # the others exit as silently as they can, with the same status
-    monkeypatch.setattr(sft, "ERROR_GRACE_S", 0.0)
+    monkeypatch.setattr(script, "ERROR_GRACE_S", 0.0)
     with pytest.raises(SystemExit) as failure:
         sft.make_parser().parse_args_and_config(list(flags))
     assert failure.value.code == 2 and capsys.readouterr().err == ""

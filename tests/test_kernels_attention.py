@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_odc.kernels.attention import packed_causal_attention, varlen_available
+import hf_odc.kernels.attention as kernels
+from hf_odc.kernels.attention import ALONE_FROM, Piece, attention_pieces, packed_causal_attention, varlen_available
 
 SPLITS = [(40,), (17, 1, 30, 16), (5,) * 12, (1, 1, 62)]
 
@@ -36,9 +37,11 @@ def _inputs(tokens, heads=4, kv_heads=2, dim=16, device="cpu", dtype=torch.float
 
 @pytest.mark.parametrize("lengths", SPLITS, ids=lambda s: f"{len(s)}docs")
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
-def test_sdpa_backend_equals_each_document_alone_forward_and_backward(lengths, heads):
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+def test_sdpa_and_auto_equal_each_document_alone_forward_and_backward(lengths, heads, backend):
+    """On CPU (and in float64 anywhere) ``auto`` is per-document SDPA."""
     q, k, v = _inputs(sum(lengths), *heads, dtype=torch.float64)
-    out = packed_causal_attention(q, k, v, lengths, scale=0.3, backend="sdpa")
+    out = packed_causal_attention(q, k, v, lengths, scale=0.3, backend=backend)
     expected = _reference(q, k, v, lengths, scale=0.3)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     grad = torch.randn_like(out)
@@ -46,6 +49,20 @@ def test_sdpa_backend_equals_each_document_alone_forward_and_backward(lengths, h
     want = torch.autograd.grad(expected, (q, k, v), grad)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_attends_long_documents_alone_and_runs_of_short_ones_in_one_launch():
+    n = ALONE_FROM
+    lengths = (n, 5, 7, n + 1, 3, n, n, 9, 1, 1)
+    pieces = attention_pieces(lengths)
+    assert [(p.lengths, p.varlen) for p in pieces] == [
+        ((n,), False), ((5, 7), True), ((n + 1,), False), ((3,), False), ((n,), False), ((n,), False),
+        ((9, 1, 1), True),
+    ]  # fmt: skip
+    assert all(p.tokens == sum(p.lengths) for p in pieces)
+    assert attention_pieces((n - 1,) * 64) == (Piece((n - 1,) * 64, 64 * (n - 1), True),)
+    assert attention_pieces(lengths, "varlen") == (Piece(lengths, sum(lengths), True),)
+    assert attention_pieces(lengths, "sdpa") == tuple(Piece((m,), m, False) for m in lengths)
 
 
 def test_bad_input_is_refused_with_what_to_change():
@@ -63,20 +80,30 @@ def test_bad_input_is_refused_with_what_to_change():
 
 # -- CUDA ---------------------------------------------------------------------------------------------------------
 
-CUDA_SPLITS = [(4096,), (2048, 1024, 512, 512), (256,) * 16, (1, 3000, 7, 1088)]
+CUDA_SPLITS = [(4096,), (2048, 1024, 512, 512), (256,) * 16, (1, 3000, 7, 1088), (3000, 100, 300, 2048, 1, 64, 64, 511)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lengths", CUDA_SPLITS, ids=lambda s: f"{len(s)}docs")
-@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
-def test_cuda_backends_equal_each_document_alone(lengths, backend):
-    """bf16, the 1.5B model's head layout (12 query heads, 2 key/value heads, 128 dims): forward and backward within
-    bf16 rounding of a float64 reference, and as close to it as running each document alone through sdpa."""
-    q, k, v = _inputs(sum(lengths), 12, 2, 128, device="cuda", dtype=torch.bfloat16)
-    if backend == "varlen" and not varlen_available(q, k):
-        pytest.skip("this torch has no varlen_attn for these inputs")
+@pytest.mark.parametrize("heads", [(12, 2), (8, 8)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("backend", ["sdpa", "varlen", "auto"])
+def test_cuda_backends_equal_each_document_alone(lengths, heads, backend, monkeypatch):
+    """bf16, 128-dim heads (the 1.5B model's 12 query / 2 key-value heads, and plain multi-head): forward and
+    backward within bf16 rounding of a float64 reference, and as close to it as running each document alone
+    through SDPA; ``varlen_attn`` launched once per varlen piece of the row, K/V never repeated."""
+    q, k, v = _inputs(sum(lengths), *heads, 128, device="cuda", dtype=torch.bfloat16)
+    assert varlen_available(q, k), "torch >= 2.11 on CUDA runs varlen_attn"
+    launches = []
+
+    def varlen_attn(query, key, *args, **kwargs):
+        launches.append(key.shape[1])
+        return real(query, key, *args, **kwargs)
+
+    real = kernels._varlen_attn
+    monkeypatch.setattr(kernels, "_varlen_attn", varlen_attn)
     out = packed_causal_attention(q, k, v, lengths, backend=backend)
+    assert launches == [heads[1]] * sum(p.varlen for p in attention_pieces(lengths, backend))
     grad = torch.randn_like(out)
     got = (out, *torch.autograd.grad(out, (q, k, v), grad))
     expected = _reference(q, k, v, lengths)

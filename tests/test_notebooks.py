@@ -45,6 +45,7 @@ def test_the_stored_notebook_is_publishable(path):
     assert path.stat().st_size < MAX_BYTES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_the_notebook_runs_top_to_bottom_on_cpu(path, monkeypatch):
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from hf_odc.cli.plan import CrossHost, simulate
 from hf_odc.packing import (
     DISTRIBUTIONS,
     bubble_rate,
@@ -20,7 +21,6 @@ from hf_odc.packing import (
 )
 from hf_odc.packing.bubble import step_times
 from hf_odc.packing.cost import AttentionCost, CalibratedCost
-from hf_odc.packing.planning_cli import CrossHost, simulate
 from hf_odc.packing.schemes import SCHEMES
 
 # Four ranks: rank 0 runs two microbatches, rank 1 two, rank 2 one, rank 3 none.

@@ -304,7 +304,7 @@ def test_bad_world_sizes_are_rejected(planner, world_size):
 
 @pytest.mark.parametrize("planner", ["lb_micro", "lb_mini"])
 @pytest.mark.parametrize("max_tokens", [0, -10, 100.0])
-def test_bad_token_caps_are_rejected(planner, max_tokens):
+def test_bad_max_tokens_are_rejected(planner, max_tokens):
     with pytest.raises(ValueError, match=rf"max_tokens must be a positive integer .* got {max_tokens!r}"):
         PLANNERS[planner]([10, 20], 2, max_tokens)
 

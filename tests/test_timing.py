@@ -14,6 +14,7 @@ from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import idle_fraction
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("odc", [True, False], ids=["odc", "fsdp2"])
 def test_a_sleeping_rank_is_busy_and_its_peer_waits(odc):
     per_rank = launch(sleeping_rank, 2, odc)

@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 import torch
-from _engine_workers import VOCAB, tiny_model
+from _models import VOCAB, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import add_fused_lm_head
 
+import hf_odc.kernels.attention as kernels
 from hf_odc.trainer import (
     PACKED_ATTENTION,
     use_packed_attention,
@@ -153,3 +154,30 @@ def test_trainers_switch_dense_mask_attention_and_warn_when_told_not_to():
     model.config._attn_implementation = "paged|sdpa"
     with pytest.raises(ValueError, match="attend to each other"):
         use_packed_attention(model, True, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_packed_row_takes_both_kernels_and_trains_like_each_sample_alone(monkeypatch):
+    """bf16 on a GPU, with ``auto``'s threshold lowered to 16 tokens so that this row of long and short samples
+    takes both kernels (SDPA alone for the long ones, one varlen launch per run of short ones): logits and gradients
+    equal the samples' own, run alone through sdpa, within bf16 rounding."""
+    monkeypatch.setattr(kernels, "ALONE_FROM", 16)
+    launches = []
+    real = kernels._varlen_attn
+    monkeypatch.setattr(kernels, "_varlen_attn", lambda *args, **kw: launches.append(1) or real(*args, **kw))
+    samples = _samples((40, 3, 5, 20, 1, 7, 30, 2))
+    packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _pack(samples).items() if k != "labels"}
+    model = _model(PACKED_ATTENTION).to("cuda", torch.bfloat16).train()
+    logits = model(**packed, use_cache=False).logits[0]
+    logits.float().logsumexp(-1).sum().backward()
+    assert launches == [1, 1] * 2  # two runs of short samples, each layer
+    packed_grads = {n: p.grad.float() for n, p in model.named_parameters()}
+
+    reference = _model("sdpa").to("cuda", torch.bfloat16).train()
+    alone = [reference(input_ids=torch.tensor([s], device="cuda"), use_cache=False).logits[0] for s in samples]
+    torch.cat(alone).float().logsumexp(-1).sum().backward()
+    torch.testing.assert_close(logits, torch.cat(alone), rtol=2e-2, atol=2e-2)
+    for name, param in reference.named_parameters():
+        error = ((packed_grads[name] - param.grad.float()).norm() / param.grad.float().norm()).item()
+        assert error < 2e-2, (name, error)

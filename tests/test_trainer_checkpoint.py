@@ -65,6 +65,7 @@ def killed(on_two, tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_two(single, on_two):
     directory, reference = single
     # One process writes what several do: the DCP state (no optimizer.pt), the scheduler, the marker last.
@@ -77,11 +78,13 @@ def test_one_process_checkpoint_resumes_on_two(single, on_two):
     assert "per_device_train_batch_size" not in on_two[2], on_two[2][-3000:]
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_on_one(single, on_two, tmp_path):
     train(tmp_path, "--resume_from_checkpoint", str(on_two[0] / "checkpoint-3"), processes=1)
     assert_continues(logged_steps(tmp_path), single[1], first_step=4)
 
 
+@pytest.mark.slow
 def test_resume_true_passes_over_a_killed_save_and_resumes_on_three(single, killed, tmp_path):
     directory = tmp_path / "out"
     shutil.copytree(killed, directory)
@@ -95,6 +98,7 @@ def test_resume_true_passes_over_a_killed_save_and_resumes_on_three(single, kill
     assert (partial / COMPLETE_MARKER).read_text().startswith("4\n")  # saved again, completely this time
 
 
+@pytest.mark.slow
 def test_resuming_a_killed_save_explicitly_is_refused(killed):
     partial = killed / "checkpoint-4"
     with pytest.raises(AssertionError) as failure:
@@ -104,6 +108,7 @@ def test_resuming_a_killed_save_explicitly_is_refused(killed):
     assert "'loss'" not in message, "refused before any step ran"
 
 
+@pytest.mark.slow
 def test_a_damaged_state_file_is_named_with_its_checkpoint(single, tmp_path):
     """A shard file truncated after its save completed is refused before anything is loaded, one corrupted inside
     when DCP fails to read it: either way one error naming the file, the checkpoint and what to do. (Corrupted tensor

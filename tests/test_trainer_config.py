@@ -21,7 +21,7 @@ def test_defaults(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_ODC_ENABLED", raising=False)
     args = config(tmp_path)
     assert args.odc is True and args.balance == "lb-mini" and args.cost_model == "calibrated" and args.packed_attention
-    assert args.microbatch_token_cap == args.max_length == 1024
+    assert args.max_tokens_for(args.max_length) == args.max_length == 1024
     # CPU processes must know it, whatever the launcher told them; CUDA ones keep TrainingArguments' defaults
     cpu = not torch.cuda.is_available()
     assert args.use_cpu is cpu and (args.bf16 is False if cpu else args.bf16 is not False)
@@ -47,9 +47,9 @@ def test_odc_follows_the_environment_and_the_baseline_uses_lb_micro(tmp_path, mo
     assert config(tmp_path, odc=True).odc is True
 
 
-def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
-    assert config(tmp_path, max_length=100, packing_ratio=2.5).microbatch_token_cap == 250
-    assert config(tmp_path, max_tokens_per_microbatch=777).microbatch_token_cap == 777
+def test_max_tokens_from_packing_ratio_or_explicit(tmp_path):
+    assert config(tmp_path, max_length=100, packing_ratio=2.5).max_tokens_for(100) == 250
+    assert config(tmp_path, max_tokens_per_microbatch=777).max_tokens_for(1024) == 777
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_token_cap_from_packing_ratio_or_explicit(tmp_path):
         ({"max_tokens_per_microbatch": 0}, ">= 1"),
         ({"packing_ratio": 0.0}, "> 0"),
         ({"max_length": None}, "max_tokens_per_microbatch when max_length is None"),
-        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=1"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
         ({"packing": True}, "packs each microbatch itself"),
         ({"padding_free": True}, "packs each microbatch itself"),
         ({"odc_timeout": -5}, "positive"),
@@ -97,7 +97,8 @@ def test_trainer_needs_its_own_config(tmp_path):
         ODCSFTTrainer(model="unused", args=SFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False))
 
 
-def test_a_token_cap_below_the_longest_sample_is_refused_before_the_first_step(tmp_path):
+@pytest.mark.slow
+def test_max_tokens_below_the_longest_sample_is_refused_before_the_first_step(tmp_path):
     """The whole dataset is checked up front (the planner alone would only fail at the minibatch drawing it)."""
     with pytest.raises(AssertionError) as failure:
         run("sft.py", "--max_steps", "3", "--num_samples", "64", "--max_tokens_per_microbatch", "10",
@@ -111,6 +112,7 @@ def test_a_token_cap_below_the_longest_sample_is_refused_before_the_first_step(t
     assert "'loss'" not in message, "refused before any step ran"
 
 
+@pytest.mark.slow
 def test_more_ranks_than_samples_is_refused_before_the_first_step(tmp_path):
     """2 processes, 1 sample: fewer samples than one global minibatch, refused naming what to change."""
     with pytest.raises(AssertionError) as failure:

@@ -62,9 +62,9 @@ def test_every_sample_is_packed_once_across_ranks(balance):
     items = [_collator(rank, world_size, balance)(examples) for rank in range(world_size)]
     seen = []
     for item in items:
-        assert item["num_target_tokens"] == sum(count_target_tokens(e) for e in examples)
-        assert item["num_tokens"] == sum(len(e["input_ids"]) for e in examples)
-        for mb in item["microbatches"]:
+        assert item.num_loss_tokens == sum(count_target_tokens(e) for e in examples)
+        assert item.num_tokens == sum(len(e["input_ids"]) for e in examples)
+        for mb in item.microbatches:
             assert mb["input_ids"].shape[0] == 1 and mb["input_ids"].shape[1] <= 64
             starts = [*(mb["position_ids"][0] == 0).nonzero().flatten().tolist(), mb["input_ids"].shape[1]]
             for begin, end in itertools.pairwise(starts):
@@ -74,10 +74,10 @@ def test_every_sample_is_packed_once_across_ranks(balance):
             assert mb["cu_seq_lens_q"].tolist() == starts
     assert sorted(seen) == sorted(tuple(e["input_ids"]) for e in examples)
     for rank, item in enumerate(items):  # every rank knows every rank's microbatch lengths (what times calibrate)
-        assert item["microbatch_lengths"] == items[0]["microbatch_lengths"]
-        packed = [mb["cu_seq_lens_q"].diff().tolist() for mb in item["microbatches"]]
-        assert [sorted(lengths) for lengths in item["microbatch_lengths"][rank]] == [sorted(p) for p in packed]
-    counts = [len(item["microbatches"]) for item in items]
+        assert item.microbatch_lengths == items[0].microbatch_lengths
+        packed = [mb["cu_seq_lens_q"].diff().tolist() for mb in item.microbatches]
+        assert [sorted(lengths) for lengths in item.microbatch_lengths[rank]] == [sorted(p) for p in packed]
+    counts = [len(item.microbatches) for item in items]
     if balance != "lb-mini":  # collective FSDP needs the same number of microbatches on every rank
         assert len(set(counts)) == 1
 
@@ -86,20 +86,20 @@ def test_packed_targets_add_up_to_the_normaliser():
     """The loss normaliser every rank computes alone equals the targets the fused LM head will see."""
     examples, world_size = _examples(16, seed=1), 2
     items = [_collator(rank, world_size)(examples) for rank in range(world_size)]
-    packed_targets = sum(int((mb["labels"][0, 1:] != -100).sum()) for item in items for mb in item["microbatches"])
-    assert packed_targets == items[0]["num_target_tokens"]
+    packed_targets = sum(int((mb["labels"][0, 1:] != -100).sum()) for item in items for mb in item.microbatches)
+    assert packed_targets == items[0].num_loss_tokens
 
 
 def test_lb_mini_balances_the_ranks_better_than_local_sort():
     examples, world_size = _examples(32, seed=2), 4
-    mini = _collator(0, world_size, "lb-mini")(examples)["predicted_bubble_rate"]
-    local = _collator(0, world_size, "local-sort")(examples)["predicted_bubble_rate"]
+    mini = _collator(0, world_size, "lb-mini")(examples).predicted_bubble_rate
+    local = _collator(0, world_size, "local-sort")(examples).predicted_bubble_rate
     assert 0.0 <= mini < local
 
 
 def test_a_rank_with_no_sample_gets_no_microbatch():
     examples = _examples(2)
-    assert _collator(3, 4)(examples)["microbatches"] == []
+    assert _collator(3, 4)(examples).microbatches == []
 
 
 def test_unknown_balance_is_refused():
@@ -108,7 +108,7 @@ def test_unknown_balance_is_refused():
 
 
 def test_packed_microbatch_has_position_ids_and_no_attention_mask():
-    mb = _collator(0, 1)(_examples(4))["microbatches"][0]
+    mb = _collator(0, 1)(_examples(4)).microbatches[0]
     assert mb["input_ids"].dtype == torch.long and mb["position_ids"].dtype == torch.long
     assert "attention_mask" not in mb  # a mask would make the model ignore the packed boundaries
 

@@ -38,6 +38,7 @@ def _segments() -> set[str]:
     return set(glob.glob("/dev/shm/hf_odc_*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", list(POINTS))
 def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tmp_path):
     """Rank 1 stalls (or dies) at ``point`` of the second step; rank 0 ends within timeout + 10 s with PeerFailureError
@@ -69,6 +70,7 @@ STOPPED_SAYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", list(STOPS))
 def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, tmp_path):
     """Rank 1 is frozen by SIGSTOP (every thread, its heartbeat's too): inside the metrics gather, after meeting its
@@ -97,6 +99,7 @@ def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, t
     assert said is not None, log.read_text()[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["startup", "training"])
 def test_killing_the_launcher_ends_its_workers(when, tmp_path):
     """SIGKILL of `accelerate launch` alone (its workers untouched), as soon as both workers exist (they are still

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from hf_odc.packing import Calibration
 
+pytestmark = pytest.mark.slow  # every test starts processes
 STEPS = 5
 # A higher learning rate than the demo's, so that five steps move the weights enough for a wrong gradient to show.
 COMMON = ("--max_steps", str(STEPS), "--learning_rate", "1e-2", "--num_samples", "128", "--disable_tqdm", "true")

@@ -41,7 +41,7 @@ def test_pack_points_every_completion_token_at_the_log_prob_that_scores_it():
 
 def plan(batch, rank, world_size=2, steps=2, balance="lb-mini"):
     planner = MinibatchPlanner(balance, world_size, "minibatch", TokenCost())
-    return plan_generation_batch(batch, steps=steps, rank=rank, seed=3, planner=planner, token_cap=lambda n: 2 * n)
+    return plan_generation_batch(batch, steps=steps, rank=rank, seed=3, planner=planner, max_tokens_for=lambda n: 2 * n)
 
 
 def test_every_rank_plans_the_same_minibatches_and_each_rollout_runs_once():
@@ -50,8 +50,8 @@ def test_every_rank_plans_the_same_minibatches_and_each_rollout_runs_once():
     assert len(shares[0]) == len(shares[1]) == 2
     seen = []
     for step in range(2):
-        mine = [[i for mb in shares[rank][step].microbatches for i in mb] for rank in (0, 1)]
-        assert len(mine[0]) + len(mine[1]) == 8 == shares[0][step].num_rollouts
+        mine = [[i for mb in shares[rank][step].rollout_indices for i in mb] for rank in (0, 1)]
+        assert len(mine[0]) + len(mine[1]) == 8 == shares[0][step].num_samples
         seen += mine[0] + mine[1]
         assert shares[0][step].num_tokens == shares[1][step].num_tokens
     assert sorted(seen) == list(range(16))
@@ -61,10 +61,11 @@ def test_skewed_rollouts_are_rebalanced():
     """Rank 0 generated the long completions (the first half, rank-major): TRL's split leaves rank 1 idle."""
     batch = rollouts([4] * 8, [100, 90, 95, 85, 5, 6, 4, 7])
     (step,) = plan(batch, 0, steps=1)
-    assert step.unbalanced_bubble_rate > 0.3 and step.predicted_bubble_rate < 0.05
-    assert step.generated_tokens == [104 + 94 + 99 + 89, 9 + 10 + 8 + 11]  # each rank's own rollouts, whatever the plan
-    trained = [sum(map(sum, rank)) for rank in step.microbatch_lengths]
-    assert sum(trained) == sum(step.generated_tokens) == step.num_tokens and max(trained) < 300
+    assert step.metrics["predicted_bubble_rate_unbalanced"] > 0.3 and step.predicted_bubble_rate < 0.05
+    generated = [step.metrics[f"tokens_generated/rank_{rank}"] for rank in (0, 1)]
+    assert generated == [104 + 94 + 99 + 89, 9 + 10 + 8 + 11]  # each rank's own rollouts, whatever the plan
+    trained = [step.rank_tokens(rank) for rank in (0, 1)]
+    assert sum(trained) == sum(generated) == step.num_tokens and max(trained) < 300
 
 
 def test_a_generation_batch_that_does_not_split_is_refused():
@@ -75,10 +76,10 @@ def test_a_generation_batch_that_does_not_split_is_refused():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"use_vllm": True}, "use_vllm=False"),
+        ({"use_vllm": True, "odc_generation": "gathered"}, "Leave odc_generation unset"),
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
         ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=1.0"),
-        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
         ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
     ],
 )
@@ -87,6 +88,13 @@ def test_unsupported_settings_are_refused_naming_the_fix(tmp_path, kwargs, messa
         ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, **kwargs)
 
 
+def test_vllm_generation_is_accepted_in_both_modes(tmp_path):
+    for mode in ("colocate", "server"):
+        args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_vllm=True,
+                             vllm_mode=mode)  # fmt: skip
+        assert args.use_vllm and args.vllm_mode == mode
+
+
 def test_models_are_loaded_whole_for_sharding(tmp_path):
-    args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4)
+    args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, model_init_kwargs={})
     assert args.model_init_kwargs["device_map"] is None and args.steps_per_generation == 1

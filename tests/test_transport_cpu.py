@@ -12,6 +12,7 @@ from _transport_workers import hammer, two_hosts
 from hf_odc.kernels import make_transport
 
 
+@pytest.mark.slow
 def test_concurrent_pushes_into_every_owner_lose_no_update():
     world_size, numel, rounds = 4, 1 << 15, 40
     out = launch(hammer, world_size, numel, rounds, timeout=180)
@@ -24,6 +25,7 @@ def test_concurrent_pushes_into_every_owner_lose_no_update():
     assert glob.glob(f"/dev/shm/{out[0]['prefix']}*") == []
 
 
+@pytest.mark.slow
 def test_ranks_on_several_hosts_are_refused_with_a_clear_error():
     for message in launch(two_hosts, 2):
         assert "span 2 hosts" in message and "docs/multi_host.md" in message, message

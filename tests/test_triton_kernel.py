@@ -13,7 +13,7 @@ def test_scatter_add_kernel_compiles_to_system_scope_atomics(src_dtype):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf_odc.kernels._triton_scatter import _scatter_add_kernel
+    from hf_odc.kernels.transports._triton_scatter import _scatter_add_kernel
 
     signature = {
         "src_ptr": src_dtype,

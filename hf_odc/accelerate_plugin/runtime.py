@@ -13,6 +13,9 @@ Accelerate script needs two lines::
         optimizer.step(); optimizer.zero_grad()
     odc.close()
 
+Around the script's own collectives (a metrics all-reduce, clipping, a checkpoint), ``with odc.bounded("what"):``
+makes a dead or stalled peer an error naming it within the ODC timeout instead of a hang, as the trainers do.
+
 With ``HF_ODC_ENABLED=0`` the very same script runs plain FSDP2: ``minibatch()`` then only meets the other ranks at
 its entry and exit, as ODC does (:class:`~hf_odc.engine.CollectiveMinibatch`), so that :attr:`ODCRuntime.last` times
 both alike; the ranks must then run equal microbatch counts, e.g. with ``hf_odc.packing.lb_micro``.
@@ -21,13 +24,16 @@ both alike; the ranks must then run equal microbatch counts, e.g. with ``hf_odc.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable
+from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable, held_unsharded
+from ..kernels import PeerFailureError
+from ._bounded import bound_process_groups, is_backend_failure, named_failure
 from .plugin import ODCPlugin
 from .sharding import remap_optimizer, shard_model
 
@@ -64,9 +70,11 @@ class ODCRuntime:
     def enable(self, model: nn.Module) -> ODC | None:
         """Install ODC on the sharded ``model`` (collective) if the plugin enables it; after :meth:`shard`, before any
         forward. Otherwise (disabled, or one process) :meth:`minibatch` runs the model as it is, between the same
-        meeting points."""
+        meeting points. Either way every process group of the job gets the plugin's timeout (gloo's default is 30
+        minutes, and transformers passes none to a CPU group), so that no collective blocks for longer."""
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
             self._odc = enable(model, timeout=self.plugin.timeout, transport=self.plugin.transport)
+        bound_process_groups(self.plugin.timeout)
         if self._runner is None:
             self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
         return self._odc
@@ -125,11 +133,84 @@ class ODCRuntime:
             return torch.no_grad() if not backward else contextlib.nullcontext()
         return self._runner.minibatch(backward=backward)
 
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[None]:
+        """``model``'s whole parameters unsharded until the block ends, for many forwards without communication (e.g.
+        decoding a generation batch, where each rank may run a different number of forwards).
+
+        They are assembled once, inside a forward-only :meth:`minibatch` (with ODC: one-sided reads of the peers'
+        shards, no collective; without it, FSDP's all-gather once per group), held through any number of forwards,
+        and freed on exit. Costs the unsharded parameters' memory (in the compute dtype) while held. A no-op for a
+        model that is not sharded."""
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        with held_unsharded(model) as unshard:
+            with self.minibatch(backward=False):
+                unshard()
+            yield
+
+    def full_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``model``'s parameters unsharded, by name (a shared one once), one FSDP group at a time: to hand the full
+        weights elsewhere (a vLLM engine) while holding one group unsharded, not the whole model.
+
+        Each group is unsharded (FSDP's ``unshard``) inside one forward-only :meth:`minibatch` (with ODC: one-sided
+        reads of the peers' shards, no collective; without it, FSDP's all-gather per group), in the compute dtype,
+        and resharded before the next: a tensor is valid until the next group's first one is yielded, so a consumer
+        that keeps one longer copies it. The minibatch meets the shard group's ranks at its entry and exit: each of
+        them runs this to the end, or an empty ``minibatch(backward=False)`` in its place. A model that is not
+        sharded yields its parameters as they are."""
+        if not isinstance(model, FSDPModule):
+            yield from ((name, param.detach()) for name, param in model.named_parameters())
+            return
+        groups = _parameters_by_group(model)
+        with self.minibatch(backward=False):
+            for prefix, module, names in groups:
+                module.unshard()
+                for name in names:
+                    yield prefix + name, module.get_parameter(name).detach()
+                module.reshard()
+
     def lap(self) -> None:
         """Mark the end of a microbatch inside :meth:`minibatch`, so that :attr:`last` holds each one's device time
         (what a calibrated cost model learns from); a no-op before :meth:`enable`."""
         if self._runner is not None:
             self._runner.lap()
+
+    # -- failures -----------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def bounded(self, what: str) -> Iterator[None]:
+        """Run the collectives of ``what`` once every rank has met (:meth:`hf_odc.ODC.meet` names a rank that died or
+        stalled, within the ODC timeout, where the collective would block); a collective that fails inside is
+        re-raised as :class:`~hf_odc.PeerFailureError` naming the rank if it is known. Every rank must enter the same
+        blocks in the same order, as they run the same collectives. Without ODC the process groups' timeout alone
+        bounds them."""
+        if self._odc is None:
+            yield
+            return
+        self._odc.meet(f"{what} (hf_odc's meeting before its collectives)")
+        try:
+            yield
+        except RuntimeError as error:
+            if not is_backend_failure(error):
+                raise
+            raise named_failure(self._odc, what, error) from error
+
+    @contextlib.contextmanager
+    def failing_together(self, what: str = "training") -> Iterator[None]:
+        """Around a whole run: if it fails on this rank, the others are told at once (their next meeting fails naming
+        this rank, instead of waiting out the timeout), and a collective that failed because a peer went away is
+        re-raised as :class:`~hf_odc.PeerFailureError` naming it."""
+        try:
+            yield
+        except BaseException as error:
+            if self._odc is None or isinstance(error, PeerFailureError):
+                raise
+            self._odc.abort(f"{type(error).__name__}: {error}")
+            if is_backend_failure(error):
+                raise named_failure(self._odc, what, error) from error
+            raise
 
     def close(self) -> None:
         """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""
@@ -137,6 +218,25 @@ class ODCRuntime:
             self._odc.close()
             self._odc = None
         self._runner = None
+
+
+def _parameters_by_group(model: nn.Module) -> list[tuple[str, FSDPModule, list[str]]]:
+    """Each FSDP module of ``model`` (name prefix, module, the names of the parameters its group holds, relative to
+    it), the root's first: a parameter belongs to its innermost FSDP module, a shared one to the first that has it."""
+    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    owner: dict[int, str] = {}
+    for name, module in reversed(modules):  # the innermost first
+        for param in module.parameters():
+            owner.setdefault(id(param), name)
+    groups, seen = [], set()
+    for name, module in modules:
+        names = []
+        for relative, param in module.named_parameters():
+            if owner[id(param)] == name and id(param) not in seen:
+                seen.add(id(param))
+                names.append(relative)
+        groups.append((f"{name}." if name else "", module, names))
+    return groups
 
 
 def _as_tuple(prepared: Any) -> tuple:

@@ -19,8 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .._compat import mark_fsdp_managed
 from .._env import parse_bool
-from ..kernels.hosts import host_ranks
+from ..kernels.transports.hosts import host_ranks
 
 __all__ = ["device_mesh", "mixed_precision_policy", "remap_optimizer", "shard_model"]
 
@@ -80,7 +81,7 @@ def shard_model(
     fully_shard(model, **kwargs)
     # transformers' generate() decodes in lockstep (synced_gpus) only for modules it knows are FSDP-managed: without
     # it, a rank whose sequences finish first stops calling forward and its peers' all-gathers wait for it forever.
-    model._is_fsdp_managed_module = True
+    mark_fsdp_managed(model)
     return model
 
 

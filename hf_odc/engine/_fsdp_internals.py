@@ -7,7 +7,8 @@ module reads, and nothing else does:
 
 * ``FSDPModule._get_fsdp_state()`` and the state's parameter group(s) (``_fsdp_param_groups`` in torch 2.13, a single
   ``_fsdp_param_group`` in 2.11);
-* per group: ``fsdp_params``, ``mesh_info`` (with HSDP, its ``replicate_process_group``), ``post_forward_mesh_info``,
+* per group: ``fsdp_params``, ``mesh_info`` (with HSDP, its ``replicate_process_group``), ``post_forward_mesh_info``
+  (read for the layout, and cleared while :func:`held_unsharded` keeps a model unsharded for decoding),
   ``gradient_divide_factor``, ``force_sum_reduction_for_comms``, ``_partial_reduce_output`` (where HSDP keeps gradients
   it has not all-reduced yet) and the ``mp_policy`` (the group's up to torch 2.14, each parameter's from 2.15,
   when FSDP2 also began reducing in each parameter's ``grad_dtype``);
@@ -23,7 +24,9 @@ fails with an error naming it rather than computing wrong gradients; the version
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +51,7 @@ __all__ = [
     "check_torch_version",
     "describe_groups",
     "gradient_divisor",
+    "held_unsharded",
     "install_comms",
     "lazy_init_root",
     "set_replica_all_reduce",
@@ -339,3 +343,26 @@ def take_unreduced_gradient(spec: GroupSpec) -> torch.Tensor | None:
     unreduced = group._partial_reduce_output
     group._partial_reduce_output = None
     return unreduced
+
+
+@contextlib.contextmanager
+def held_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Keep every FSDP group of ``model`` unsharded through any number of forwards, until the block ends.
+
+    Yields the function that unshards them all (FSDP's public ``unshard``: call it where its all-gather should run;
+    inside an ODC minibatch that is one-sided reads of the peers' shards, no collective). Meanwhile each group's
+    reshard after forward is off (its ``post_forward_mesh_info`` cleared: FSDP2 reshards after a forward exactly when
+    that is set), so the forwards that follow find their parameters unsharded and communicate nothing. On exit the
+    settings are restored and every group is resharded, freeing the unsharded copy."""
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    groups = [group for module in modules for group in _param_groups(module)]
+    saved = [group.post_forward_mesh_info for group in groups]
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        yield lambda: [module.unshard() for module in modules]
+    finally:
+        for group, mesh_info in zip(groups, saved, strict=True):
+            group.post_forward_mesh_info = mesh_info
+        for module in modules:
+            module.reshard()

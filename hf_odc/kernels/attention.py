@@ -4,52 +4,79 @@ A packed microbatch concatenates documents into one row of ``T`` tokens, and att
 document. A block-diagonal ``T x T`` mask (what transformers builds for ``sdpa`` and ``eager``) makes every packed row
 cost ``T**2`` in time and memory, whatever its split, and keeps the fused kernels out (they take no arbitrary mask).
 Here each document is attended causally on its own, so a row costs the sum of its documents' ``L**2``, no tensor
-grows with ``T**2``, and nothing is compiled, so a new split or length costs nothing extra. Two backends:
+grows with ``T**2``, and nothing is compiled, so a new split or length costs nothing extra. Two kernels do it:
 
-* ``"sdpa"``: ``scaled_dot_product_attention(is_causal=True)`` per document, on views of the packed tensors: the very
-  kernel an unpacked document gets, so the result is that of running each document alone. GQA goes through
-  ``enable_gqa`` (no copy of K/V per query head). The inputs are cut with one ``split`` (its backward concatenates the
-  documents' gradients once; slicing each document out would add a full-size zero gradient per document). Any device.
-* ``"varlen"``: one launch of ``torch.nn.attention.varlen.varlen_attn`` over every document (CUDA, bf16/fp16, no
-  dropout; grouped-query attention only where that torch's ``varlen_attn`` takes ``enable_gqa``, 2.13 on).
+* ``scaled_dot_product_attention(is_causal=True)`` on one document, on views of the packed tensors: the very kernel
+  an unpacked document gets, so the result is that of running the document alone. GQA goes through ``enable_gqa``
+  (no copy of K/V per query head). Any device. Its price is per document: the host launches a forward, a
+  recomputation under activation checkpointing and a backward for each one, and on rows of many short documents
+  those launches, not the GPU, set the pace.
+* ``torch.nn.attention.varlen.varlen_attn``: one launch over a run of documents, whatever their number (CUDA,
+  bf16/fp16, no dropout; grouped-query K/V shared by the kernel, not copied). On long documents its flash kernel is
+  slower than the one SDPA picks on Hopper (cuDNN's).
 
-``"sdpa"`` is the default, the one measured against unpacked documents (benchmarks/RESULTS.md); ``"varlen"`` could
-not be measured with grouped-query attention on torch 2.11 and stays an explicit choice.
+``backend`` chooses per row:
+
+* ``"auto"`` (the default): where ``varlen_attn`` runs these inputs, every document of at least :data:`ALONE_FROM`
+  tokens is attended alone through SDPA and each run of shorter documents between them in one ``varlen_attn``
+  launch (a run of one through SDPA). A row then launches at most ``2 * T / ALONE_FROM + 1`` attention kernels
+  whatever its split, and each long document keeps SDPA's kernel. The threshold is where the two kernels cost the
+  same on a whole model's row (benchmarks/RESULTS.md). Elsewhere (CPU, fp32, dropout): per-document SDPA.
+* ``"sdpa"``: per-document SDPA for every document.
+* ``"varlen"``: one ``varlen_attn`` launch for the whole row.
+
+The documents are cut with one ``split`` (its backward concatenates the gradients once; slicing each document out
+would add a full-size zero gradient per document), and the pieces' outputs concatenated once.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "Backend", "packed_causal_attention", "varlen_available"]
+__all__ = [
+    "ALONE_FROM",
+    "BACKENDS",
+    "Backend",
+    "Piece",
+    "attention_pieces",
+    "packed_causal_attention",
+    "varlen_available",
+]
 
-Backend = Literal["sdpa", "varlen"]
-BACKENDS: tuple[str, ...] = ("sdpa", "varlen")
+Backend = Literal["auto", "sdpa", "varlen"]
+BACKENDS: tuple[str, ...] = ("auto", "sdpa", "varlen")
+
+ALONE_FROM = 2048
+"""``"auto"``: documents of at least this many tokens are attended alone through SDPA, shorter ones together."""
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - older torch
     _varlen_attn = None
 
-_VARLEN_GQA = _varlen_attn is not None and "enable_gqa" in inspect.signature(_varlen_attn).parameters
+_VARLEN_PARAMETERS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+# Grouped-query K/V reach the flash kernel as they are (it shares each K/V head across its query heads, no copy):
+# torch 2.13 asks for ``enable_gqa=True``; torch 2.11 has no such argument and passes them through unchecked.
+_VARLEN_GQA_ARGUMENT = "enable_gqa" in _VARLEN_PARAMETERS
 _VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def varlen_available(query: torch.Tensor, key: torch.Tensor, dropout_p: float = 0.0) -> bool:
-    """Whether the ``"varlen"`` backend can run these inputs: a CUDA device, half precision, no dropout, and key/value
-    heads that either match the query heads or that this torch's ``varlen_attn`` shares across query heads."""
+    """Whether ``varlen_attn`` can run these inputs: a torch whose ``varlen_attn`` takes ``window_size`` (2.11 on),
+    a CUDA device, half precision and no dropout."""
     return (
-        _varlen_attn is not None
+        "window_size" in _VARLEN_PARAMETERS
         and query.is_cuda
         and query.dtype in _VARLEN_DTYPES
+        and key.dtype == query.dtype
         and dropout_p == 0.0
-        and (query.shape[1] == key.shape[1] or _VARLEN_GQA)
     )
 
 
@@ -59,10 +86,9 @@ def packed_causal_attention(
     value: torch.Tensor,
     lengths: Sequence[int],
     *,
-    cu_seqlens: torch.Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    backend: Backend = "sdpa",
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Causal attention of each document of a packed row with itself only.
 
@@ -70,11 +96,9 @@ def packed_causal_attention(
         query: ``(T, H_q, D)``, the row's tokens in order.
         key, value: ``(T, H_kv, D)``; ``H_q`` must be a multiple of ``H_kv`` (grouped-query attention).
         lengths: the documents' token counts, in order, summing to ``T`` (host integers: no device sync here).
-        cu_seqlens: ``[0, cumsum(lengths)...]`` as int32 on the device, if the caller already has it (``"varlen"``
-            builds it otherwise).
         scale: softmax scale; ``None`` is ``D ** -0.5``.
-        dropout_p: attention dropout (``"sdpa"`` only).
-        backend: ``"sdpa"`` or ``"varlen"`` (see the module docstring).
+        dropout_p: attention dropout (per-document SDPA only; ``"auto"`` uses it when this is set).
+        backend: ``"auto"``, ``"sdpa"`` or ``"varlen"`` (see the module docstring).
 
     Returns:
         ``(T, H_q, D)``, contiguous.
@@ -90,42 +114,87 @@ def packed_causal_attention(
     lengths = tuple(int(n) for n in lengths)
     if sum(lengths) != total or any(n < 1 for n in lengths):
         raise ValueError(f"Document lengths {lengths[:8]}... must be positive and sum to the row's {total} tokens.")
-    if backend == "varlen":
-        if not varlen_available(query, key, dropout_p):
-            raise ValueError(
-                "The 'varlen' attention backend needs torch.nn.attention.varlen (torch >= 2.10), a CUDA device, "
-                f"bf16/fp16 inputs and no dropout (got {query.device.type}, {query.dtype}, dropout {dropout_p}, "
-                f"{heads} query / {kv_heads} key-value heads); use backend='sdpa'."
-            )
-        return _varlen(query, key, value, lengths, cu_seqlens, scale)
-    if backend != "sdpa":
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
-    return _per_document_sdpa(query, key, value, lengths, scale, dropout_p)
+    varlen = varlen_available(query, key, dropout_p)
+    if backend == "varlen" and not varlen:
+        raise ValueError(
+            "The 'varlen' attention backend needs torch.nn.attention.varlen (torch >= 2.11), a CUDA device, "
+            f"bf16/fp16 inputs and no dropout (got {query.device.type}, {query.dtype}, dropout {dropout_p}); use "
+            "backend='sdpa' or 'auto'."
+        )
+    if backend == "auto" and not varlen:
+        backend = "sdpa"
+    pieces = _pieces(lengths, backend, ALONE_FROM)
+    if len(pieces) == 1:
+        return _attend(pieces[0], query, key, value, scale, dropout_p).contiguous()
+    sizes = [piece.tokens for piece in pieces]
+    return torch.cat(
+        [
+            _attend(piece, q, k, v, scale, dropout_p)
+            for piece, q, k, v in zip(pieces, query.split(sizes), key.split(sizes), value.split(sizes), strict=True)
+        ]
+    )
 
 
-def _per_document_sdpa(
+class Piece(NamedTuple):
+    """Consecutive documents of a row attended by one kernel launch: ``varlen_attn`` or SDPA (one document)."""
+
+    lengths: tuple[int, ...]
+    tokens: int
+    varlen: bool
+
+
+def attention_pieces(lengths: Sequence[int], backend: Backend = "auto") -> tuple[Piece, ...]:
+    """The kernel launches ``backend`` makes for a row of documents of ``lengths`` tokens, where ``varlen_attn`` runs
+    (:func:`packed_causal_attention` asks for ``"sdpa"``'s where it does not)."""
+    return _pieces(tuple(int(n) for n in lengths), backend, ALONE_FROM)
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces(lengths: tuple[int, ...], backend: str, alone_from: int) -> tuple[Piece, ...]:
+    """Cached: every layer of a forward, and its recomputation, asks for the same row."""
+    if backend == "varlen":
+        return (Piece(lengths, sum(lengths), True),)
+    if backend == "sdpa":
+        return tuple(Piece((n,), n, False) for n in lengths)
+    pieces: list[Piece] = []
+    for short, group in itertools.groupby(lengths, key=lambda n: n < alone_from):
+        group = tuple(group)
+        if short and len(group) > 1:
+            pieces.append(Piece(group, sum(group), True))
+        else:
+            pieces.extend(Piece((n,), n, False) for n in group)
+    return tuple(pieces)
+
+
+def _attend(
+    piece: Piece,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    lengths: tuple[int, ...],
     scale: float | None,
     dropout_p: float,
 ) -> torch.Tensor:
-    gqa = query.shape[1] != key.shape[1]
-    outputs = []
-    for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True):
-        # (L, H, D) -> (1, H, L, D): views; SDPA returns (1, H, L, D) laid out as (1, L, H, D).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            dropout_p=dropout_p,
-            is_causal=True,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        outputs.append(out[0].transpose(0, 1))
-    return outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs)
+    if piece.varlen:
+        return _varlen(query, key, value, piece.lengths, scale)
+    # (L, H, D) -> (1, H, L, D): views; SDPA returns (1, H, L, D) laid out as (1, L, H, D).
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
+        dropout_p=dropout_p,
+        is_causal=True,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _cu_seqlens(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[0, cumsum(lengths)...]`` as int32 on ``device``, copied there once per row."""
+    return torch.tensor((0, *itertools.accumulate(lengths)), dtype=torch.int32).to(device)
 
 
 def _varlen(
@@ -133,13 +202,11 @@ def _varlen(
     key: torch.Tensor,
     value: torch.Tensor,
     lengths: tuple[int, ...],
-    cu_seqlens: torch.Tensor | None,
     scale: float | None,
 ) -> torch.Tensor:
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor((0, *itertools.accumulate(lengths)), dtype=torch.int32, device=query.device)
+    cu_seqlens = _cu_seqlens(lengths, query.device)
     longest = max(lengths)
-    extra = {"enable_gqa": True} if _VARLEN_GQA and query.shape[1] != key.shape[1] else {}
+    extra = {"enable_gqa": True} if _VARLEN_GQA_ARGUMENT and query.shape[1] != key.shape[1] else {}
     return _varlen_attn(
         query.contiguous(),
         key.contiguous(),

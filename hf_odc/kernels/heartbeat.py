@@ -2,7 +2,7 @@
 rank left waiting can name the rank that went silent, and what that rank was last doing.
 
 A collective cannot name a peer that never arrives: gloo's timeout says "Timed out" and NCCL's names a sequence
-number. ODC's meetings name a late rank (:mod:`hf_odc.kernels.host_barrier`), but a rank can stop *inside* a
+number. ODC's meetings name a late rank (:mod:`hf_odc.kernels.transports.host_barrier`), but a rank can stop *inside* a
 collective, after every meeting, or before the first one: during startup, where no hf_odc code waits at all. So each
 rank runs a daemon thread that writes its beat (a counter, its pid, host and clock, and what its main thread is doing)
 every tenth of the ODC timeout (at most every second), and reads its peers' beats. A stopped process (SIGSTOP, a
@@ -12,7 +12,7 @@ clocks need not agree).
 
 Two uses:
 
-* :func:`describe_silent` names the silent ranks when a collective failed (``hf_odc.trainer._bounded``'s
+* :func:`describe_silent` names the silent ranks when a collective failed (``hf_odc.accelerate_plugin._bounded``'s
   ``named_failure``), or says that every rank still beats and where each one is.
 * The watchdog: a rank silent for longer than the ODC timeout (plus a grace period, so that hf_odc's own bounded
   waits, which raise a catchable error, come first) ends this process with a message naming it. That bounds the parts
@@ -41,8 +41,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .._env import timeout_seconds
-from .hosts import host_id
-from .transport import DEFAULT_TIMEOUT_S
+from .transports.hosts import host_id
+from .transports.transport import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "Heartbeat",
@@ -456,7 +456,7 @@ def _sibling_pid(rank: int) -> int | None:
 def _end_process(message: str) -> None:
     """End this process now, from the heartbeat's thread: its main thread is blocked where no exception reaches it.
     Shared-memory names still pending are removed first; the launcher sees the failure and ends the others."""
-    from ._dev_shm import unlink_pending
+    from .transports._dev_shm import unlink_pending
 
     with contextlib.suppress(Exception):
         sys.stderr.write(message + "\n")

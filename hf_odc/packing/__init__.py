@@ -5,7 +5,7 @@ per minibatch, so only each rank's total must be balanced (LB-Mini). This packag
 models they balance, the bubble model that predicts idle time, the four schemes every comparison names, the
 built-in length distributions, and the calibration that fits the cost model (and each rank's speed) to measured
 microbatch times while training (:class:`MinibatchPlanner` plans with it). The simulator and the rest of
-``hf-odc plan``'s back end are in :mod:`hf_odc.packing.planning_cli`.
+``hf-odc plan``'s back end are in :mod:`hf_odc.cli.plan`.
 """
 
 from .bubble import bubble_rate, idle_fraction, plan_costs, predicted_time, sync_time
@@ -26,7 +26,7 @@ from .cost import (
 from .distributions import DISTRIBUTIONS, LengthDistribution, sample_lengths
 from .online import MinibatchPlanner
 from .partition import karmarkar_karp
-from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, token_cap
+from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, max_tokens_for
 from .schemes import BASELINE, SCHEMES, Scheme
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "lb_micro",
     "lb_mini",
     "local_sort",
+    "max_tokens_for",
     "microbatch_features",
     "named_cost",
     "plan_costs",
@@ -64,5 +65,4 @@ __all__ = [
     "resolve_cost",
     "sample_lengths",
     "sync_time",
-    "token_cap",
 ]

@@ -25,7 +25,7 @@ from ._bin_packing import best_fit_decreasing
 from .cost import CostLike, evaluate_costs
 from .partition import karmarkar_karp
 
-__all__ = ["PLANNERS", "Plan", "Planner", "get_planner", "lb_micro", "lb_mini", "local_sort", "token_cap"]
+__all__ = ["PLANNERS", "Plan", "Planner", "get_planner", "lb_micro", "lb_mini", "local_sort", "max_tokens_for"]
 
 Plan = list[list[list[int]]]
 """``plan[rank][microbatch]`` is the list of sample indices that rank runs in that microbatch."""
@@ -46,7 +46,7 @@ def local_sort(
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
     if max_tokens is not None:
-        _check_token_cap(lengths, max_tokens)
+        _check_max_tokens(lengths, max_tokens)
     return [
         [[i] for i in sorted(range(rank, len(lengths), world_size), key=lambda i: (-lengths[i], i))]
         for rank in range(world_size)
@@ -76,7 +76,7 @@ def lb_mini(
     """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
-    _check_token_cap(lengths, max_tokens)
+    _check_max_tokens(lengths, max_tokens)
     costs = evaluate_costs(lengths, cost)
     shares = karmarkar_karp(costs, world_size, speeds=speeds)  # with speeds, share r is rank r's
     return [_pack_share(share, lengths, costs, max_tokens) for share in shares]
@@ -96,7 +96,7 @@ def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cos
     """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
-    _check_token_cap(lengths, max_tokens)
+    _check_max_tokens(lengths, max_tokens)
     if len(lengths) < world_size:
         raise ValueError(
             f"lb_micro needs at least one sample per rank, got {len(lengths)} samples for world_size={world_size}; "
@@ -204,7 +204,7 @@ def _check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be a positive integer (the number of ranks), got {world_size!r}.")
 
 
-def _check_token_cap(lengths: list[int], max_tokens: int) -> None:
+def _check_max_tokens(lengths: list[int], max_tokens: int) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer (tokens per microbatch), got {max_tokens!r}.")
     too_long = [index for index, length in enumerate(lengths) if length > max_tokens]
@@ -228,7 +228,7 @@ def get_planner(name: str) -> Planner:
     return PLANNERS[name]
 
 
-def token_cap(longest: int, packing_ratio: float = 1.0) -> int:
+def max_tokens_for(longest: int, packing_ratio: float = 1.0) -> int:
     """Tokens one microbatch may hold when it is ``packing_ratio`` times the longest sample (``1.0`` fits exactly
     one longest sample)."""
     if not packing_ratio > 0:

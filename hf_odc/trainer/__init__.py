@@ -1,12 +1,14 @@
-"""TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig` and :class:`ODCGRPOTrainer` /
-:class:`ODCGRPOConfig`.
+"""TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig`, :class:`ODCGRPOTrainer` /
+:class:`ODCGRPOConfig` and :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`.
 
-The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT) and
-:mod:`hf_odc.trainer.rollouts` (GRPO); hf_odc's packed
+The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
+:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO); hf_odc's packed
 attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
 
+from .._compat import check_classes
+from ._step import PlannedStep, StepMetrics
 from .attention import (
     PACKED_ATTENTION,
     PACKED_ATTENTION_IMPLEMENTATIONS,
@@ -22,24 +24,34 @@ from .data import (
     PlannedMinibatchCollator,
     count_target_tokens,
     global_minibatch,
+    minibatch_loader,
 )
+from .dpo_config import ODCDPOConfig
+from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
 from .sft_trainer import ODCSFTTrainer
+
+check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)
 
 __all__ = [
     "PACKED_ATTENTION",
     "PACKED_ATTENTION_IMPLEMENTATIONS",
     "GlobalMinibatchSampler",
     "MinibatchDataLoader",
+    "ODCDPOConfig",
+    "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "PlannedMinibatchCollator",
+    "PlannedStep",
+    "StepMetrics",
     "check_packed_attention",
     "count_target_tokens",
     "global_minibatch",
+    "minibatch_loader",
     "packed_attention_forward",
     "register_packed_attention",
     "use_packed_attention",

@@ -6,8 +6,9 @@ mask from the positions when no ``attention_mask`` and no KV cache are passed (`
 boundaries and the implementation's mask function applies them), so these implementations keep samples apart:
 
 * ``"odc_packed"`` (:data:`PACKED_ATTENTION`, registered when this module is imported): each document attended
-  causally on its own (:func:`hf_odc.kernels.attention.packed_causal_attention`), so a row costs the sum of its
-  documents, with no ``T x T`` tensor and no compilation. With a padding mask or a KV cache (evaluation, generation)
+  causally on its own (:func:`hf_odc.kernels.attention.packed_causal_attention`, which picks per row between
+  per-document SDPA and one varlen launch for runs of short documents), so a row costs the sum of its documents,
+  with no ``T x T`` tensor and no compilation. With a padding mask or a KV cache (evaluation, generation)
   it is ``sdpa``, mask included. The ODC trainers switch ``sdpa`` and ``eager`` models to it by default;
 * ``eager`` and ``sdpa``: a materialised block-diagonal causal mask, ``T x T`` for a row of ``T`` tokens whatever
   its split (the trainers warn when it is chosen on a GPU);
@@ -20,6 +21,7 @@ attend across samples, so it is refused.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 import weakref
@@ -31,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..kernels.attention import packed_causal_attention
+from ..kernels.attention import Backend, packed_causal_attention
 
 __all__ = [
     "DENSE_MASK_IMPLEMENTATIONS",
@@ -55,15 +57,20 @@ PACKED_ATTENTION_IMPLEMENTATIONS = frozenset(
 )
 
 
-def register_packed_attention() -> str:
-    """Register :data:`PACKED_ATTENTION` (attention and mask functions) with transformers; returns its name.
+def register_packed_attention(name: str = PACKED_ATTENTION, backend: Backend = "auto") -> str:
+    """Register packed attention (attention and mask functions) with transformers under ``name``; returns it.
 
-    Idempotent; importing :mod:`hf_odc.trainer` does it, after which ``attn_implementation="odc_packed"`` works in
-    ``from_pretrained``, ``from_config`` and ``set_attn_implementation``.
+    Idempotent; importing :mod:`hf_odc.trainer` registers :data:`PACKED_ATTENTION`, after which
+    ``attn_implementation="odc_packed"`` works in ``from_pretrained``, ``from_config`` and
+    ``set_attn_implementation``. Another ``name`` with a fixed ``backend`` (``"sdpa"``, ``"varlen"``) is for
+    comparing the kernels (benchmarks/packed_attention.py); the trainers switch models to :data:`PACKED_ATTENTION`.
     """
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_attention_mask)
-    return PACKED_ATTENTION
+    forward = (
+        packed_attention_forward if backend == "auto" else functools.partial(packed_attention_forward, backend=backend)
+    )
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, _packed_attention_mask)
+    return name
 
 
 def packed_attention_forward(
@@ -74,6 +81,7 @@ def packed_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    backend: Backend = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query (B, H_q, T, D)``, ``key/value (B, H_kv, T, D)`` in, the
@@ -88,15 +96,15 @@ def packed_attention_forward(
     if not causal_rows:  # a padding mask, a KV cache or bidirectional attention: sdpa with the mask built for it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     batch, heads, tokens, dim = query.shape
-    lengths, cu_seqlens = _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
+    lengths = _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
     out = packed_causal_attention(
         _tokens_first(query),
         _tokens_first(key),
         _tokens_first(value),
         lengths,
-        cu_seqlens=cu_seqlens,
         scale=scaling,
         dropout_p=dropout,
+        backend=backend,
     )
     return out.view(batch, tokens, heads, dim), None
 
@@ -139,13 +147,13 @@ class _BoundaryCache:
     """
 
     def __init__(self) -> None:
-        self._entry: tuple[weakref.ref, tuple[tuple[int, ...], torch.Tensor | None]] | None = None
+        self._entry: tuple[weakref.ref, tuple[int, ...]] | None = None
 
-    def get(self, source: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor | None] | None:
+    def get(self, source: torch.Tensor) -> tuple[int, ...] | None:
         entry = self._entry
         return entry[1] if entry is not None and entry[0]() is source else None
 
-    def put(self, source: torch.Tensor, value: tuple[tuple[int, ...], torch.Tensor | None]) -> None:
+    def put(self, source: torch.Tensor, value: tuple[int, ...]) -> None:
         self._entry = (weakref.ref(source), value)
 
 
@@ -154,32 +162,29 @@ _boundaries = _BoundaryCache()
 
 def _document_lengths(
     batch: int, tokens: int, cu_seq_lens: torch.Tensor | None, position_ids: torch.Tensor | None
-) -> tuple[tuple[int, ...], torch.Tensor | None]:
-    """``(lengths, cu_seqlens on the device or None)`` of the documents of ``batch`` rows of ``tokens`` tokens."""
+) -> tuple[int, ...]:
+    """The token counts of the documents of ``batch`` rows of ``tokens`` tokens, in order."""
     source = cu_seq_lens if cu_seq_lens is not None and batch == 1 else position_ids
     if source is None:
-        return (tokens,) * batch, None
+        return (tokens,) * batch
     cached = _boundaries.get(source)
     if cached is not None:
         return cached
     if source is cu_seq_lens:
-        ends = cu_seq_lens.tolist()
-        lengths = tuple(b - a for a, b in itertools.pairwise(ends))
-        value = (lengths, cu_seq_lens.to(torch.int32) if cu_seq_lens.device.type != "cpu" else None)
+        lengths = tuple(b - a for a, b in itertools.pairwise(cu_seq_lens.tolist()))
     else:
         positions = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
         starts = torch.ones_like(positions, dtype=torch.bool)
         starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
         begins = starts.reshape(-1).nonzero().flatten().tolist()
         lengths = tuple(b - a for a, b in zip(begins, [*begins[1:], batch * tokens], strict=True))
-        value = (lengths, None)
-    if sum(value[0]) != batch * tokens:
+    if sum(lengths) != batch * tokens:
         raise ValueError(
-            f"The packed row's boundaries cover {sum(value[0])} tokens, but the row has {batch} x {tokens}; pass "
+            f"The packed row's boundaries cover {sum(lengths)} tokens, but the row has {batch} x {tokens}; pass "
             "cu_seq_lens_q of this row (TRL's padding-free collator does) or position_ids restarting at 0 per sample."
         )
-    _boundaries.put(source, value)
-    return value
+    _boundaries.put(source, lengths)
+    return lengths
 
 
 def check_packed_attention(model: nn.Module) -> str:

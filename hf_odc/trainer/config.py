@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trl import SFTConfig
 
-from ._base import _document_odc_fields, _ODCConfig
+from ._base_config import _document_odc_fields, _ODCConfig
 
 
 @_document_odc_fields
@@ -15,11 +15,11 @@ class ODCSFTConfig(_ODCConfig, SFTConfig):
     r"""
     Configuration class for [`ODCSFTTrainer`]: every [`~trl.SFTConfig`] field, plus the ODC fields below.
 
-    Each optimizer step takes `per_device_train_batch_size * world_size` samples (the *global minibatch*, the same on
-    every rank), plans it with `hf_odc.packing`, and runs each rank's share as padding-free packed microbatches.
-    `gradient_accumulation_steps` must stay 1: grow `per_device_train_batch_size` instead, the planner cuts the
-    minibatch into as many microbatches as `max_tokens_per_microbatch` requires. `packing` and `padding_free` stay
-    off: the planner packs.
+    Each optimizer step takes `per_device_train_batch_size * gradient_accumulation_steps * world_size` samples (the
+    *global minibatch*, the same on every rank: TRL's batch size), plans it with `hf_odc.packing`, and runs each rank's
+    share as padding-free packed microbatches, as many as `max_tokens_per_microbatch` requires. The loss is the mean
+    token loss of the whole minibatch, as `SFTTrainer`'s with accumulation. `packing` and `padding_free` stay off: the
+    planner packs.
 
     Parameters:
     {odc_parameters}
@@ -34,8 +34,3 @@ class ODCSFTConfig(_ODCConfig, SFTConfig):
         if self.max_tokens_per_microbatch is None and self.max_length is None:
             raise ValueError("Set max_tokens_per_microbatch when max_length is None (there is nothing to scale).")
         super().__post_init__()
-
-    @property
-    def microbatch_token_cap(self) -> int:
-        """Tokens one packed microbatch may hold (see `max_tokens_per_microbatch` and `packing_ratio`)."""
-        return self.token_cap_for(self.max_length)

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from ..packing import MinibatchPlanner, Plan
+from ._step import PlannedStep
 
 __all__ = [
     "GlobalMinibatchSampler",
@@ -24,6 +25,7 @@ __all__ = [
     "PlannedMinibatchCollator",
     "count_target_tokens",
     "global_minibatch",
+    "minibatch_loader",
     "require_sft_columns",
 ]
 
@@ -87,6 +89,32 @@ class MinibatchDataLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
+def minibatch_loader(dataset: Dataset, args: Any, world_size: int) -> MinibatchDataLoader:
+    """An ODC trainer's training loader: one item per accumulation call of ``training_step``, the
+    ``per_device_train_batch_size x world_size`` samples of :class:`GlobalMinibatchSampler` (the same on every rank,
+    not sharded by Accelerate: every rank plans the whole minibatch), as :func:`global_minibatch` gives them; ``args``
+    the trainer's config (its sampling strategy, seed and loader settings)."""
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential"):
+        raise ValueError(f"hf_odc's trainers sample 'random' or 'sequential' minibatches, not {strategy!r}.")
+    sampler = GlobalMinibatchSampler(
+        len(dataset),
+        args.per_device_train_batch_size * world_size,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        shuffle=strategy == "random",
+    )
+    workers = args.dataloader_num_workers
+    return MinibatchDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=global_minibatch,
+        num_workers=workers,
+        pin_memory=args.dataloader_pin_memory,
+        persistent_workers=args.dataloader_persistent_workers and workers > 0,
+        prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+    )
+
+
 def count_target_tokens(example: dict[str, Any]) -> int:
     """Tokens of one sample that carry a loss: next-token labels other than -100 (the first label is never one)."""
     labels = example.get("labels", example["input_ids"])
@@ -102,14 +130,12 @@ def global_minibatch(examples: list[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass
 class PlannedMinibatchCollator:
-    """Turns one global minibatch (a list of tokenized samples) into this rank's packed microbatches.
+    """Turns one global minibatch (a list of tokenized samples) into this rank's :class:`~hf_odc.trainer.PlannedStep`.
 
-    Returns a dict with ``microbatches`` (a list, possibly empty, of padding-free batches from TRL's
+    Its ``microbatches`` (a list, possibly empty) are padding-free batches from TRL's
     ``DataCollatorForLanguageModeling``: one row, ``position_ids`` restarting at 0 for each sample, the label at each
-    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels), ``microbatch_lengths`` (every
-    rank's microbatches as lists of sample lengths, what measured times are calibrated against),
-    ``num_target_tokens`` and ``num_tokens`` of the whole global minibatch, and the plan's
-    ``predicted_bubble_rate``.
+    sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels. ``num_loss_tokens`` counts the whole
+    minibatch's target tokens (:func:`count_target_tokens`).
     """
 
     rank: int
@@ -123,13 +149,14 @@ class PlannedMinibatchCollator:
     def plan(self, lengths: Sequence[int]) -> Plan:
         return self.planner.plan(lengths, self.max_tokens)
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, examples: list[dict[str, Any]]) -> PlannedStep:
         lengths = [len(example["input_ids"]) for example in examples]
         plan = self.plan(lengths)
-        return {
-            "microbatches": [self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
-            "microbatch_lengths": [[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
-            "num_target_tokens": sum(count_target_tokens(example) for example in examples),
-            "num_tokens": sum(lengths),
-            "predicted_bubble_rate": self.planner.predicted_bubble(plan, lengths, self.max_tokens),
-        }
+        return PlannedStep(
+            microbatches=[self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
+            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
+            num_samples=len(examples),
+            num_tokens=sum(lengths),
+            num_loss_tokens=sum(count_target_tokens(example) for example in examples),
+            predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, self.max_tokens),
+        )

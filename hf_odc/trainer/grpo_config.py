@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ._base import _document_odc_fields, _ODCConfig
+from ._base_config import _document_odc_fields, _ODCConfig
+from .generation import GENERATION_MODES
 
 
 @_document_odc_fields
@@ -19,33 +20,71 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     cut into `steps_per_generation` minibatches of `per_device_train_batch_size * world_size` rollouts (a seeded
     permutation, the same on every rank), and each minibatch is planned with `hf_odc.packing` across the ranks: the
     ranks' shares may hold different numbers of rollouts and microbatches, each microbatch a padding-free packed row.
-    `gradient_accumulation_steps` must stay 1 (grow `per_device_train_batch_size`; the planner cuts the minibatch into
-    microbatches). `steps_per_generation` and `num_iterations` keep TRL's meaning.
+    `steps_per_generation` and `num_iterations` keep TRL's meaning, and so does `gradient_accumulation_steps`: an
+    optimizer step takes `per_device_train_batch_size * gradient_accumulation_steps` rollouts per process, so the
+    generation batch is cut into `steps_per_generation / gradient_accumulation_steps` minibatches (a whole number:
+    `steps_per_generation` defaults to `gradient_accumulation_steps`), each planned as one ODC minibatch.
 
     Every loss normaliser is global, computed once per minibatch from the gathered rollouts, so that the update equals
     TRL's on one process holding the whole minibatch: with `B` the minibatch's rollouts and `N` its trained
     completion tokens, `grpo` and `sapo` divide each rollout's token mean by `B`; `bnpo` divides the token sum by `N`;
     `dr_grpo` by `B * max_completion_length`; `luspo` divides each rollout's token sum by `B`; `dapo`, `cispo` and
-    `vespo` divide the token sum by the generation batch's trained tokens over `steps_per_generation` (TRL's
-    definition); the entropy bonus is the mean entropy over the minibatch's trained tokens.
+    `vespo` divide the token sum by the generation batch's trained tokens per optimizer step (TRL's definition); the
+    entropy bonus is the mean entropy over the minibatch's trained tokens. With `gradient_accumulation_steps > 1` TRL
+    computes `bnpo`'s token mean, the entropy bonus and its logged means per accumulation slice and averages the
+    slices; hf_odc takes them over the whole minibatch (the same whatever the number of processes), which equals TRL's
+    when the slices hold equal numbers of trained tokens. Every other loss equals TRL's with any accumulation.
+
+    With `use_vllm=True`, TRL's vLLM generation runs (`vllm_mode="colocate"`: an engine on each rank, within
+    `vllm_gpu_memory_utilization` of its device, sleep mode honoured; `"server"`: a vLLM server started as TRL
+    documents, sent TRL's requests by rank 0) and only the weight sync is hf_odc's (`hf_odc.trainer.vllm_sync`): when
+    TRL syncs, once per generation batch, the policy's full weights are assembled one FSDP group at a time by
+    one-sided reads of the peers' shards, no collective, LoRA adapters merged, and loaded by every rank into its
+    engine (colocate) or streamed by rank 0 to the server. TRL's importance-sampling correction of vLLM's rollouts
+    (`vllm_importance_sampling_*`) is applied on the packed microbatches, and its `sampling/*` metrics cover the whole
+    generation batch, as one process holding it logs them.
 
     Parameters:
     {odc_parameters}
 
+        > Parameters of generation on the sharded policy
+
+        odc_generation (`str`, *optional*):
+            How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`; unset with `use_vllm`,
+            where vLLM decodes); never in lockstep but for `"lockstep"`. `"gathered"`: the policy's full weights
+            assembled once per generation batch (one-sided reads, no collective) and freed before the update; costs
+            the full weights in the compute dtype while decoding. `"sharded"`: decoding inside a forward-only ODC
+            minibatch, each forward reading its layers' shards from the peers (no copy; needs ODC). `"lockstep"`:
+            TRL's own path (an all-gather per layer group per token, ranks in lockstep), the baseline. `None`:
+            `"gathered"` when the copy takes at most half of the device's free memory, else `"sharded"`. A rank that
+            finishes decoding first waits for the others at the rollouts' gather, within `odc_timeout`: set it above
+            the spread of the ranks' decoding times.
+
     > [!NOTE]
-    > Not supported, refused at construction: `use_vllm` (generation runs with transformers, in lockstep across ranks),
-    > `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its threshold is a quantile over the whole
-    > minibatch's entropies under the current policy, which an ODC minibatch has no collective to compute), PEFT with
-    > `beta > 0`, multimodal prompts and Mixture-of-Experts auxiliary losses. `model_init_kwargs` defaults
-    > `device_map` to `None`: every rank loads whole models and hf_odc shards them.
+    > Not supported, refused at construction: `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its
+    > threshold is a quantile over the whole minibatch's entropies under the current policy, which an ODC minibatch
+    > has no collective to compute), PEFT with `beta > 0`, multimodal prompts, Mixture-of-Experts auxiliary losses,
+    > and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers (their merge).
+    > `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole models and hf_odc shards them.
     """
 
+    odc_generation: str | None = field(
+        default=None,
+        metadata={
+            "help": "How each rank decodes its prompts: 'gathered' (full weights assembled once per generation batch), "
+            "'sharded' (one-sided reads per forward, no copy) or 'lockstep' (TRL's, the baseline). Unset: gathered "
+            "when the copy fits in half the free device memory, else sharded.",
+            "choices": list(GENERATION_MODES),
+        },
+    )
+
     def __post_init__(self):
-        if self.use_vllm:
+        if self.odc_generation is not None and self.odc_generation not in GENERATION_MODES:
+            raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {self.odc_generation!r}.")
+        if self.use_vllm and self.odc_generation is not None:
             raise ValueError(
-                "ODCGRPOTrainer generates with transformers (use_vllm=False): a vLLM engine holds its own copy of the "
-                "weights, which ODC's one-sided reads do not update. Set use_vllm=False, or use trl.GRPOTrainer for "
-                "vLLM generation."
+                "odc_generation chooses how each rank decodes with transformers; with use_vllm=True vLLM decodes. "
+                "Leave odc_generation unset, or set use_vllm=False."
             )
         if self.use_transformers_continuous_batching:
             raise ValueError(
@@ -59,6 +98,13 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
                 "Set top_entropy_quantile=1.0."
             )
         super().__post_init__()
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"ODCGRPOTrainer plans each optimizer step's rollouts as one minibatch of a generation batch, so "
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}); leave steps_per_generation unset (it defaults to "
+                "gradient_accumulation_steps) or set a multiple of it."
+            )
         # Every rank loads the whole model (the policy given by name, the reference model) and hf_odc shards it:
         # TRL's default device_map="auto" would spread it over all of this host's GPUs instead. Unset, the trainer
         # sets them when it loads a model (ODCGRPOTrainer), so that TRL does not warn they are ignored when it does not.

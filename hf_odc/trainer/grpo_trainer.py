@@ -1,27 +1,27 @@
 """``ODCGRPOTrainer``: TRL's ``GRPOTrainer`` whose policy updates are packed, balanced across ranks and free of
 per-microbatch collectives.
 
-What changes with respect to ``GRPOTrainer``, hook by hook (the hooks every ODC trainer shares are in
-:class:`hf_odc.trainer._base._ODCTrainer`):
+What is GRPO-specific, hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints
+are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 
-* ``__init__``: packed attention; with several processes the policy (and the reference model, frozen) are sharded by
-  hf_odc and ODC is installed on each (``_setup_odc``).
+* ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy.
+* ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`);
+  with vLLM, TRL's as it is, the weights pushed by hf_odc's sync (:mod:`hf_odc.trainer.vllm_sync`).
 * ``_generate``: TRL's, recording each completion's true length (TRL pads them).
 * ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
   passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
-* ``_prepare_inputs``: once per ``steps_per_generation * num_iterations`` steps, TRL generates and scores; then every
-  rank gathers the rollouts, cuts and plans the minibatches (:mod:`hf_odc.trainer.rollouts`), and runs the
-  old/reference log-probability passes on its own packed microbatches inside forward-only minibatches. Each step
-  then takes its planned minibatch. Evaluation is TRL's.
-* ``training_step``: this rank's microbatches inside ``odc.minibatch()``; the loss of each microbatch is TRL's
-  per-token objective with the minibatch's global normaliser (see :class:`ODCGRPOConfig`), so no collective runs
-  inside; TRL's metrics are accumulated on the device and reduced once per step, with TRL's names and meaning.
+* ``_plan_step``: once per ``steps_per_generation * num_iterations`` calls of ``training_step``, TRL generates and
+  scores; then every rank gathers the rollouts, cuts and plans the minibatches (:mod:`hf_odc.trainer.rollouts`), and
+  runs the old/reference log-probability passes on its own packed microbatches inside forward-only minibatches. Each
+  optimizer step then takes its planned minibatch. Evaluation is TRL's.
+* ``_microbatch_loss``: TRL's per-token objective with the minibatch's global normaliser (see
+  :class:`ODCGRPOConfig`), so no collective runs inside; TRL's metrics are accumulated on the device
+  (``_declare_step_metrics``) and reduced once per step, with TRL's names and meaning.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -34,10 +34,14 @@ from trl import GRPOTrainer
 
 from ..accelerate_plugin import ODCRuntime
 from ..engine._fsdp_internals import lazy_init_root
-from ._base import _ODCTrainer
+from . import _sampling_correction
+from ._base_trainer import _ODCTrainer
 from ._quiet import without_ignored_model_init_kwargs_warning
+from ._step import StepMetrics
+from .generation import choose_generation_mode, decoding
 from .grpo_config import ODCGRPOConfig
-from .rollouts import PlannedStep, Rollouts, gather_rollouts, plan_generation_batch
+from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
+from .vllm_sync import ODCWeightSync
 
 __all__ = ["ODCGRPOTrainer"]
 
@@ -92,14 +96,15 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 "ODCGRPOTrainer does not support beta > 0 with a PEFT model yet (its reference is the model with the "
                 "adapter disabled); set beta=0.0, or train without PEFT."
             )
-        self._setup_odc()
-        self._ref_odc = ODCRuntime(args.odc_plugin(), self.accelerator) if self.ref_model is not None else None
-        if self._ref_odc is not None:
-            self.ref_model.requires_grad_(False)  # no gradient buffers: it is only read
-            self.ref_model = self._ref_odc.shard(self.ref_model)
-            self._ref_odc.enable(self.ref_model)
+        self._setup_odc(self._declare_step_metrics())
+        if args.use_vllm:
+            ODCWeightSync.install(self.vllm_generation, self.model, self.odc)
+        self._ref_odc = None
+        if self.ref_model is not None:
+            self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
         self._generation_index = 0
-        self._step_values: dict[str, torch.Tensor] = {}
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        self._generation_mode = choose_generation_mode(args.odc_generation, self.model, self.odc, dtype)
 
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
@@ -111,6 +116,14 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             result = super()._generate(prompts)
         self._completion_lengths = [len(ids) for ids in result[1]]
         return result
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
+        """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`), or by
+        vLLM."""
+        if self.use_vllm:
+            return super()._generate_single_turn(*args, **kwargs)
+        with decoding(self.model, self.odc, self._generation_mode):
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
         """TRL's, except while a training generation batch is scored: then the old/reference passes are deferred to
@@ -128,17 +141,19 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         finally:
             self._deferring_scores = False
 
-    def _prepare_inputs(self, generation_batch: Any) -> Any:
-        """Training: this step's :class:`~hf_odc.trainer.rollouts.PlannedStep`, generating, scoring and planning
-        a new generation batch every ``steps_per_generation * num_iterations`` steps (as TRL). Evaluation: TRL's."""
-        if not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        steps = self.args.steps_per_generation
-        if self._step % (steps * self.num_iterations) == 0 or self._buffered_inputs is None:
-            self._buffered_inputs = self._generate_and_plan(generation_batch)
-        return self._buffered_inputs[self._step % steps]
+    def _plan_step(self, window: list[Any]) -> RolloutStep:
+        """This optimizer step's :class:`~hf_odc.trainer.rollouts.RolloutStep`: generating, scoring and planning a new
+        generation batch when TRL would (every ``steps_per_generation * num_iterations`` calls of ``training_step``),
+        then taking its next minibatch. ``window`` holds each accumulation call's prompts (TRL repeats the generation
+        batch's prompts for each call)."""
+        first, self._step = self._step, self._step + len(window)  # TRL counts calls of training_step
+        args = self.args
+        if first % (args.steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
+            with self.odc.bounded("generation and scoring"):
+                self._buffered_inputs = self._generate_and_plan(window[0])
+        return self._buffered_inputs[(first % args.steps_per_generation) // args.gradient_accumulation_steps]
 
-    def _generate_and_plan(self, generation_batch: list[dict[str, Any]]) -> list[PlannedStep]:
+    def _generate_and_plan(self, generation_batch: list[dict[str, Any]]) -> list[RolloutStep]:
         """Generate and score with TRL, gather the rollouts, plan every minibatch of the generation batch, pack this
         rank's microbatches and run the deferred old/reference passes on them."""
         args, metrics = self.args, self._metrics["train"]
@@ -153,19 +168,21 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         rollouts = gather_rollouts(Rollouts.from_scored(scored, self._completion_lengths))
         planned = plan_generation_batch(
             rollouts,
-            steps=args.steps_per_generation,
+            steps=args.steps_per_generation // args.gradient_accumulation_steps,
             rank=self.accelerator.process_index,
             seed=args.seed + self._generation_index,
             planner=self._planner,
-            token_cap=args.token_cap_for,
+            max_tokens_for=args.max_tokens_for,
         )
         self._generation_index += 1
-        microbatches = [microbatch for step in planned for microbatch in step.packed]
+        microbatches = [microbatch for step in planned for microbatch in step.microbatches]
         passes = [(self.model, self.odc, "old_logps")] if "old_per_token_logps" in scored else []
         if "ref_per_token_logps" in scored:
             passes.append((self.ref_model, self._ref_odc, "ref_logps"))
         if passes:
             metrics["scoring_s"].append(sum(self._score_rollouts(*p[:2], microbatches, p[2]) for p in passes))
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            self._log_sampling_correction(microbatches)
         return planned
 
     def _score_rollouts(
@@ -180,31 +197,29 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 microbatch["loss"][key] = outputs.log_probs[0][inputs["loss"]["token_index"]].float()
         return runtime.last.step
 
-    # -- one optimizer step -------------------------------------------------------------------------------------------
+    def _sampling_ratio(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """TRL's importance-sampling ratio of vLLM's rollouts for one packed microbatch's loss inputs, or ``None``
+        when the correction is off (:mod:`hf_odc.trainer._sampling_correction`)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return None
+        return _sampling_correction.importance_sampling_ratio(
+            inputs["old_logps"], inputs["sampling_logps"], inputs["mask"], self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
 
-    def training_step(
-        self, model: nn.Module, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None
-    ) -> torch.Tensor:
-        """Forward and backward of this rank's planned microbatches; returns their summed (normalised) loss."""
-        started = time.perf_counter()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        with self._bounded("generation and scoring"):
-            step: PlannedStep = self._prepare_inputs(inputs)
-        self._step_values = self._zero_step_values()
+    def _log_sampling_correction(self, microbatches: list[dict[str, Any]]) -> None:
+        """TRL's correction metrics over the whole generation batch, in place of those TRL logged while scoring
+        (from the deferred old log-probabilities' placeholders); one gather."""
+        mode = self.vllm_importance_sampling_mode
+        local = _sampling_correction.local_statistics(microbatches, self._sampling_ratio, mode)
+        with self.odc.bounded("the sampling-correction metrics gather"):
+            gathered = self.accelerator.gather(local[None].to(self.args.device)).cpu()
+        for name, value in _sampling_correction.metrics(gathered).items():
+            self._metrics["train"][name][-1] = value
 
-        def loss_of(microbatch: dict[str, Any]) -> torch.Tensor:
-            with self.compute_loss_context_manager():
-                return self._microbatch_loss(model, microbatch, step)
+    # -- the loss ---------------------------------------------------------------------------------------------------
 
-        loss = self._run_minibatch(model, step.packed, loss_of)
-        self._log_step(step)
-        self._step += 1
-        self._metrics["train"]["step_time"].append(time.perf_counter() - started)
-        return loss
-
-    def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: PlannedStep) -> torch.Tensor:
+    def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: RolloutStep) -> torch.Tensor:
         """TRL's per-token GRPO objective on one packed microbatch, normalised for the whole minibatch and scaled by
         the world size (ODC and FSDP2 average gradients over ranks)."""
         args, inputs = self.args, microbatch["loss"]
@@ -220,6 +235,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             sampling = inputs["sampling_logps"] if inputs["sampling_logps"] is not None else old_logps
             threshold = self.off_policy_mask_threshold
             off_policy_mask = self.get_off_policy_mask(advantages, logps, sampling, mask, threshold)
+        sampling_ratio = self._sampling_ratio(inputs)
         log_ratio = logps - old_logps
         if self.importance_sampling_level == "token":
             log_weights = log_ratio
@@ -247,7 +263,7 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
         elif loss_type == "vespo":
             phi_seq = self.get_gamma_weights(
-                advantages, log_ratio, mask, None,
+                advantages, log_ratio, mask, sampling_ratio,
                 args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg,
             )  # fmt: skip
             per_token_loss = -phi_seq * advantages * logps
@@ -255,6 +271,8 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             raise ValueError(f"Unknown loss_type {loss_type!r}.")
         if self.off_policy_mask_threshold is not None:
             per_token_loss = per_token_loss * off_policy_mask
+        if sampling_ratio is not None and loss_type != "vespo":
+            per_token_loss = per_token_loss * sampling_ratio
         if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
@@ -265,30 +283,30 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             if self.use_adaptive_entropy and self._last_world_entropy > args.entropy_target:
                 coef = 0.0
             loss = loss - coef * (entropies * mask).sum() / max(step.num_loss_tokens, 1)
+            self._step_metrics.add("policy_loss", policy_loss.detach())
 
         with torch.no_grad():
-            self._accumulate("policy_loss", policy_loss)
-            self._accumulate_mean("entropy", entropies, mask)
+            self._add_mean("entropy", entropies, mask)
             if self.beta != 0.0:
-                self._accumulate_mean("kl", per_token_kl, mask)
+                self._add_mean("kl", per_token_kl, mask)
             if loss_type in _CLIPPED_LOSSES:
                 low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
                 high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
-                self._accumulate_mean("clip_ratio/low_mean", low, mask)
-                self._accumulate_mean("clip_ratio/high_mean", high, mask)
-                self._accumulate_mean("clip_ratio/region_mean", torch.maximum(low, high), mask)
-                self._accumulate_extreme("clip_ratio/low_min", _sequence_means(low, mask), torch.minimum)
-                self._accumulate_extreme("clip_ratio/high_max", _sequence_means(high, mask), torch.maximum)
+                self._add_mean("clip_ratio/low_mean", low, mask)
+                self._add_mean("clip_ratio/high_mean", high, mask)
+                self._add_mean("clip_ratio/region_mean", torch.maximum(low, high), mask)
+                self._step_metrics.add_extreme("clip_ratio/low_min", _sequence_means(low, mask))
+                self._step_metrics.add_extreme("clip_ratio/high_max", _sequence_means(high, mask))
             elif loss_type == "cispo":
                 clipped = ((coef_1 > self.epsilon_high) & (advantages > 0)).float()
-                self._accumulate_mean("cispo_clip_ratio", clipped, mask)
+                self._add_mean("cispo_clip_ratio", clipped, mask)
             elif loss_type == "vespo":
-                self._accumulate_mean("vespo/phi_seq_mean", phi_seq, mask)
+                self._add_mean("vespo/phi_seq_mean", phi_seq, mask)
         return loss * self.accelerator.num_processes
 
-    def _normalised(self, per_token_loss: torch.Tensor, mask: torch.Tensor, step: PlannedStep) -> torch.Tensor:
+    def _normalised(self, per_token_loss: torch.Tensor, mask: torch.Tensor, step: RolloutStep) -> torch.Tensor:
         """This microbatch's share of the minibatch's loss (see :class:`ODCGRPOConfig` for each definition)."""
-        loss_type, rollouts, masked_loss = self.loss_type, step.num_rollouts, per_token_loss * mask
+        loss_type, rollouts, masked_loss = self.loss_type, step.num_samples, per_token_loss * mask
         if loss_type in ("grpo", "sapo"):
             return (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / rollouts
         if loss_type == "bnpo":
@@ -296,81 +314,47 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
         if loss_type == "dr_grpo":
             return masked_loss.sum() / (rollouts * self.max_completion_length)
         if loss_type in ("dapo", "cispo", "vespo"):  # TRL's: the generation batch's tokens per optimizer step
-            return masked_loss.sum() * self.args.steps_per_generation / max(step.generation_loss_tokens, 1)
+            return masked_loss.sum() * step.generation_steps / max(step.generation_loss_tokens, 1)
         if loss_type == "luspo":
             return masked_loss.sum() / rollouts
         raise ValueError(f"Unknown loss_type {loss_type!r}.")
 
     # -- metrics ------------------------------------------------------------------------------------------------------
 
-    def _zero_step_values(self) -> dict[str, torch.Tensor]:
-        """The per-rank values one step accumulates, by name, in the same order on every rank (a rank may run no
-        microbatch): ``policy_loss``, then ``<metric>/sum`` and ``<metric>/count`` of each masked mean TRL logs,
-        then the running extremes."""
-        names = ["entropy"] + (["kl"] if self.beta != 0.0 else [])
-        extremes = {}
+    def _declare_step_metrics(self) -> StepMetrics:
+        """The metrics one step accumulates, with TRL's names: the masked means TRL logs for this configuration, the
+        clip ratios' extremes, and ``policy_loss`` with the entropy bonus."""
+        means = ["entropy"] + (["kl"] if self.beta != 0.0 else [])
+        minima, maxima = [], []
         if self.loss_type in _CLIPPED_LOSSES:
-            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-            extremes = {"clip_ratio/low_min": math.inf, "clip_ratio/high_max": -math.inf}
+            means += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+            minima, maxima = ["clip_ratio/low_min"], ["clip_ratio/high_max"]
         elif self.loss_type == "cispo":
-            names.append("cispo_clip_ratio")
+            means.append("cispo_clip_ratio")
         elif self.loss_type == "vespo":
-            names.append("vespo/phi_seq_mean")
-        values = {"policy_loss": 0.0} | {f"{n}/{part}": 0.0 for n in names for part in ("sum", "count")} | extremes
-        device = self.args.device
-        return {name: torch.tensor(value, dtype=torch.float64, device=device) for name, value in values.items()}
+            means.append("vespo/phi_seq_mean")
+        sums = ["policy_loss"] if self._entropy_bonus_enabled else []
+        return StepMetrics(self.args.device, sums=sums, means=means, minima=minima, maxima=maxima)
 
-    def _accumulate(self, name: str, value: torch.Tensor) -> None:
-        self._step_values[name] += value.detach().double()
-
-    def _accumulate_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        """Sum and count for TRL's global masked mean: per token over the mask, or per rollout for ``(k, 1)``."""
+    def _add_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's global masked mean: per token over the mask, or per rollout for ``(k, 1)``."""
         if values.shape[1] == 1:
-            total, count = values.sum(), torch.tensor(float(values.shape[0]), device=values.device)
+            self._step_metrics.add_mean(name, values.sum(), values.shape[0])
         else:
-            total, count = (values * mask).sum(), mask.sum()
-        self._accumulate(f"{name}/sum", total)
-        self._accumulate(f"{name}/count", count)
+            self._step_metrics.add_mean(name, (values * mask).sum(), mask.sum())
 
-    def _accumulate_extreme(self, name: str, values: torch.Tensor, pick: Any) -> None:
-        """Running min/max over rollouts; NaN (a rollout with no trained token) is skipped, as TRL's nanmin."""
-        fill = math.inf if pick is torch.minimum else -math.inf
-        values = torch.where(torch.isnan(values), fill, values).double()
-        value = values.min() if pick is torch.minimum else values.max()
-        self._step_values[name] = pick(self._step_values[name], value)
-
-    def _log_step(self, step: PlannedStep) -> None:
-        """One gather for the step's timings and TRL's metrics (same names and meaning as one process logs)."""
-        values = self._step_values
-        per_rank = self._log_minibatch(step.microbatch_lengths, step.num_tokens, step.predicted_bubble_rate, values)
-        metrics = self._metrics["train"]
-        metrics["predicted_bubble_rate_unbalanced"].append(step.unbalanced_bubble_rate)
-        for rank, tokens in enumerate(step.generated_tokens):
-            metrics[f"tokens_generated/rank_{rank}"].append(tokens)
-        for name in [key.removesuffix("/sum") for key in values if key.endswith("/sum")]:
-            total, count = sum(per_rank[f"{name}/sum"]), sum(per_rank[f"{name}/count"])
-            metrics[name].append(total / max(count, 1.0))
-        for name, pick in (("clip_ratio/low_min", min), ("clip_ratio/high_max", max)):
-            if name in per_rank:
-                finite = [v for v in per_rank[name] if math.isfinite(v)]
-                metrics[name].append(pick(finite) if finite else math.nan)
-        if self._entropy_bonus_enabled:
-            metrics["policy_loss"].append(sum(per_rank["policy_loss"]))
-            if self.use_adaptive_entropy:
-                world_entropy = sum(per_rank["entropy/sum"]) / max(sum(per_rank["entropy/count"]), 1.0)
-                delta = self.args.entropy_coef_delta
-                if world_entropy <= self.args.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + delta, self.args.entropy_coef_max)
-                else:
-                    self.entropy_coef = max(self.entropy_coef - delta, self.args.entropy_coef_min)
-                self._last_world_entropy = world_entropy
-            metrics["entropy_coef"].append(self.entropy_coef)
-
-    def close_odc(self) -> None:
-        """Release ODC on the policy and on the reference model (collective)."""
-        if self._ref_odc is not None:
-            self._ref_odc.close()
-        super().close_odc()
+    def _end_step(self, step: RolloutStep, metrics: dict[str, float]) -> None:
+        """TRL's adaptive entropy controller, on the minibatch's entropy over every rank's trained tokens."""
+        if not self._entropy_bonus_enabled:
+            return
+        if self.use_adaptive_entropy:
+            world_entropy, delta = metrics["entropy"], self.args.entropy_coef_delta
+            if world_entropy <= self.args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + delta, self.args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - delta, self.args.entropy_coef_min)
+            self._last_world_entropy = world_entropy
+        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
 
 def _generates_below_the_root(model: nn.Module) -> bool:

@@ -1,15 +1,16 @@
-"""Every collective of an ODC trainer's step ends within the ODC timeout, with an error that names the culprit.
+"""Every collective around ODC's minibatches ends within the ODC timeout, with an error that names the culprit.
 
 A collective cannot tell who is missing: gloo waits for its process group's timeout (30 minutes by default, and
 transformers does not pass ``ddp_timeout`` to a CPU group) and then names nobody; a peer that died mid-collective
-surfaces as "Connection reset by peer". So the trainers
+surfaces as "Connection reset by peer". So :class:`~hf_odc.accelerate_plugin.ODCRuntime`, for the trainers and
+plain scripts alike (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.bounded`),
 
-* meet before each collective of a step (:meth:`hf_odc.ODC.meet`: ODC's host barrier, and across hosts the replicas'
+* meets before each collective of a step (:meth:`hf_odc.ODC.meet`: ODC's host barrier, and across hosts the replicas'
   meeting), which names a rank that died, gave up or stalled since the last meeting, within the ODC timeout;
-* give every process group the ODC timeout (:func:`bound_process_groups`), so that a rank stalling *inside* a
+* gives every process group the ODC timeout (:func:`bound_process_groups`), so that a rank stalling *inside* a
   collective, after the meeting, is bounded too;
-* turn a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank the host knows dead or aborted
-  (:func:`named_failure`).
+* turns a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank the host knows dead or aborted,
+  or whose heartbeat stopped (:func:`named_failure`).
 
 Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
 ``benchmarks/RESULTS.md``).
@@ -17,6 +18,7 @@ Its cost is a few meetings per optimizer step, each a host barrier in shared mem
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,6 +28,8 @@ from ..engine import ODC
 from ..kernels import PeerFailureError, heartbeat
 
 __all__ = ["bound_process_groups", "is_backend_failure", "named_failure"]
+
+_GRACE_S = 5.0  # how long a failed collective waits for the host to learn which peer died
 
 
 def bound_process_groups(timeout: float) -> None:
@@ -54,17 +58,26 @@ def is_backend_failure(error: BaseException) -> bool:
     )
 
 
-def named_failure(odc: ODC, what: str, error: BaseException) -> PeerFailureError:
+def named_failure(odc: ODC, what: str, error: BaseException, grace: float = _GRACE_S) -> PeerFailureError:
     """The :class:`PeerFailureError` for a collective of ``what`` that failed with ``error``: naming the rank the host
     (or, across hosts, the job's store) knows dead or aborted, else the ranks that went silent (their heartbeats,
-    :mod:`hf_odc.kernels.heartbeat`), else saying where every rank is."""
-    try:
-        odc.check()
-    except PeerFailureError as known:
-        return PeerFailureError(f"{known} ({what} failed: {error})")
-    silent = heartbeat.describe_silent()
-    if silent is not None:
-        return PeerFailureError(f"{silent} ({what} failed: {error})")
+    :mod:`hf_odc.kernels.heartbeat`), else saying where every rank is.
+
+    A peer whose connection just closed has usually just died, but the host knows it dead only once its process is
+    reaped (a killed process stays a zombie until its launcher waits for it, later on a loaded machine): so the host
+    and the heartbeats are asked again for up to ``grace`` seconds before the error names nobody."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            odc.check()
+        except PeerFailureError as known:
+            return PeerFailureError(f"{known} ({what} failed: {error})")
+        silent = heartbeat.describe_silent()
+        if silent is not None:
+            return PeerFailureError(f"{silent} ({what} failed: {error})")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     peers = heartbeat.describe_peers()
     return PeerFailureError(
         f"hf_odc: a collective of {what} failed and no rank is known to have died, given up or gone silent (a rank "

@@ -13,7 +13,7 @@ import socket
 
 import torch.distributed as dist
 
-from .._env import env
+from ..._env import env
 
 __all__ = ["host_id", "host_ranks"]
 

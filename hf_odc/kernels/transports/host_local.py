@@ -1,8 +1,9 @@
 """What every transport among the processes of one host shares: the job's shared memory, its barrier and abort.
 
-The peers' liveness, the barrier that names a dead or stalled peer (:mod:`hf_odc.kernels.host_barrier`) and the
-segment namespace (:mod:`hf_odc.kernels._dev_shm`) do not depend on where the tensors live; a subclass adds the
-memory and the accumulate, and says how to wait for its device before meeting (:meth:`HostLocalTransport._drain`).
+The peers' liveness, the barrier that names a dead or stalled peer (:mod:`hf_odc.kernels.transports.host_barrier`)
+and the segment namespace (:mod:`hf_odc.kernels.transports._dev_shm`) do not depend on where the tensors live; a
+subclass adds the memory and the accumulate, and says how to wait for its device before meeting
+(:meth:`HostLocalTransport._drain`).
 """
 
 from __future__ import annotations

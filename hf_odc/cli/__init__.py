@@ -1,4 +1,5 @@
-"""The ``hf-odc`` command line. Each subcommand parses its arguments and hands over to a library function."""
+"""The ``hf-odc`` command line. Each subcommand parses its arguments here and hands over to its back end
+(:mod:`hf_odc.cli.plan` for ``hf-odc plan``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .packing.distributions import DISTRIBUTIONS
+from ..packing.distributions import DISTRIBUTIONS
 
 if TYPE_CHECKING:
-    from .packing.cost import CostLike
-    from .packing.planning_cli import CrossHost
+    from ..packing.cost import CostLike
+    from .plan import CrossHost
 
 _PLAN_EXAMPLES = """examples:
   hf-odc plan                                         # LongAlign-like lengths, world sizes 2-128
@@ -167,12 +168,12 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from .packing.planners import token_cap
-    from .packing.planning_cli import choose_cost, choose_source, simulate
-    from .packing.planning_cli.report import render_table, write_json
+    from ..packing.planners import max_tokens_for
+    from .plan import choose_cost, choose_source, simulate
+    from .plan.report import render_table, write_json
 
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split, args.tokenizer)
-    max_tokens = args.max_tokens or token_cap(source.max_length, args.packing_ratio)
+    max_tokens = args.max_tokens or max_tokens_for(source.max_length, args.packing_ratio)
     _check_cap(source, max_tokens)
     cost = choose_cost(args.cost, args.model_config, args.calibration, max_tokens)
     cross_host = _cross_host(args, cost)
@@ -183,7 +184,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     if args.json:
         write_json(simulation, sys.stdout if args.json == "-" else args.json)
     if args.plot:
-        from .packing.planning_cli.plot import plot_simulation
+        from .plan.plot import plot_simulation
 
         plot_simulation(simulation, args.plot)
 
@@ -191,7 +192,7 @@ def _run_plan(args: argparse.Namespace) -> None:
 def _cross_host(args: argparse.Namespace, cost: CostLike) -> CrossHost | None:
     """The hybrid layout, or ``None`` without ``--gpus-per-host``. Its other options alone would print nothing
     different, and no world size spanning hosts would print no hybrid row: both are refused, not ignored."""
-    from .packing.planning_cli import CrossHost
+    from .plan import CrossHost
 
     options = {"--cross-host-gbps": args.cross_host_gbps, "--params": args.params, "--tflops": args.tflops}
     if args.gpus_per_host is None:

@@ -1,4 +1,4 @@
-"""Text and JSON output of a planning :class:`~hf_odc.packing.simulate.Simulation`."""
+"""Text and JSON output of a planning :class:`~hf_odc.cli.plan.simulate.Simulation`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.table import Table
 
-from ..schemes import BASELINE
+from ...packing.schemes import BASELINE
 from .simulate import HYBRID_SCHEMES, Simulation
 
 __all__ = ["render_table", "write_json"]

@@ -10,8 +10,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..bubble import idle_fraction, step_times, sync_time
-from ..schemes import BASELINE, SCHEMES
+from ...packing.bubble import idle_fraction, step_times, sync_time
+from ...packing.schemes import BASELINE, SCHEMES
 from .simulate import HYBRID_SCHEMES, Simulation
 
 if TYPE_CHECKING:

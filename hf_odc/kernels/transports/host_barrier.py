@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from . import heartbeat
+from .. import heartbeat
 from ._dev_shm import ShmJob
 from .transport import PeerFailureError
 

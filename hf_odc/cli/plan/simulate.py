@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..bubble import Sync, idle_fraction, plan_costs, sync_time
-from ..cost import AttentionCost, CalibratedCost, CostLike, resolve_cost
-from ..schemes import BASELINE, SCHEMES
+from ...packing.bubble import Sync, idle_fraction, plan_costs, sync_time
+from ...packing.cost import AttentionCost, CalibratedCost, CostLike, resolve_cost
+from ...packing.schemes import BASELINE, SCHEMES
 from .sources import LengthSource
 
 __all__ = ["HYBRID_SCHEMES", "CrossHost", "SchemeResult", "Simulation", "simulate"]

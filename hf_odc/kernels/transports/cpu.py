@@ -1,8 +1,8 @@
 """The CPU transport: shared memory among the processes of one host.
 
 It makes ODC testable anywhere, without a GPU. Every symmetric tensor is one ``/dev/shm`` segment per rank, mapped by
-every rank (see :mod:`hf_odc.kernels._dev_shm`), so a read of a peer's shard is a plain copy from its mapping.
-Concurrent ``add_`` from several processes into one owner would lose updates, so an accumulate holds a POSIX
+every rank (see :mod:`hf_odc.kernels.transports._dev_shm`), so a read of a peer's shard is a plain copy from its
+mapping. Concurrent ``add_`` from several processes into one owner would lose updates, so an accumulate holds a POSIX
 byte-range lock on exactly the range it adds to: ranks pushing into different owners or layers never wait for each
 other, and a lock held by a process that dies is released by the kernel, so a crash cannot wedge the survivors.
 """
@@ -23,7 +23,7 @@ _LOCK_BLOCK = 1 << 40
 
 
 class CpuShmTransport(HostLocalTransport):
-    """:class:`~hf_odc.kernels.transport.Transport` over ``/dev/shm``; collective to construct.
+    """:class:`~hf_odc.kernels.transports.transport.Transport` over ``/dev/shm``; collective to construct.
 
     Args:
         group: the process group whose ranks communicate (all on one host); ``None`` is the default group.

@@ -8,10 +8,11 @@ ODC needs four things from the machine, and nothing else:
   into one owner at the same moment, and no update may be lost;
 * a barrier (``barrier``) that ends with an error naming the culprit when a peer dies or stalls, instead of hanging.
 
-The CPU transport (:mod:`hf_odc.kernels.cpu`) implements it with shared memory between the processes of one host;
-the GPU transport implements it with PyTorch symmetric memory; both share the host-local barrier wiring
-(:class:`~hf_odc.kernels.host_local.HostLocalTransport`). The FSDP wiring (:mod:`hf_odc.engine`) only ever talks to
-this interface, and only ever touches a buffer's ``local`` block: how peers' blocks are reached is the transport's.
+The CPU transport (:mod:`hf_odc.kernels.transports.cpu`) implements it with shared memory between the processes of
+one host; the GPU transport implements it with PyTorch symmetric memory; both share the host-local barrier wiring
+(:class:`~hf_odc.kernels.transports.host_local.HostLocalTransport`). The FSDP wiring (:mod:`hf_odc.engine`) only ever
+talks to this interface, and only ever touches a buffer's ``local`` block: how peers' blocks are reached is the
+transport's.
 """
 
 from __future__ import annotations

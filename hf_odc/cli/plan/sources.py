@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..calibration import Calibration
-from ..cost import CalibratedCost, CostLike, named_cost
-from ..distributions import get_distribution
+from ...packing.calibration import Calibration
+from ...packing.cost import CalibratedCost, CostLike, named_cost
+from ...packing.distributions import get_distribution
 
 __all__ = [
     "LengthPool",

@@ -5,9 +5,10 @@
 * ``gather``: one device-to-device copy per peer out of its mapped block. The copy engines move the bytes over
   NVLink, leaving the SMs to the layer being computed meanwhile (FSDP issues it on its all-gather stream).
 * ``scatter_accumulate``: one Triton launch of relaxed atomic adds into every owner's fp32 block through the peer
-  pointers (:mod:`hf_odc.kernels._triton_scatter`): no staging copy, no owner involvement, no extra memory.
+  pointers (:mod:`hf_odc.kernels.transports._triton_scatter`): no staging copy, no owner involvement, no extra memory.
 * ``barrier``: wait for this device's work, then the host barrier every host-local transport shares
-  (:class:`~hf_odc.kernels.host_local.HostLocalTransport`), which names a dead or stalled peer instead of hanging.
+  (:class:`~hf_odc.kernels.transports.host_local.HostLocalTransport`), which names a dead or stalled peer instead of
+  hanging.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from .._env import env
-from .._torch_support import require
+from ..._env import env
+from ..._torch_support import require
 from .host_local import HostLocalTransport
 from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
 
@@ -25,7 +26,7 @@ DEFAULT_SCATTER_PROGRAMS = 0  # uncapped; see _triton_scatter
 
 
 class CudaSymmMemTransport(HostLocalTransport):
-    """:class:`~hf_odc.kernels.transport.Transport` over CUDA symmetric memory; collective to construct.
+    """:class:`~hf_odc.kernels.transports.transport.Transport` over CUDA symmetric memory; collective to construct.
 
     Args:
         device: this rank's GPU.

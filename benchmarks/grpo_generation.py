@@ -1,0 +1,202 @@
+"""GRPO rollout generation on a sharded policy: each of ``hf_odc.trainer.generation``'s modes, per rank, with a table
+and JSON.
+
+Every rank decodes its own prompts greedily with transformers' ``generate`` on the FSDP2-sharded policy (ODC
+installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep),
+``gathered`` (full weights assembled once, one-sided) and ``sharded`` (one-sided reads per forward, no copy).
+Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
+from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
+decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
+sequences (packed rows, forward and backward inside one ODC minibatch), and generation's share of
+generation + update. ``lockstep`` is timed on at most ``--lockstep-tokens`` steps (it is slow); its full-length time
+is the measured ms per step times the longest completion, marked as an estimate.
+
+    torchrun --nproc_per_node 2 benchmarks/grpo_generation.py --json out/grpo_generation.json
+    torchrun --nproc_per_node 2 benchmarks/grpo_generation.py --model-config tiny --prompts 4 --max-new-tokens 32 \
+        --prompt-length 16 --row-tokens 256          # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
+from hf_odc.demo import MODEL_CONFIGS
+from hf_odc.packing import sample_lengths
+from hf_odc.trainer import PACKED_ATTENTION
+from hf_odc.trainer.generation import GENERATION_MODES, decoding
+
+EOS = 2
+
+
+class EndAt(LogitsProcessor):
+    """Ends completion ``i`` after exactly ``lengths[i]`` tokens (greedy otherwise), so lengths are what we choose."""
+
+    def __init__(self, lengths: list[int], prompt_length: int):
+        self.lengths, self.prompt_length = torch.tensor(lengths), prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        done = (self.lengths.to(scores.device) - 1) == (input_ids.shape[1] - self.prompt_length)
+        scores[:, EOS] = torch.where(done, torch.finfo(scores.dtype).max, torch.finfo(scores.dtype).min)
+        return scores
+
+
+def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.Module, ODCRuntime]:
+    raw = {"vocab_size": 151936, "max_position_embeddings": 32768, **MODEL_CONFIGS[args.model_config]}
+    raw |= {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": EOS, "tie_word_embeddings": True}
+    config = AutoConfig.for_model(**raw)
+    config._attn_implementation = PACKED_ATTENTION  # private: transformers.PretrainedConfig._attn_implementation
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.gradient_checkpointing_enable()
+    runtime = ODCRuntime(ODCPlugin(), accelerator)
+    model = runtime.shard(model.to(accelerator.device))
+    if accelerator.num_processes == 1 and accelerator.device.type == "cuda":
+        model = model.to(torch.bfloat16)  # unsharded: compute in bf16 as FSDP2's policy does when sharded
+    runtime.enable(model)
+    return model, runtime
+
+
+def timed(device: torch.device, fn) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def generate(model, runtime, mode: str, prompts: torch.Tensor, lengths: list[int]) -> tuple[float, int, torch.Tensor]:
+    """Decode ``prompts`` in ``mode``; returns (seconds, decoding steps, prompt + completion ids)."""
+    steps, out = [0], []
+    hook = model.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
+    processor = LogitsProcessorList([EndAt(lengths, prompts.shape[1])])
+
+    def run() -> None:
+        with decoding(model, runtime, mode), torch.no_grad():
+            out.append(
+                model.generate(
+                    input_ids=prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    max_new_tokens=max(lengths),
+                    do_sample=False,
+                    logits_processor=processor,
+                    pad_token_id=0,
+                    eos_token_id=EOS,
+                )
+            )
+
+    model.gradient_checkpointing_disable()  # as TRL does for generation: checkpointing would turn the KV cache off
+    seconds = timed(prompts.device, run)
+    model.gradient_checkpointing_enable()
+    hook.remove()
+    return seconds, steps[0] - 1, out[0]  # the first forward is the prefill
+
+
+def update(model, runtime, sequences: list[torch.Tensor], row_tokens: int) -> float:
+    """One forward and backward of ``sequences`` packed into rows of at most ``row_tokens``, in one ODC minibatch."""
+    rows, row = [], []
+    for sequence in sorted(sequences, key=len, reverse=True):
+        if row and sum(map(len, row)) + len(sequence) > row_tokens:
+            rows.append(row)
+            row = []
+        row.append(sequence)
+    rows.append(row)
+    device = sequences[0].device
+
+    def run() -> None:
+        with runtime.minibatch():
+            for parts in rows:
+                ids = torch.cat(parts)[None]
+                positions = torch.cat([torch.arange(len(p), device=device) for p in parts])[None]
+                with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+                loss.backward()
+
+    seconds = timed(device, run)
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-config", default="qwen2.5-1.5b", choices=list(MODEL_CONFIGS))
+    parser.add_argument("--prompts", type=int, default=64, help="completions per rank")
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--lockstep-tokens", type=int, default=128, help="at most this many lockstep steps are timed")
+    parser.add_argument("--distribution", default="swe-smith")
+    parser.add_argument("--row-tokens", type=int, default=16384)
+    parser.add_argument("--modes", default=",".join(GENERATION_MODES))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), mixed_precision="bf16" if torch.cuda.is_available() else "no"
+    )
+    rank, world_size, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    model, runtime = build(args, accelerator)
+    draws = sample_lengths(args.distribution, args.prompts * world_size, seed=1)
+    scale = args.max_new_tokens / max(draws)
+    # Rank-major and sorted, so the ranks' longest completions differ (as when one rank draws the long tail).
+    all_lengths = sorted(max(1, round(n * scale)) for n in draws)
+    lengths = all_lengths[rank * args.prompts : (rank + 1) * args.prompts]
+    g = torch.Generator().manual_seed(rank)
+    prompts = torch.randint(3, 1000, (args.prompts, args.prompt_length), generator=g).to(device)
+    generate(model, runtime, "gathered", prompts[:2, :8], [4, 4])  # warm-up: kernels, the first unshard
+    rows, sequences = {}, None
+    for mode in args.modes.split(","):
+        capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
+        seconds, steps, out = generate(model, runtime, mode, prompts, capped)
+        tokens = sum(capped)
+        rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
+                      "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths)}  # fmt: skip
+        if mode == "lockstep":  # the full-length time, at the measured rate (every rank steps to the global longest)
+            rows[mode]["decode_s_estimated"] = rows[mode]["ms_per_step"] * max(all_lengths) / 1e3
+        if mode == "gathered":
+            sequences = [o[: args.prompt_length + n] for o, n in zip(out, lengths, strict=True)]
+    if sequences is not None:
+        rows["update"] = {"update_s": update(model, runtime, sequences, args.row_tokens)}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, rows) if world_size > 1 else gathered.__setitem__(0, rows)
+    runtime.close()
+    if rank == 0:
+        report(gathered, args)
+    accelerator.end_training()
+
+
+def report(per_rank: list[dict], args: argparse.Namespace) -> None:
+    update_s = max(r["update"]["update_s"] for r in per_rank) if "update" in per_rank[0] else None
+    print(
+        f"\n{len(per_rank)} rank(s), {args.model_config}, {args.prompts} completions/rank, up to "
+        f"{args.max_new_tokens} new tokens; policy update {update_s and round(update_s, 2)} s"
+    )
+    print("| mode | rank | decode s | steps | ms/step | tokens/s | generation's share |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    summary = {}
+    for mode in [m for m in per_rank[0] if m != "update"]:
+        slowest = max(r[mode].get("decode_s_estimated", r[mode]["decode_s"]) for r in per_rank)
+        share = slowest / (slowest + update_s) if update_s else float("nan")
+        summary[mode] = {"generation_s": slowest, "share_of_step": share}
+        for rank, r in enumerate(per_rank):
+            row = r[mode]
+            estimate = f" (est. {row['decode_s_estimated']:.1f} full)" if "decode_s_estimated" in row else ""
+            print(f"| {mode} | {rank} | {row['decode_s']:.2f}{estimate} | {row['steps']} | {row['ms_per_step']:.1f} | "
+                  f"{row['tokens_per_s']:.0f} | {share:.0%} |")  # fmt: skip
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "per_rank": per_rank, "summary": summary, "update_s": update_s}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Every private name of TRL, transformers and Accelerate that hf_odc overrides, calls, reads or sets, in one place.
+
+hf_odc's trainers extend TRL's by their hooks, several of them private (``_prepare_inputs``, ``_save_checkpoint``,
+``GRPOTrainer._generate``...), and read state TRL's ``__init__`` creates (``_metrics``, ``_buffered_inputs``...). A
+release that renames one would otherwise surface as an ``AttributeError`` deep in a step, or worse as an override that
+silently no longer runs. So each name is listed here, the classes' are checked when :mod:`hf_odc.trainer` is imported
+(:func:`check_classes`), a trainer's instance state when it is built (:func:`check_trainer`), and a failure names the
+library, its version and what is missing. torch's private names have their own gate (:mod:`hf_odc._torch_support`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = [
+    "CLASS_NAMES",
+    "INSTANCE_NAMES",
+    "UnsupportedLibraryError",
+    "check_classes",
+    "check_trainer",
+    "decoding_alone",
+    "mark_fsdp_managed",
+    "mark_vllm_weights_awake",
+    "trainer_prepare_inputs",
+]
+
+
+class UnsupportedLibraryError(RuntimeError):
+    """An installed TRL, transformers or Accelerate lacks a private name hf_odc relies on."""
+
+
+CLASS_NAMES: dict[str, tuple[str, ...]] = {
+    # The Trainer hooks the ODC trainers override (checkpoints, bounded collectives) or call.
+    "transformers:Trainer": (
+        "_prepare_inputs",
+        "_save",
+        "_get_output_dir",
+        "_save_checkpoint",
+        "_load_from_checkpoint",
+        "_load_optimizer_and_scheduler",
+        "_save_optimizer_and_scheduler",
+        "_clip_grad_norm",
+        "_maybe_log_save_evaluate",
+    ),
+    # GRPO's generation, scoring and loss pieces ODCGRPOTrainer wraps or reuses.
+    "trl:GRPOTrainer": (
+        "_generate",
+        "_generate_single_turn",
+        "_generate_and_score_completions",
+        "_get_per_token_logps_and_entropies",
+        "_prepare_inputs",
+        "get_off_policy_mask",
+        "get_gamma_weights",
+    ),
+    # DPO's precomputation of the reference log-probabilities, which ODCDPOTrainer runs itself once it has sharded.
+    "trl:DPOTrainer": ("_precompute_ref_logps",),
+}
+"""``"module:Class"`` -> the attributes hf_odc needs on that class. (``Trainer._defer_fsdp_gradient_reduction`` is
+overridden too, but only transformers >= 5.23 has and calls it: nothing to check.)"""
+
+INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
+    "trl:SFTTrainer": ("_metrics", "_total_train_tokens", "_tokenizer", "maybe_activation_offload_context"),
+    "trl:DPOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
+    "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
+}
+"""``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""
+
+
+def _resolve(spec: str) -> type:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _library_version(spec: str) -> str:
+    library = spec.split(":")[0].split(".")[0]
+    return f"{library} {getattr(importlib.import_module(library), '__version__', '?')}"
+
+
+def _require(obj: Any, names: Iterable[str], spec: str, what: str) -> None:
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise UnsupportedLibraryError(
+            f"hf_odc relies on {spec.replace(':', '.')}{what}'s {', '.join(missing)}, which {_library_version(spec)} "
+            "does not have: this release changed a private name hf_odc reads. Install the version pyproject.toml "
+            "was checked with (see its dependency comments), or update hf_odc/_compat.py and the code that uses it."
+        )
+
+
+def check_classes(specs: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Raise :class:`UnsupportedLibraryError` naming the first class of ``specs`` (default :data:`CLASS_NAMES`) that
+    lacks one of its names."""
+    for spec, names in (CLASS_NAMES if specs is None else specs).items():
+        _require(_resolve(spec), names, spec, "")
+
+
+def check_trainer(trainer: Any) -> None:
+    """Raise :class:`UnsupportedLibraryError` if ``trainer`` lacks state that :data:`INSTANCE_NAMES` lists for one
+    of its TRL base classes (call it once its TRL ``__init__`` has run)."""
+    for spec, names in INSTANCE_NAMES.items():
+        if isinstance(trainer, _resolve(spec)):
+            _require(trainer, names, spec, " instances")
+
+
+def trainer_prepare_inputs(trainer: Any, inputs: Any) -> Any:
+    """``transformers.Trainer._prepare_inputs`` (device placement), not a subclass's override (GRPO generates
+    rollouts in its own)."""
+    from transformers import Trainer
+
+    return Trainer._prepare_inputs(trainer, inputs)
+
+
+def mark_fsdp_managed(model: Any) -> None:
+    """Tell transformers that ``model`` is sharded by FSDP (its private ``_is_fsdp_managed_module`` flag), and check
+    that transformers reads the flag, as generation depends on it."""
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    model._is_fsdp_managed_module = True
+    if not is_fsdp_managed_module(model):
+        raise UnsupportedLibraryError(
+            f"{_library_version('transformers:x')} no longer reads _is_fsdp_managed_module: hf_odc cannot mark a model "
+            "it sharded as FSDP-managed. Update hf_odc/_compat.py."
+        )
+
+
+@contextlib.contextmanager
+def decoding_alone(model: Any) -> Iterator[None]:
+    """Inside the block transformers' ``generate`` decodes ``model`` on this rank alone, without lockstep: it keeps
+    ranks in lockstep (``synced_gpus``) exactly for the modules it knows FSDP-managed, so the mark is lifted for the
+    block (for a model whose forwards need no collective, e.g. its parameters held unsharded)."""
+    marked = getattr(model, "_is_fsdp_managed_module", False)
+    model._is_fsdp_managed_module = False
+    try:
+        yield
+    finally:
+        model._is_fsdp_managed_module = marked
+
+
+def mark_vllm_weights_awake(generation: Any) -> None:
+    """Tell TRL's ``VLLMGeneration`` that its engine's weights are awake and loaded: while its private
+    ``_llm_weights_sleeping`` is set (sleep level 2 discarded them), its ``generate()`` pushes the weights again."""
+    if not hasattr(generation, "_llm_weights_sleeping"):
+        raise UnsupportedLibraryError(
+            f"{_library_version('trl:x')}'s VLLMGeneration no longer has _llm_weights_sleeping: hf_odc cannot tell it "
+            "that the weights it loaded after sleep are awake. Update hf_odc/_compat.py."
+        )
+    generation._llm_weights_sleeping = False

@@ -1,0 +1,40 @@
+"""The demos' parts, shared by the example scripts (``examples/sft.py``, ``examples/grpo.py``, ``examples/dpo.py``), the
+notebooks and the tests: a word-level tokenizer built in code, models built from a config (a tiny Llama, or a real
+model's shape with random weights), built-in datasets with long-tailed lengths (chats, token ids, prompts, preference
+pairs), GRPO's rule-based rewards and synthetic rollouts, and the scripts' command-line conventions. Nothing
+downloads.
+
+Nothing else in hf_odc imports this package: it is for trying ODC out, writing a script of one's own in the examples'
+style, and testing; a real run brings its own model, tokenizer and data.
+"""
+
+from .data import chat_dataset, longtail_lengths, preference_dataset, prompt_dataset, synthetic_dataset
+from .models import MODEL_CONFIGS, build_model, save_initial_model
+from .rewards import echo_reward, length_reward
+from .rollouts import SyntheticRollouts
+from .script import CHECKPOINT_FLAGS, ExampleParser, GlobalBatchParser, fail, train_and_save
+from .tokenizer import CHAT_TEMPLATE, NUM_WORDS, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "CHECKPOINT_FLAGS",
+    "MODEL_CONFIGS",
+    "NUM_WORDS",
+    "SPECIAL_TOKENS",
+    "ExampleParser",
+    "GlobalBatchParser",
+    "SyntheticRollouts",
+    "build_model",
+    "build_tokenizer",
+    "chat_dataset",
+    "echo_reward",
+    "fail",
+    "length_reward",
+    "load_tokenizer",
+    "longtail_lengths",
+    "preference_dataset",
+    "prompt_dataset",
+    "save_initial_model",
+    "synthetic_dataset",
+    "train_and_save",
+]

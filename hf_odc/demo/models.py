@@ -1,0 +1,91 @@
+"""The demos' models: a pretrained one from a directory, or one built from a config (tiny, or a real model's shape)
+with random weights, the same on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, TrainingArguments
+from trl import ModelConfig
+
+from ..trainer import PACKED_ATTENTION
+
+MODEL_CONFIGS = {
+    # Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level
+    # BPE whatever class the tokenizer's config names (transformers 5.23 overrides it for that model type), which
+    # drops every word of this word-level vocabulary; beside a llama config it loads the class saved.
+    "tiny": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    # The shape of Qwen2-0.5B (random weights): what `hf_odc.packing.DEFAULT_ATTENTION_SHAPE` models.
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
+    # The shape of Qwen2.5-1.5B (random weights).
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
+}
+
+
+def build_model(
+    model_config: str, model_args: ModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int
+) -> PreTrainedModel:
+    """A pretrained model from ``model_name_or_path``, else a randomly initialised one from ``model_config`` (a name
+    of :data:`MODEL_CONFIGS`, or a path to a ``config.json`` or a directory holding one) with ``tokenizer``'s special
+    tokens (TRL would otherwise align them itself, saying so on every process)."""
+    attn = model_args.attn_implementation or PACKED_ATTENTION
+    dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
+    if model_args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path, dtype=dtype, attn_implementation=attn
+        )
+    if model_config in MODEL_CONFIGS:
+        raw = {"vocab_size": len(tokenizer), "max_position_embeddings": 4096, "tie_word_embeddings": True}
+        raw |= MODEL_CONFIGS[model_config]
+    else:
+        path = model_config
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+            raw = json.load(f)
+    raw |= {name: getattr(tokenizer, name) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    config = AutoConfig.for_model(**raw)
+    config._attn_implementation = attn  # private: transformers.PretrainedConfig._attn_implementation
+    torch.manual_seed(seed)  # same initial weights on every rank
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def save_initial_model(model: PreTrainedModel, path: str, training_args: TrainingArguments) -> None:
+    """Save the freshly built ``model`` (the same on every rank) in ``path`` and name it by that absolute path, for
+    what must load it again by name: a LoRA adapter's ``base_model_name_or_path`` (PEFT records the model's name; a
+    model built from a config has none, so ``AutoPeftModelForCausalLM`` would look for a null name on the Hub) and
+    GRPO's reference model (TRL loads it from the policy's name)."""
+    path = os.path.abspath(path)
+    with training_args.main_process_first(desc=f"saving the initial model in {path}"):
+        if training_args.process_index == 0:
+            model.save_pretrained(path)
+    model.name_or_path = model.config.name_or_path = path

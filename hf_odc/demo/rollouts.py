@@ -1,0 +1,52 @@
+"""Completions drawn instead of generated, for GRPO runs that measure or compare policy updates: the same rollouts
+whatever the number of ranks, with no generation time."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .data import longtail_lengths
+from .tokenizer import SPECIAL_TOKENS
+
+
+class SyntheticRollouts:
+    """TRL's ``rollout_func``: completions drawn, not generated, reproducibly wherever they are drawn.
+
+    A completion's length and tokens come from a generator seeded by ``seed``, its prompt's text and its index in
+    the prompt's group of ``num_generations`` (from its global position, ``rank * len(prompts) + i``, the layout of
+    TRL's ``RepeatSampler``). It ends with the end-of-sequence token unless it reaches ``max_completion_length``.
+    ``mode`` ``"synthetic"`` draws lengths from ``distribution`` scaled to ``max_completion_length``; ``"skewed"``
+    gives every completion drawn on rank 0 a long length and every other rank's a short one.
+    """
+
+    def __init__(self, mode: str, distribution: str, seed: int):
+        self.mode, self.distribution, self.seed = mode, distribution, seed
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
+        tokenizer, args = trainer.processing_class, trainer.args
+        rank = trainer.accelerator.process_index
+        num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        low = len(SPECIAL_TOKENS) + 3  # after the special tokens and role names
+        vocab = len(tokenizer)
+        prompt_ids, completion_ids = [], []
+        for i, prompt in enumerate(prompts):
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            index = (rank * len(prompts) + i) % num_generations
+            seed = zlib.crc32(f"{self.seed}|{text}|{index}".encode())
+            rng = np.random.default_rng(seed)
+            limit = args.max_completion_length
+            if self.mode == "skewed":
+                length = (
+                    int(limit * rng.uniform(0.8, 1.0)) if rank == 0 else max(2, int(limit * rng.uniform(0.02, 0.1)))
+                )
+            else:
+                length = longtail_lengths(1, limit, self.distribution, seed % 2**31)[0]
+            tokens = rng.integers(low, vocab, size=length).tolist()
+            if length < limit:
+                tokens[-1] = tokenizer.eos_token_id
+            completion_ids.append(tokens)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}

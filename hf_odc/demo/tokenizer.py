@@ -1,0 +1,57 @@
+"""The demos' tokenizer: a word-level vocabulary with ChatML's special tokens and chat template, built in code.
+
+No download: every example, notebook and test trains with it when no model directory is given (:func:`load_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from trl import ModelConfig
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ROLES = ["system", "user", "assistant"]
+NUM_WORDS = 500
+# ChatML, with the assistant's reply and its end-of-turn token inside {% generation %} so that TRL's
+# `assistant_only_loss` trains exactly those tokens (including the one that stops generation).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``w0 .. w{NUM_WORDS-1}``, the role names and ChatML's special tokens."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ROLES + [f"w{i}" for i in range(NUM_WORDS)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def load_tokenizer(model_args: ModelConfig) -> PreTrainedTokenizerFast:
+    """The model directory's tokenizer if it has one, else the built-in word-level one."""
+    path = model_args.model_name_or_path
+    config_file = os.path.join(path or "", "tokenizer_config.json")
+    if not path or not os.path.exists(config_file):
+        return build_tokenizer()
+    with open(config_file) as f:
+        generic = json.load(f).get("tokenizer_class") == "TokenizersBackend"
+    # transformers 5 may rebuild a generic tokenizer.json as the model type's tokenizer class (Qwen2's byte-level BPE
+    # for the outputs of this example's Qwen2-shaped models), which breaks a word-level vocabulary; load it as it is.
+    return PreTrainedTokenizerFast.from_pretrained(path) if generic else AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,237 @@
+"""The ODC fields every ODC trainer's config shares (:class:`_ODCConfig`), validated once, and their documentation,
+written once and placed in each config's docstring (:func:`_document_odc_fields`).
+
+A config is ``class ODCXConfig(_ODCConfig, XConfig)``: the mixin comes first, so its ``__post_init__`` checks the ODC
+fields before TRL's own checks run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import packing
+from ..accelerate_plugin import ODCPlugin
+from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
+from ..packing import COSTS, PLANNERS
+
+_COST_MODELS = (*COSTS, "calibrated")
+
+_ODC_PARAMETERS = """
+        > Parameters of On-Demand Communication and the minibatch plan
+
+        odc (`bool`, *optional*):
+            Run each rank's microbatches with On-Demand Communication: ranks meet once per minibatch, so they may run
+            different numbers of microbatches. `False` runs plain FSDP2 (collectives in every layer), which needs the
+            same microbatch count on every rank: the fair baseline is `balance="lb-micro"`. `None` reads
+            `HF_ODC_ENABLED` (default `True`).
+        odc_timeout (`float`, *optional*):
+            Seconds any rank waits for another before raising `hf_odc.PeerFailureError` naming it: at the minibatch
+            barriers, before every collective of a step (metrics, clipping, logging, evaluation, checkpoints), and
+            inside them (every process group gets this timeout, on CPU too). A rank that stops beating (stopped or
+            frozen: `hf_odc.kernels.heartbeat`) is named after it too, during startup as well. `None` reads
+            `HF_ODC_TIMEOUT`, else `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
+        odc_transport (`str`, *optional*):
+            The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
+            `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
+        odc_shard_size (`int`, *optional*):
+            Ranks per shard group: parameters are sharded within a group and replicated across groups (hybrid ODC,
+            FSDP2's HSDP layout: one-sided reads and pushes inside a group, one all-reduce of each gradient shard
+            across replicas per minibatch). A group must lie within one host. `None` reads `HF_ODC_SHARD_SIZE`, else
+            a host's ranks, so a job on one host shards over every rank and a job over several hosts is hybrid.
+        balance (`str`, *optional*):
+            How each global minibatch is split (a name of `hf_odc.packing.PLANNERS`): `"lb-mini"` balances each rank's
+            total cost, ranks may run different numbers of microbatches (needs `odc=True`); `"lb-micro"` gives every
+            rank the same number of microbatches, each microbatch step balanced across ranks; `"local-sort"` deals
+            samples round-robin, one per microbatch (the unbalanced baseline). `None`: `"lb-mini"` with ODC,
+            `"lb-micro"` without.
+        max_tokens_per_microbatch (`int`, *optional*):
+            Token capacity of one packed microbatch. Mutually exclusive with `packing_ratio`.
+        packing_ratio (`float`, *optional*):
+            Token capacity of one packed microbatch as a multiple of the longest sample it must fit (SFT:
+            `max_length`; GRPO: the minibatch's longest rollout; DPO: a pair, `2 * max_length`), so `1.0` fits
+            exactly one longest sample. Used when `max_tokens_per_microbatch` is not set; defaults to `1.0`.
+        cost_model (`str`, *optional*, defaults to `"calibrated"`):
+            Per-sample cost the planner balances. `"calibrated"`: start from `"attention"` (or from
+            `calibration_file`) and refit after every step to the microbatch times every rank measured
+            (`hf_odc.packing.Calibrator`: fixed costs per microbatch and per sequence, per token and per squared
+            token); with ODC and `balance="lb-mini"`, each rank also gets work in proportion to its measured speed.
+            The fit is logged (`calibration/*`) and saved with the model as `odc_calibration.json`, which
+            `hf-odc plan --calibration` reads. Plans then depend on measured times, so two runs may group samples
+            differently (same gradients up to floating-point summation order); `"attention"` (FLOPs of the trained
+            model's shape, linear plus quadratic in the length; see `hf_odc.packing.AttentionCost`) and `"tokens"`
+            (sequence length) plan identically in every run.
+        calibration_file (`str`, *optional*):
+            A calibration to start from (`odc_calibration.json` of an earlier run; its speeds are kept only with the
+            same number of ranks). Needs `cost_model="calibrated"`.
+        freeze_calibration (`bool`, *optional*, defaults to `False`):
+            Plan with `calibration_file` as it is, without refitting. Needs `calibration_file`.
+        packed_attention (`bool`, *optional*, defaults to `True`):
+            Switch a model whose attention implementation is `"sdpa"` or `"eager"` (transformers' default) to
+            hf_odc's `"odc_packed"` (`hf_odc.trainer.attention`): each packed sample is attended on its own, so a
+            microbatch costs the sum of its samples instead of the square of its length, with no `T x T` mask.
+            `False` keeps the model's implementation (with a warning for `sdpa`/`eager` on a GPU). Flash and flex
+            attention are always kept.
+
+    > [!NOTE]
+    > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
+    > fp32, exact enough to compare with a single-process run), and `use_cpu` defaults to `True` when no CUDA device
+    > exists: `accelerate launch` starts CPU processes through torchrun without telling them to use the CPU, and
+    > without it every process would silently train alone.
+
+    > [!NOTE]
+    > `gradient_accumulation_steps` keeps TRL's batch size: an optimizer step takes `per_device_train_batch_size *
+    > gradient_accumulation_steps` samples per process. hf_odc plans those samples of every process as *one* ODC
+    > minibatch (the ranks meet once per optimizer step, whatever the accumulation), and the planner, not the
+    > accumulation count, decides how many microbatches each rank runs.
+"""
+
+
+def _document_odc_fields(config_class: type) -> type:
+    """Put the shared ODC fields' documentation where ``config_class``'s docstring says ``{odc_parameters}``, so that
+    every ODC config documents every field and the text exists once."""
+    config_class.__doc__ = config_class.__doc__.replace("    {odc_parameters}", _ODC_PARAMETERS.strip("\n"))
+    return config_class
+
+
+@dataclass
+class _ODCConfig:
+    r"""
+    The ODC fields of every ODC trainer's config; each config's docstring documents them (see
+    :class:`~hf_odc.trainer.ODCSFTConfig`), and :meth:`__post_init__` validates them before TRL's own checks.
+    """
+
+    odc: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run each rank's microbatches with On-Demand Communication (ranks meet once per minibatch). False "
+            "runs plain FSDP2 (the baseline). Unset: HF_ODC_ENABLED, default true."
+        },
+    )
+    odc_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Seconds a rank waits for another (minibatch barriers, every collective of a step) before naming "
+            f"it in an error. Unset: HF_ODC_TIMEOUT, default {DEFAULT_TIMEOUT_S:g}."
+        },
+    )
+    odc_transport: str | None = field(
+        default=None,
+        metadata={
+            "help": "ODC's transport by name. Unset: HF_ODC_TRANSPORT, else the one for the model's device.",
+            "choices": list(TRANSPORTS),
+        },
+    )
+    odc_shard_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Ranks per shard group, replicated across groups (one all-reduce per minibatch). Unset: "
+            "HF_ODC_SHARD_SIZE, else a host's ranks."
+        },
+    )
+    balance: str | None = field(
+        default=None,
+        metadata={
+            "help": "Minibatch plan: 'lb-mini' (balance each rank's total, needs odc), 'lb-micro' (equal microbatch "
+            "counts, each step balanced) or 'local-sort' (round-robin, one sample per microbatch). Unset: lb-mini "
+            "with ODC, lb-micro without.",
+            "choices": list(PLANNERS),
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={"help": "Token capacity of one packed microbatch. Exclusive with packing_ratio."},
+    )
+    packing_ratio: float | None = field(
+        default=None,
+        metadata={"help": "Microbatch capacity as a multiple of max_length (default 1.0 when no token cap is set)."},
+    )
+    cost_model: str = field(
+        default="calibrated",
+        metadata={
+            "help": "Per-sample cost to balance: 'attention' (FLOPs of the model's shape), 'tokens', or 'calibrated' "
+            "(fitted to measured microbatch times while training, with a speed per rank for LB-Mini).",
+            "choices": list(_COST_MODELS),
+        },
+    )
+    calibration_file: str | None = field(
+        default=None,
+        metadata={"help": "odc_calibration.json of an earlier run to start from (cost_model='calibrated')."},
+    )
+    freeze_calibration: bool = field(
+        default=False,
+        metadata={"help": "Plan with calibration_file as it is, without refitting."},
+    )
+    packed_attention: bool = field(
+        default=True,
+        metadata={
+            "help": "Switch sdpa/eager models to hf_odc's 'odc_packed' attention (each packed sample attended on its "
+            "own, no T x T mask). False keeps the model's implementation."
+        },
+    )
+
+    def __post_init__(self):
+        if not torch.cuda.is_available():
+            self.use_cpu = True
+            if self.bf16 is None:
+                self.bf16 = False
+        # The settings resolved (HF_ODC_* fallbacks) and validated once, by the plugin; the fields show the result.
+        plugin = self._odc_plugin = ODCPlugin(
+            enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport, shard_size=self.odc_shard_size
+        )
+        self.odc, self.odc_timeout, self.odc_transport = plugin.enabled, plugin.timeout, plugin.transport
+        self.odc_shard_size = plugin.shard_size
+        if self.balance is None:
+            self.balance = "lb-mini" if self.odc else "lb-micro"
+        if self.balance not in PLANNERS:
+            raise ValueError(f"balance must be one of {tuple(PLANNERS)}, got {self.balance!r}.")
+        if self.balance == "lb-mini" and not self.odc:
+            raise ValueError(
+                "balance='lb-mini' gives ranks different numbers of microbatches, which plain FSDP2 (odc=False) "
+                "cannot run: its per-layer collectives would deadlock. Use --balance lb-micro for the baseline, or "
+                "--odc true."
+            )
+        if self.cost_model not in _COST_MODELS:
+            raise ValueError(f"cost_model must be one of {_COST_MODELS}, got {self.cost_model!r}.")
+        if self.calibration_file is not None and self.cost_model != "calibrated":
+            raise ValueError("calibration_file is the starting point of cost_model='calibrated'; set that too.")
+        if self.freeze_calibration and self.calibration_file is None:
+            raise ValueError(
+                "freeze_calibration keeps a calibration as it is: pass calibration_file (an earlier run's "
+                "odc_calibration.json), or unset freeze_calibration to calibrate during this run."
+            )
+        if self.max_tokens_per_microbatch is not None and self.packing_ratio is not None:
+            raise ValueError("Set max_tokens_per_microbatch or packing_ratio, not both.")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}.")
+        if self.packing_ratio is not None and not self.packing_ratio > 0:
+            raise ValueError(f"packing_ratio must be > 0, got {self.packing_ratio}.")
+        if self.per_device_train_batch_size < 1:
+            raise ValueError(
+                f"per_device_train_batch_size must be >= 1 (samples per rank in each global minibatch), got "
+                f"{self.per_device_train_batch_size}."
+            )
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}.")
+        if getattr(self, "activation_checkpointing", False) is None:
+            # transformers 5.23 renamed gradient_checkpointing, and warns when the old name is set: TRL's configs set
+            # it by default, and the examples' documented flag is --gradient_checkpointing. Both names mean the same.
+            for old, new in (
+                ("gradient_checkpointing", "activation_checkpointing"),
+                ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+            ):
+                if getattr(self, new) is None:
+                    setattr(self, new, getattr(self, old))
+        super().__post_init__()
+
+    def odc_plugin(self) -> ODCPlugin:
+        """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe, built once, when the config was."""
+        return self._odc_plugin
+
+    def max_tokens_for(self, longest_sample: int) -> int:
+        """Tokens one packed microbatch may hold: ``max_tokens_per_microbatch``, else ``packing_ratio`` (default 1)
+        times ``longest_sample``, the longest sample the microbatches must fit."""
+        if self.max_tokens_per_microbatch is not None:
+            return self.max_tokens_per_microbatch
+        return packing.max_tokens_for(longest_sample, self.packing_ratio or 1.0)

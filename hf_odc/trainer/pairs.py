@@ -1,0 +1,173 @@
+"""The DPO trainer's data path: preference pairs planned whole and packed padding-free.
+
+A pair's loss needs both of its sequences (prompt + chosen, prompt + rejected), so a pair is never split: the planner
+balances pairs, each one item weighing its two sequences' summed length, and a microbatch holds whole pairs, each as
+two documents of one packed row (chosen then rejected, ``position_ids`` restarting at 0 for each). As for SFT, every
+rank draws the same global minibatch, plans it the same way and packs its own row of the plan, so the loss
+normalisers (the minibatch's pairs and chosen tokens) are counted locally, without a collective.
+
+The sequences are those of TRL's ``DataCollatorForPreference``: ``prompt_ids + chosen_ids`` and ``prompt_ids +
+rejected_ids``, each truncated to ``max_length`` as ``truncation_mode`` says, the completion's tokens scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..packing import MinibatchPlanner
+from ._step import PlannedStep, packed_row
+
+__all__ = [
+    "PAIR_COLUMNS",
+    "REFERENCE_COLUMNS",
+    "PairPacker",
+    "PairStep",
+    "document_sums",
+    "pack_pairs",
+    "pair_documents",
+]
+
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+"""The columns of a tokenized preference dataset (TRL's ``DPOTrainer`` writes them)."""
+
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+"""The reference model's log-probabilities of each pair's completions, when precomputed."""
+
+
+def pair_documents(
+    example: dict[str, Any], max_length: int | None, truncation_mode: str = "keep_start"
+) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """The pair's two sequences as ``((chosen_ids, chosen_completion_mask), (rejected_ids, rejected_completion_mask))``,
+    each truncated to ``max_length`` tokens, keeping the start (``"keep_start"``) or the end (``"keep_end"``), as TRL
+    truncates them."""
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}.")
+    prompt = list(example["prompt_ids"])
+    documents = []
+    for key in ("chosen_ids", "rejected_ids"):
+        completion = list(example[key])
+        ids, mask = prompt + completion, [0] * len(prompt) + [1] * len(completion)
+        if max_length is not None and len(ids) > max_length:
+            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            ids, mask = ids[cut], mask[cut]
+        documents.append((ids, mask))
+    return documents[0], documents[1]
+
+
+def document_sums(values: torch.Tensor, document: torch.Tensor, num_documents: int) -> torch.Tensor:
+    """``values`` of a packed row (one per scored position) summed per document (``document`` holds each position's),
+    differentiably: ``(num_documents,)``."""
+    return values.new_zeros(num_documents).index_add(0, document, values)
+
+
+def pack_pairs(
+    documents: Sequence[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]],
+    references: Sequence[tuple[float, float]] | None = None,
+    ld_alpha: float | None = None,
+) -> dict[str, Any]:
+    """One padding-free microbatch of ``k`` pairs (each as :func:`pair_documents` gives it): document ``2j`` is pair
+    ``j``'s chosen sequence, ``2j + 1`` its rejected one.
+
+    Returns ``{"model": ..., "pairs": ...}``. ``model`` holds the forward's inputs: one row of the ``2k`` documents,
+    ``position_ids`` restarting at 0 for each, ``labels`` equal to the tokens on completions and -100 elsewhere and on
+    each document's first token (which no position predicts), so a fused LM head scores exactly the completion tokens
+    TRL scores; and ``cu_seq_lens_q/k`` / ``max_length_q/k`` for varlen kernels. ``pairs`` holds, per scored position
+    (the row's ``log_probs`` score token ``t`` at ``t - 1``): ``document`` (its document) and ``weight`` (1, or
+    ``ld_alpha`` past the pair's shared completion length as TRL's LD-DPO weighs it; 0 where nothing is scored); per
+    pair, ``completion_tokens`` ``(k, 2)`` (each completion's length, as TRL's IPO and ``sigmoid_norm`` normalise
+    by it) and, if ``references`` is given, ``ref_logps`` ``(k, 2)``.
+    """
+    ids, labels, owner, weights, lengths, sizes = [], [], [], [], [], []
+    for pair, (chosen, rejected) in enumerate(documents):
+        scored = [sum(mask[1:]) for _, mask in (chosen, rejected)]
+        shared = min(scored)
+        for side, (tokens, mask) in enumerate((chosen, rejected)):
+            ids += tokens
+            labels += [-100] + [t if m else -100 for t, m in zip(tokens[1:], mask[1:], strict=True)]
+            owner += [2 * pair + side] * len(tokens)
+            counted = 0
+            weights.append(0.0)
+            for m in mask[1:]:
+                counted += m
+                weights.append(0.0 if not m else 1.0 if ld_alpha is None or counted <= shared else ld_alpha)
+            lengths.append(sum(mask))
+            sizes.append(len(tokens))
+    packed = {
+        "model": packed_row(torch.tensor(ids), torch.tensor(labels), sizes),
+        "pairs": {
+            "document": torch.tensor(owner[1:]),
+            "weight": torch.tensor(weights[1:]),
+            "completion_tokens": torch.tensor(lengths, dtype=torch.float32).view(-1, 2),
+        },
+    }
+    if references is not None:
+        packed["pairs"]["ref_logps"] = torch.tensor(references, dtype=torch.float32).view(-1, 2)
+    return packed
+
+
+@dataclass
+class PairStep(PlannedStep):
+    """One optimizer step's minibatch of preference pairs, as this rank sees it: a
+    :class:`~hf_odc.trainer.PlannedStep` whose ``microbatches`` are :func:`pack_pairs`'s, whose samples are pairs
+    (``num_samples`` counts pairs, ``microbatch_lengths`` holds each pair's summed length) and whose
+    ``num_loss_tokens`` counts both completions' scored tokens.
+
+    Attributes:
+        pair_indices: this rank's microbatches, each a list of the pairs' indices in the minibatch, in the order of
+            ``microbatches``.
+        num_chosen_tokens: scored chosen tokens of the whole minibatch (the normaliser of TRL's ``sft`` loss term).
+    """
+
+    pair_indices: list[list[int]] | None = None
+    num_chosen_tokens: int = 0
+
+
+@dataclass
+class PairPacker:
+    """Turns one global minibatch of tokenized pairs into this rank's :class:`PairStep`.
+
+    ``max_tokens_for(longest)`` gives a microbatch's token capacity from the minibatch's longest pair. Examples that
+    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``.
+    """
+
+    rank: int
+    planner: MinibatchPlanner
+    max_tokens_for: Callable[[int], int]
+    max_length: int | None
+    truncation_mode: str = "keep_start"
+    ld_alpha: float | None = None
+
+    def documents(self, example: dict[str, Any]) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+        return pair_documents(example, self.max_length, self.truncation_mode)
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> PairStep:
+        documents = [self.documents(example) for example in examples]
+        lengths = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in documents]
+        max_tokens = self.max_tokens_for(max(lengths))
+        plan = self.planner.plan(lengths, max_tokens)
+        references = None
+        if all(column in examples[0] for column in REFERENCE_COLUMNS):
+            references = [tuple(float(example[column]) for column in REFERENCE_COLUMNS) for example in examples]
+        own = [list(microbatch) for microbatch in plan[self.rank]]
+        scored = [[sum(mask[1:]) for _, mask in pair] for pair in documents]
+        return PairStep(
+            microbatches=[
+                pack_pairs(
+                    [documents[i] for i in microbatch],
+                    None if references is None else [references[i] for i in microbatch],
+                    self.ld_alpha,
+                )
+                for microbatch in own
+            ],
+            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
+            num_samples=len(examples),
+            num_tokens=sum(lengths),
+            num_loss_tokens=sum(map(sum, scored)),
+            predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, max_tokens),
+            pair_indices=own,
+            num_chosen_tokens=sum(chosen for chosen, _ in scored),
+        )

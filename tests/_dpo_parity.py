@@ -1,0 +1,89 @@
+"""Two optimizer steps of DPO per case, saving what to compare.
+
+``python tests/_dpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.DPOTrainer`` on one process with the whole
+minibatch (8 pairs per accumulation step); ``accelerate launch ... tests/_dpo_parity.py odc MODEL_DIR OUT CASE...``
+trains ``ODCDPOTrainer`` with ``8 / world_size`` pairs per process and accumulation step, so each optimizer step sees
+the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO example's
+(``hf_odc.demo.preference_dataset``), many longer than ``max_length`` (truncated). Rank 0 saves, per case, the logged
+step entries and the full parameters."""
+
+from __future__ import annotations
+
+import os
+
+from _parity import run_cases, trained_state
+from transformers import AutoModelForCausalLM
+
+from hf_odc.demo import build_tokenizer, preference_dataset
+
+MINIBATCH, MAX_LENGTH = 8, 48
+COMMON = dict(
+    max_steps=2, learning_rate=0.5, optim="sgd", beta=0.5, max_length=MAX_LENGTH, logging_steps=1,
+    save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True,
+    train_sampling_strategy="sequential", gradient_checkpointing=False,
+)  # fmt: skip
+_EVERY_LOSS = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+               "apo_down", "discopop", "sigmoid_norm", "sft"]  # fmt: skip
+CASES = {
+    "sigmoid": {},
+    # No reference model: its log-probabilities are the initial policy's, computed before training.
+    "precompute": {"precompute_ref_log_probs": True},
+    # Two accumulation steps per optimizer step: 16 pairs, one ODC minibatch (TRL: two slices of 8).
+    "accumulation": {"gradient_accumulation_steps": 2},
+    # Every loss type ODCDPOTrainer supports at once (weighted), with LD-DPO's weighting of the longer completion.
+    "every-loss": {
+        "loss_type": _EVERY_LOSS,
+        "loss_weights": [0.3 + 0.1 * i for i in range(len(_EVERY_LOSS))],
+        "label_smoothing": 0.01,
+        "ld_alpha": 0.5,
+    },
+    "alpha-divergence": {
+        "loss_type": ["sigmoid", "hinge", "ipo", "robust", "discopop", "sigmoid_norm"],
+        "f_divergence_type": "alpha_divergence",
+        "f_alpha_divergence_coef": 0.3,
+        "label_smoothing": 0.1,
+    },
+    # LoRA: the reference is the policy with its adapter disabled.
+    "peft": {"learning_rate": 2.0},
+}
+ODC_MAX_TOKENS = {"accumulation": 112}  # each case's microbatch size gives the ranks different counts in some step
+
+
+def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_odc.trainer import ODCDPOConfig, ODCDPOTrainer
+
+    settings = COMMON | CASES[name]
+    accumulation = settings.get("gradient_accumulation_steps", 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    peft_config, ref_model = None, None
+    if name == "peft":
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    elif not settings.get("precompute_ref_log_probs"):
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    if kind == "trl":
+        args = DPOConfig(output_dir, per_device_train_batch_size=MINIBATCH, **settings)
+        trainer_class = DPOTrainer
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        args = ODCDPOConfig(
+            output_dir, per_device_train_batch_size=MINIBATCH // world_size, cost_model="tokens",
+            max_tokens_per_microbatch=ODC_MAX_TOKENS.get(name, 2 * MAX_LENGTH), **settings,
+        )  # fmt: skip
+        trainer_class = ODCDPOTrainer
+    trainer = trainer_class(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=preference_dataset(MINIBATCH * accumulation * settings["max_steps"], 96, "swe-smith", seed=2),
+        processing_class=build_tokenizer(),
+        peft_config=peft_config,
+    )
+    trainer.train()
+    return trained_state(trainer)
+
+
+if __name__ == "__main__":
+    run_cases(train_case)

@@ -1,0 +1,55 @@
+"""ODCGRPOTrainer decodes on each rank alone: greedy rollouts of the default ``"gathered"`` mode and of ``"sharded"``
+equal TRL's lockstep decoding token for token, with no all-gather while decoding (ODC reads one-sidedly; the plain
+FSDP2 baseline gathers once per group per generation batch), and the rank whose completions end first stops decoding
+then, instead of running dummy forwards until the longest completion anywhere ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import tiny_qwen2_config
+from _parity import run_checked
+from transformers import Qwen2ForCausalLM
+
+from hf_odc.demo import build_tokenizer
+
+pytestmark = pytest.mark.slow  # every test starts processes
+MODES = ("lockstep", "gathered", "sharded", "gathered-fsdp2")
+FSDP_GROUPS = 3  # two decoder layers and the root
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("grpo_generation")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_qwen2_config(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    Qwen2ForCausalLM(config).save_pretrained(directory / "model")
+    out = directory / "traces.pt"
+    run_checked("_grpo_generation.py", str(directory / "model"), str(out), *MODES, processes=2,
+                env={"TRL_EXPERIMENTAL_SILENCE": "1"})  # fmt: skip
+    return torch.load(out)
+
+
+def test_every_mode_decodes_the_same_tokens(traces):
+    for rank in (0, 1):
+        expected = traces["lockstep"][rank]["completions"]
+        assert expected and all(traces[mode][rank]["completions"] == expected for mode in MODES), rank
+
+
+def test_no_all_gather_while_decoding_with_odc_and_one_per_group_without(traces):
+    longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
+    assert all(traces["lockstep"][rank]["all_gathers"] >= FSDP_GROUPS * max(longest) for rank in (0, 1))  # traced
+    assert all(traces[mode][rank]["all_gathers"] == 0 for mode in ("gathered", "sharded") for rank in (0, 1))
+    assert all(traces["gathered-fsdp2"][rank]["all_gathers"] == FSDP_GROUPS for rank in (0, 1))
+
+
+def test_a_rank_stops_decoding_when_its_own_completions_end(traces):
+    longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
+    assert longest[0] < longest[1]  # the prompts make the ranks' completions end at different lengths
+    assert traces["lockstep"][0]["forwards"] == traces["lockstep"][1]["forwards"] >= longest[1]  # lockstep
+    for mode in ("gathered", "sharded", "gathered-fsdp2"):
+        forwards = [traces[mode][rank]["forwards"] for rank in (0, 1)]
+        assert forwards[0] < forwards[1] and forwards[0] <= longest[0] + 1, (mode, forwards, longest)

@@ -1,0 +1,84 @@
+"""The DPO trainer's data path (:mod:`hf_odc.trainer.pairs`): pairs truncated as TRL truncates them, packed as two
+documents each, never split across ranks or microbatches, and every rank planning the same minibatch alike."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_odc.packing import MinibatchPlanner, named_cost
+from hf_odc.trainer.pairs import PairPacker, document_sums, pack_pairs, pair_documents
+
+PAIRS = [
+    {"prompt_ids": [10, 11], "chosen_ids": [20, 21, 22], "rejected_ids": [30]},
+    {"prompt_ids": [12], "chosen_ids": [23], "rejected_ids": [31, 32]},
+]
+
+
+def test_truncation_keeps_the_start_or_the_end_as_trl_does():
+    example = {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6]}
+    (chosen, chosen_mask), (rejected, rejected_mask) = pair_documents(example, max_length=4)
+    assert (chosen, chosen_mask, rejected, rejected_mask) == ([1, 2, 3, 4], [0, 0, 0, 1], [1, 2, 3, 6], [0, 0, 0, 1])
+    (chosen, chosen_mask), _ = pair_documents(example, max_length=4, truncation_mode="keep_end")
+    assert (chosen, chosen_mask) == ([2, 3, 4, 5], [0, 0, 1, 1])
+    assert pair_documents(example, max_length=None)[0][0] == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="truncation_mode"):
+        pair_documents(example, 4, "middle")
+
+
+def test_a_packed_microbatch_holds_each_pair_as_two_documents():
+    packed = pack_pairs([pair_documents(p, None) for p in PAIRS], references=[(-1.0, -2.0), (-3.0, -4.0)], ld_alpha=0.5)
+    model, pairs = packed["model"], packed["pairs"]
+    assert model["input_ids"].tolist() == [[10, 11, 20, 21, 22, 10, 11, 30, 12, 23, 12, 31, 32]]
+    assert model["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 0, 1, 2]]
+    # completions scored; prompts and every document's first token not
+    assert model["labels"].tolist() == [[-100, -100, 20, 21, 22, -100, -100, 30, -100, 23, -100, 31, 32]]
+    assert model["cu_seq_lens_q"].tolist() == [0, 5, 8, 10, 13] and model["max_length_q"] == 5
+    # per scored position (label t + 1): its document (chosen 2j, rejected 2j + 1) and LD-DPO's weight past the
+    # pair's shared completion length (pair 0: 3 and 1 scored tokens, pair 1: 1 and 2)
+    assert pairs["document"].tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert pairs["weight"].tolist() == [0, 1, 0.5, 0.5, 0, 0, 1, 0, 1, 0, 1, 0.5]
+    assert pairs["completion_tokens"].tolist() == [[3, 1], [1, 2]]
+    assert pairs["ref_logps"].tolist() == [[-1.0, -2.0], [-3.0, -4.0]]
+    # without LD-DPO every scored position weighs 1, exactly where a label is
+    plain = pack_pairs([pair_documents(p, None) for p in PAIRS])
+    assert plain["pairs"]["weight"].tolist() == (model["labels"][0, 1:] != -100).float().tolist()
+    assert "ref_logps" not in plain["pairs"]
+
+
+def test_document_sums_are_differentiable_per_document():
+    values = torch.arange(1.0, 6.0, requires_grad=True)
+    sums = document_sums(values, torch.tensor([0, 0, 1, 3, 3]), 4)
+    assert sums.tolist() == [3.0, 3.0, 0.0, 9.0]
+    (sums * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+    assert values.grad.tolist() == [1.0, 1.0, 2.0, 4.0, 4.0]
+
+
+def test_every_rank_plans_alike_and_no_pair_is_split():
+    rng = random.Random(0)
+    examples = [
+        {
+            "prompt_ids": [1] * rng.randint(1, 8),
+            "chosen_ids": [2] * rng.randint(1, 40),
+            "rejected_ids": [3] * rng.randint(1, 40),
+            "ref_chosen_logps": -float(i),
+            "ref_rejected_logps": -float(i) - 0.5,
+        }
+        for i in range(24)
+    ]
+    planner = MinibatchPlanner("lb-mini", 3, "minibatch", named_cost("tokens", None), None)
+    steps = [PairPacker(rank, planner, lambda longest: 64, max_length=32)(examples) for rank in range(3)]
+    assert all(step.microbatch_lengths == steps[0].microbatch_lengths for step in steps)
+    indices = sorted(i for step in steps for microbatch in step.pair_indices for i in microbatch)
+    assert indices == list(range(24))  # each pair once, on one rank, in one microbatch
+    for step in steps:
+        for microbatch, pairs in zip(step.microbatches, step.pair_indices, strict=True):
+            assert microbatch["model"]["input_ids"].shape[1] <= 64
+            assert microbatch["pairs"]["ref_logps"][:, 0].tolist() == [-float(i) for i in pairs]
+    step = steps[0]
+    documents = [pair_documents(example, 32) for example in examples]
+    assert step.num_samples == 24 and step.num_tokens == sum(len(c[0]) + len(r[0]) for c, r in documents)
+    assert step.num_chosen_tokens == sum(sum(c[1][1:]) for c, _ in documents)
+    assert step.num_loss_tokens == step.num_chosen_tokens + sum(sum(r[1][1:]) for _, r in documents)
