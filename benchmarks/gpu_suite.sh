@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
-# SFT-throughput, GRPO policy-update, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# SFT-throughput, GRPO policy-update and generation, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
 # STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
@@ -56,6 +56,13 @@ if [[ $STEPS == *grpo* ]]; then
   TRL_EXPERIMENTAL_SILENCE=1 timeout 540 python3 benchmarks/grpo_policy_update.py --num-processes "$nproc" --steps 5 \
     --timeout 140 --generate-steps 2 --generate-length 256 --logs "$OUT/grpo_logs" \
     --json "$OUT/grpo_policy_update.json" ${GRPO_ARGS:-} 2>&1 | tail -14
+fi
+if [[ $STEPS == *generation* ]]; then
+  # GRPO rollout generation in each mode (Qwen2.5-1.5B shape, 64 completions per rank of up to 1K long-tailed new
+  # tokens), then one policy update on them; GEN_ARGS extra (e.g. "--modes static --static-attention sdpa").
+  name=${GEN_NAME:-grpo_generation}
+  timeout "${GEN_TIMEOUT:-540}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/grpo_generation.py ${GEN_ARGS:-} \
+    --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v Warning | tail -14
 fi
 if [[ $STEPS == *hybrid* ]]; then
   # Hybrid ODC (each GPU a one-GPU "host", replicated) against ODC on one host and Collective HSDP; HYBRID_ARGS extra.

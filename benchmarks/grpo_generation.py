@@ -3,7 +3,11 @@ and JSON.
 
 Every rank decodes its own prompts greedily with transformers' ``generate`` on the FSDP2-sharded policy (ODC
 installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep),
-``gathered`` (full weights assembled once, one-sided) and ``sharded`` (one-sided reads per forward, no copy).
+``static`` (a kept copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``gathered`` (full weights
+assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` runs
+twice on the same prompts: the first batch pays the compile (reported as ``compile_s``, with the refresh's time), the
+second is the one timed, as every later generation batch of a run. ``--static-attention sdpa`` decodes the copy with
+transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison.
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -32,7 +36,7 @@ from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.demo import MODEL_CONFIGS
 from hf_odc.packing import sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
-from hf_odc.trainer.generation import GENERATION_MODES, decoding
+from hf_odc.trainer.generation import GENERATION_MODES, StaticDecoder, decoding
 
 EOS = 2
 
@@ -44,7 +48,8 @@ class EndAt(LogitsProcessor):
         self.lengths, self.prompt_length = torch.tensor(lengths), prompt_length
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        done = (self.lengths.to(scores.device) - 1) == (input_ids.shape[1] - self.prompt_length)
+        self.lengths = self.lengths.to(scores.device)  # once: no host-to-device copy per decoded token
+        done = (self.lengths - 1) == (input_ids.shape[1] - self.prompt_length)
         scores[:, EOS] = torch.where(done, torch.finfo(scores.dtype).max, torch.finfo(scores.dtype).min)
         return scores
 
@@ -75,16 +80,20 @@ def timed(device: torch.device, fn) -> float:
     return time.perf_counter() - started
 
 
-def generate(model, runtime, mode: str, prompts: torch.Tensor, lengths: list[int]) -> tuple[float, int, torch.Tensor]:
-    """Decode ``prompts`` in ``mode``; returns (seconds, decoding steps, prompt + completion ids)."""
+def generate(
+    model, runtime, mode: str, prompts: torch.Tensor, lengths: list[int], decoder: StaticDecoder | None = None
+) -> tuple[float, int, torch.Tensor]:
+    """Decode ``prompts`` in ``mode`` (``"static"``: on ``decoder``'s copy); returns (seconds, decoding steps, prompt
+    + completion ids)."""
     steps, out = [0], []
-    hook = model.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
+    target = decoder.model if mode == "static" else model
+    hook = target.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
     processor = LogitsProcessorList([EndAt(lengths, prompts.shape[1])])
 
     def run() -> None:
         with decoding(model, runtime, mode), torch.no_grad():
             out.append(
-                model.generate(
+                target.generate(
                     input_ids=prompts,
                     attention_mask=torch.ones_like(prompts),
                     max_new_tokens=max(lengths),
@@ -137,6 +146,7 @@ def main() -> None:
     parser.add_argument("--distribution", default="swe-smith")
     parser.add_argument("--row-tokens", type=int, default=16384)
     parser.add_argument("--modes", default=",".join(GENERATION_MODES))
+    parser.add_argument("--static-attention", choices=["grouped", "sdpa"], default="grouped")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -153,16 +163,26 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     prompts = torch.randint(3, 1000, (args.prompts, args.prompt_length), generator=g).to(device)
     generate(model, runtime, "gathered", prompts[:2, :8], [4, 4])  # warm-up: kernels, the first unshard
-    rows, sequences = {}, None
+    rows, sequences, decoder = {}, None, None
     for mode in args.modes.split(","):
         capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
-        seconds, steps, out = generate(model, runtime, mode, prompts, capped)
+        first = {}
+        if mode == "static":  # the copy made and refreshed, then the first batch, which compiles
+            decoder = StaticDecoder(model, runtime, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            first["first_refresh_s"] = timed(device, decoder.refresh)
+            if args.static_attention == "sdpa":
+                decoder.model.set_attn_implementation("sdpa")
+            first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder)[0]
+            first["refresh_s"] = timed(device, decoder.refresh)
+        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder)
         tokens = sum(capped)
         rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
-                      "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths)}  # fmt: skip
+                      "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
+        if first:
+            rows[mode]["compile_s"] = first["first_batch_s"] - seconds
         if mode == "lockstep":  # the full-length time, at the measured rate (every rank steps to the global longest)
             rows[mode]["decode_s_estimated"] = rows[mode]["ms_per_step"] * max(all_lengths) / 1e3
-        if mode == "gathered":
+        if mode != "lockstep" and sequences is None:
             sequences = [o[: args.prompt_length + n] for o, n in zip(out, lengths, strict=True)]
     if sequences is not None:
         rows["update"] = {"update_s": update(model, runtime, sequences, args.row_tokens)}
@@ -178,18 +198,24 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     update_s = max(r["update"]["update_s"] for r in per_rank) if "update" in per_rank[0] else None
     print(
         f"\n{len(per_rank)} rank(s), {args.model_config}, {args.prompts} completions/rank, up to "
-        f"{args.max_new_tokens} new tokens; policy update {update_s and round(update_s, 2)} s"
+        f"{args.max_new_tokens} new tokens; static decodes with {args.static_attention} attention; policy update "
+        f"{update_s and round(update_s, 2)} s"
     )
     print("| mode | rank | decode s | steps | ms/step | tokens/s | generation's share |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     summary = {}
     for mode in [m for m in per_rank[0] if m != "update"]:
-        slowest = max(r[mode].get("decode_s_estimated", r[mode]["decode_s"]) for r in per_rank)
+        # a generation batch's time: decoding, and in "static" the copy's refresh before it
+        slowest = max(
+            r[mode].get("decode_s_estimated", r[mode]["decode_s"]) + r[mode].get("refresh_s", 0.0) for r in per_rank
+        )
         share = slowest / (slowest + update_s) if update_s else float("nan")
         summary[mode] = {"generation_s": slowest, "share_of_step": share}
         for rank, r in enumerate(per_rank):
             row = r[mode]
             estimate = f" (est. {row['decode_s_estimated']:.1f} full)" if "decode_s_estimated" in row else ""
+            if "compile_s" in row:
+                estimate += f" (first batch +{row['compile_s']:.1f} compile; refresh {row['refresh_s']:.2f})"
             print(f"| {mode} | {rank} | {row['decode_s']:.2f}{estimate} | {row['steps']} | {row['ms_per_step']:.1f} | "
                   f"{row['tokens_per_s']:.0f} | {share:.0%} |")  # fmt: skip
     if args.json:

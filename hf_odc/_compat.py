@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -19,9 +20,11 @@ __all__ = [
     "CLASS_NAMES",
     "INSTANCE_NAMES",
     "UnsupportedLibraryError",
+    "cache_argument",
     "check_classes",
     "check_trainer",
     "decoding_alone",
+    "generating_on",
     "mark_fsdp_managed",
     "mark_vllm_weights_awake",
     "trainer_prepare_inputs",
@@ -136,6 +139,25 @@ def decoding_alone(model: Any) -> Iterator[None]:
         yield
     finally:
         model._is_fsdp_managed_module = marked
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which ``model``'s ``generate`` takes a KV cache: ``cache`` from transformers 5.24 (which still
+    accepts, with a warning, the ``past_key_values`` of earlier releases)."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+@contextlib.contextmanager
+def generating_on(trainer: Any, model: Any) -> Iterator[None]:
+    """Inside the block TRL's ``GRPOTrainer._generate_single_turn`` decodes with transformers on ``model``: it takes
+    the model to generate with from the ``Trainer``'s ``model_wrapped``, which is set to ``model`` for the block."""
+    wrapped = trainer.model_wrapped
+    trainer.model_wrapped = model
+    try:
+        yield
+    finally:
+        trainer.model_wrapped = wrapped
 
 
 def mark_vllm_weights_awake(generation: Any) -> None:

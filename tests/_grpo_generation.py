@@ -2,7 +2,9 @@
 
 ``accelerate launch ... tests/_grpo_generation.py MODEL_DIR OUT MODE...`` (a mode of ``odc_generation``, or
 ``<mode>-fsdp2`` for the plain FSDP2 baseline) records, per mode and rank, the completions TRL's generation returned,
-the all-gathers (:data:`GATHERS`) and the policy's forwards while decoding, and saves every rank's record on rank 0.
+the all-gathers (:data:`GATHERS`) and the policy's forwards (of the static copy in ``"static"``) while decoding, and
+saves every rank's record on rank 0. In ``"static"`` it also records how far the copy is from the policy's full
+weights once the step's update has run (``stale``) and after the trainer generates again (``refreshed``).
 Generation stops at any token of a large stop set, so that prompts stop at different lengths and the ranks' longest
 completions differ.
 """
@@ -15,7 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 from _parity import finish
-from transformers import AutoModelForCausalLM
+from torch.nn.modules.module import register_module_forward_pre_hook
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from hf_odc.demo import build_tokenizer, length_reward, prompt_dataset
 
@@ -50,13 +53,14 @@ def traced(trainer, record: dict):
 
     def whole(prompts):
         result = generate(prompts)
-        record["completions"] = [list(ids) for ids in result[1]]
+        record.setdefault("completions", [list(ids) for ids in result[1]])  # the training step's
+        record.setdefault("prompts", prompts)
         return result
 
     def count_forward(module, args):
-        record["forwards"] += inside[0]
+        record["forwards"] += inside[0] and isinstance(module, Qwen2ForCausalLM)  # the policy, or its static copy
 
-    handle = trainer.model.register_forward_pre_hook(count_forward)
+    handle = register_module_forward_pre_hook(count_forward)
     for name, gather in originals.items():
         setattr(dist, name, counting(gather))
     trainer._generate_single_turn, trainer._generate = single, whole
@@ -78,9 +82,9 @@ def run(model_dir: str, mode: str, out: str) -> dict:
     )  # a third of the vocabulary ends a completion
     args = ODCGRPOConfig(
         f"{out}.{mode}", per_device_train_batch_size=4, num_generations=4, max_completion_length=MAX_COMPLETION,
-        max_steps=1, learning_rate=0.0, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=3,
+        max_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=3,
         disable_tqdm=True, odc_generation=mode.removesuffix("-fsdp2"), max_tokens_per_microbatch=128,
-        cost_model="tokens", odc=not mode.endswith("-fsdp2"),
+        cost_model="tokens", odc=not mode.endswith("-fsdp2"), learning_rate=1e-2, entropy_coef=0.1,
         generation_kwargs={"do_sample": False, "eos_token_id": stop},
     )  # fmt: skip
     trainer = ODCGRPOTrainer(
@@ -90,8 +94,22 @@ def run(model_dir: str, mode: str, out: str) -> dict:
     record = {"all_gathers": 0, "forwards": 0}
     with traced(trainer, record):
         trainer.train()
+    if trainer._static_decoder is not None:
+        record["stale"] = copy_distance(trainer)
+        trainer._generate(record["prompts"])
+        record["refreshed"] = copy_distance(trainer)
+    del record["prompts"]
     trainer.close_odc()
     return record
+
+
+def copy_distance(trainer) -> float:
+    """The largest difference between a weight of the static copy and the policy's (assembled as vLLM's are)."""
+    from hf_odc.trainer.vllm_sync import vllm_named_weights
+
+    copy = dict(trainer._static_decoder.model.named_parameters())
+    weights = vllm_named_weights(trainer.model, trainer.odc)
+    return max((copy[name] - tensor).abs().max().item() for name, tensor in weights)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
-"""ODCGRPOTrainer decodes on each rank alone: greedy rollouts of the default ``"gathered"`` mode and of ``"sharded"``
-equal TRL's lockstep decoding token for token, with no all-gather while decoding (ODC reads one-sidedly; the plain
-FSDP2 baseline gathers once per group per generation batch), and the rank whose completions end first stops decoding
-then, instead of running dummy forwards until the longest completion anywhere ends."""
+"""ODCGRPOTrainer decodes on each rank alone: greedy rollouts of the ``"static"``, ``"gathered"`` and ``"sharded"``
+modes equal TRL's lockstep decoding token for token, with no all-gather while decoding (ODC reads one-sidedly; the
+plain FSDP2 baseline gathers once per group per generation batch), the rank whose completions end first stops decoding
+then, instead of running dummy forwards until the longest completion anywhere ends, and the static copy holds the
+policy's weights each time the trainer generates."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers import Qwen2ForCausalLM
 from hf_odc.demo import build_tokenizer
 
 pytestmark = pytest.mark.slow  # every test starts processes
-MODES = ("lockstep", "gathered", "sharded", "gathered-fsdp2")
+MODES = ("lockstep", "static", "gathered", "sharded", "gathered-fsdp2")
 FSDP_GROUPS = 3  # two decoder layers and the root
 
 
@@ -42,7 +43,7 @@ def test_every_mode_decodes_the_same_tokens(traces):
 def test_no_all_gather_while_decoding_with_odc_and_one_per_group_without(traces):
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert all(traces["lockstep"][rank]["all_gathers"] >= FSDP_GROUPS * max(longest) for rank in (0, 1))  # traced
-    assert all(traces[mode][rank]["all_gathers"] == 0 for mode in ("gathered", "sharded") for rank in (0, 1))
+    assert all(traces[mode][rank]["all_gathers"] == 0 for mode in ("static", "gathered", "sharded") for rank in (0, 1))
     assert all(traces["gathered-fsdp2"][rank]["all_gathers"] == FSDP_GROUPS for rank in (0, 1))
 
 
@@ -50,6 +51,13 @@ def test_a_rank_stops_decoding_when_its_own_completions_end(traces):
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert longest[0] < longest[1]  # the prompts make the ranks' completions end at different lengths
     assert traces["lockstep"][0]["forwards"] == traces["lockstep"][1]["forwards"] >= longest[1]  # lockstep
-    for mode in ("gathered", "sharded", "gathered-fsdp2"):
+    for mode in ("static", "gathered", "sharded", "gathered-fsdp2"):
         forwards = [traces[mode][rank]["forwards"] for rank in (0, 1)]
         assert forwards[0] < forwards[1] and forwards[0] <= longest[0] + 1, (mode, forwards, longest)
+
+
+def test_the_static_copy_is_refreshed_each_time_the_trainer_generates(traces):
+    for rank in (0, 1):
+        record = traces["static"][rank]
+        assert record["stale"] > 1e-4  # the step's update moved the policy away from the copy it decoded with
+        assert record["refreshed"] == 0.0, rank

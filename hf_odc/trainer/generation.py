@@ -2,8 +2,13 @@
 
 transformers' ``generate`` on an FSDP2 model all-gathers every layer group for every decoded token, and keeps the
 ranks in lockstep (``synced_gpus``): a rank whose completions end early runs dummy forwards until the longest one
-anywhere ends. Two ways out, by :data:`GENERATION_MODES`:
+anywhere ends. Three ways out, by :data:`GENERATION_MODES`:
 
+* ``"static"`` (:class:`StaticDecoder`): a plain copy of the policy in the compute dtype, kept for the whole run and
+  refreshed in place once per generation batch (one-sided reads, one FSDP group at a time), decodes with a static KV
+  cache kept beside it and, on a GPU, the forward transformers compiles for it: the compile is paid once per run, as
+  the copy's weights and the cache's tensors never move. Costs the full weights in the compute dtype for the whole
+  run, plus the cache.
 * ``"gathered"``: the policy's full weights are assembled once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and the copy is freed before the policy update. Costs the full
@@ -18,50 +23,78 @@ Either way a rank that finishes early goes on to the rollouts' gather, where the
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn import functional as F
+from transformers import AttentionInterface, GenerationConfig, PreTrainedModel, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
+from .attention import PACKED_ATTENTION
+from .vllm_sync import checkpoint_name, vllm_named_weights
 
-__all__ = ["GENERATION_MODES", "choose_generation_mode", "decoding"]
+__all__ = [
+    "DECODING_ATTENTION",
+    "GENERATION_MODES",
+    "StaticDecoder",
+    "choose_generation_mode",
+    "decoding",
+    "grouped_decoding_attention",
+]
 
-GENERATION_MODES = ("gathered", "sharded", "lockstep")
+GENERATION_MODES = ("static", "gathered", "sharded", "lockstep")
 
-_COPY_SHARE_OF_FREE_MEMORY = 0.5  # the rest is left to the KV cache and the decoding's activations
+# The share of the device's free memory the full weights may take, by mode, when the mode is chosen: the static copy
+# is held through the policy update too, so it takes less; what is left goes to the KV cache and the activations.
+_COPY_SHARE_OF_FREE_MEMORY = {"static": 0.25, "gathered": 0.5}
+
+DECODING_ATTENTION = "odc_decoding"
+"""The attention :class:`StaticDecoder`'s copy runs where the policy runs SDPA (or hf_odc's packed attention):
+:func:`grouped_decoding_attention`, registered under this name when this module is imported."""
 
 
-def choose_generation_mode(requested: str | None, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype) -> str:
-    """``requested`` checked against the run, or (``None``) ``"gathered"`` when the full weights in ``dtype`` take at
-    most half of the device's free memory, else ``"sharded"`` (with ODC; the plain FSDP2 baseline always gathers)."""
+def choose_generation_mode(
+    requested: str | None, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, device: torch.device
+) -> str:
+    """``requested`` checked against the run, or (``None``) on a GPU ``device`` the first of ``"static"`` and
+    ``"gathered"`` whose copy of the full weights in ``dtype`` fits its share of the device's free memory
+    (:data:`_COPY_SHARE_OF_FREE_MEMORY`), else ``"sharded"`` with ODC, ``"lockstep"`` with plain FSDP2; on a CPU
+    ``"gathered"`` (a CPU compiles nothing for the static cache). ``device`` is where the model trains, which it may
+    not have reached yet: with one process the Trainer places it when training starts."""
+    sharded = isinstance(model, FSDPModule)
     if requested is not None:
         if requested not in GENERATION_MODES:
             raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {requested!r}.")
-        if requested == "sharded" and isinstance(model, FSDPModule) and not runtime.active:
+        if requested == "sharded" and sharded and not runtime.active:
             raise ValueError(
                 "odc_generation='sharded' decodes inside an ODC minibatch, which plain FSDP2 (odc=False) cannot run "
                 "(its per-layer all-gathers would need every rank's forwards in lockstep). Use 'gathered' or "
                 "'lockstep'."
             )
         return requested
-    if not isinstance(model, FSDPModule) or not runtime.active:
-        return "gathered"
-    device = next(model.parameters()).device
     if device.type != "cuda":
         return "gathered"
     copy_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     free_bytes, _ = torch.cuda.mem_get_info(device)
-    return "gathered" if copy_bytes <= _COPY_SHARE_OF_FREE_MEMORY * free_bytes else "sharded"
+    fitting = [mode for mode, share in _COPY_SHARE_OF_FREE_MEMORY.items() if copy_bytes <= share * free_bytes]
+    if fitting:
+        return fitting[0]
+    return "gathered" if not sharded else "sharded" if runtime.active else "lockstep"
 
 
 @contextlib.contextmanager
 def decoding(model: nn.Module, runtime: ODCRuntime, mode: str) -> Iterator[None]:
     """The context in which ``model`` decodes a generation batch in ``mode`` (see the module docstring); nothing
-    changes for a model that is not sharded, or in ``"lockstep"``."""
-    if mode == "lockstep" or not isinstance(model, FSDPModule):
+    changes for a model that is not sharded, in ``"lockstep"``, or in ``"static"`` (its copy is decoded instead)."""
+    if mode in ("lockstep", "static") or not isinstance(model, FSDPModule):
         yield
         return
     with _compat.decoding_alone(model):
@@ -71,3 +104,147 @@ def decoding(model: nn.Module, runtime: ODCRuntime, mode: str) -> Iterator[None]
         else:
             with runtime.gathered(model):
                 yield
+
+
+class StaticDecoder:
+    """The ``"static"`` mode (see the module docstring): :attr:`model`, a plain copy of the policy, refreshed by
+    :meth:`refresh` and decoded by transformers' ``generate`` with a static KV cache held here.
+
+    Why it is kept: a compiled decoding step (and the CUDA graphs transformers' default compile records) is bound to
+    the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation batch on the
+    code compiled for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen so far, rounded
+    up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (one more compile) only for a longer one or another batch
+    size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
+
+    Args:
+        model: the policy as the trainer runs it (sharded by hf_odc, or not; a PEFT model's adapters are merged into
+            the copy).
+        runtime: the policy's :class:`~hf_odc.accelerate_plugin.ODCRuntime`.
+        dtype: the copy's dtype, the policy's compute dtype.
+    """
+
+    CACHE_LENGTH_MULTIPLE = 256
+
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype):
+        self._policy, self._runtime, self._dtype = model, runtime, dtype
+        self._model: PreTrainedModel | None = None
+        self._cache: StaticCache | None = None
+        self._cache_shape = (0, 0)  # batch size, length
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The copy (made by the first :meth:`refresh`)."""
+        if self._model is None:
+            raise RuntimeError("StaticDecoder.refresh() makes the copy before it decodes.")
+        return self._model
+
+    def refresh(self) -> None:
+        """Copy the policy's current weights into :attr:`model`, in place (making it on the first call). The weights
+        are assembled as for a vLLM sync (:func:`~hf_odc.trainer.vllm_sync.vllm_named_weights`: one FSDP group at a
+        time, one-sided with ODC): every rank of the shard group calls this together, once per generation batch."""
+        if self._model is None:
+            self._model = self._make_copy()
+        parameters = dict(self._model.named_parameters(remove_duplicate=False))  # tied ones under every name
+        loaded: set[int] = set()
+        with torch.no_grad():
+            for name, tensor in vllm_named_weights(self._policy, self._runtime):
+                if name not in parameters:
+                    raise RuntimeError(f"hf_odc: the policy's weight {name} has no place in its static-decoding copy.")
+                if id(parameters[name]) in loaded:
+                    # The policy holds apart what its config ties, and the copy ties: the copy holds them apart too,
+                    # from the first refresh on, before anything is compiled for it.
+                    parameters[name] = self._untie(name)
+                parameters[name].copy_(tensor)
+                loaded.add(id(parameters[name]))
+        missing = sorted(name for name, parameter in self._model.named_parameters() if id(parameter) not in loaded)
+        if missing:
+            raise RuntimeError(f"hf_odc: the policy gave no weights for {missing} of its static-decoding copy.")
+
+    def _untie(self, name: str) -> nn.Parameter:
+        """The copy's parameter ``name``, tied to another, given a tensor of its own."""
+        owner, _, leaf = name.rpartition(".")
+        module = self.model.get_submodule(owner)
+        parameter = nn.Parameter(getattr(module, leaf).detach().clone(), requires_grad=False)
+        setattr(module, leaf, parameter)
+        return parameter
+
+    def _make_copy(self) -> PreTrainedModel:
+        """An uninitialised copy of the policy's (base) model class on its device in :attr:`_dtype`, its buffers
+        (rotary frequencies) taken from the policy; the weights come from :meth:`refresh`."""
+        base = self._policy.get_base_model() if hasattr(self._policy, "get_base_model") else self._policy
+        cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))  # below FSDP2's dynamic class
+        config = copy.deepcopy(base.config)
+        # With a KV cache hf_odc's packed attention is SDPA, which decodes faster grouped.
+        attention = config._attn_implementation
+        attention = DECODING_ATTENTION if attention in ("sdpa", PACKED_ATTENTION) else attention
+        with torch.device("meta"):
+            model = cls._from_config(config, dtype=self._dtype, attn_implementation=attention)
+        device = next(self._policy.parameters()).device
+        model.to_empty(device=device).eval().requires_grad_(False)
+        model.tie_weights()  # to_empty gave tied weights (embeddings and head) storages of their own
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, buffer in self._policy.named_buffers():
+                buffers[checkpoint_name(name)].copy_(buffer)
+        model.generation_config = copy.deepcopy(base.generation_config)
+        model.generate = self._generate  # every call, TRL's included, decodes with the kept cache
+        return model
+
+    def _generate(self, *args: Any, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
+        """The copy's ``generate``: transformers', with the kept static cache and compilation allowed."""
+        model = self.model
+        config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+        kwargs = config.update(**kwargs)  # generation options given as arguments, as generate() takes them
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if config.max_new_tokens is not None:
+            length = input_ids.shape[1] + config.max_new_tokens
+        else:
+            length = config.max_length or model.config.max_position_embeddings
+        config.cache_implementation, config.disable_compile = None, False  # the cache is ours; compile where it pays
+        kwargs[_compat.cache_argument(model)] = self._cache_for(input_ids.shape[0], length)
+        return type(model).generate(model, *args, generation_config=config, **kwargs)
+
+    def _cache_for(self, batch_size: int, length: int) -> StaticCache:
+        """The kept cache, emptied, or a new one where it is too short or of another batch size."""
+        if batch_size == self._cache_shape[0] and length <= self._cache_shape[1]:
+            self._cache.reset()
+            return self._cache
+        length = max(math.ceil(length / self.CACHE_LENGTH_MULTIPLE) * self.CACHE_LENGTH_MULTIPLE, self._cache_shape[1])
+        self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._cache_shape = (batch_size, length)
+        return self._cache
+
+
+def grouped_decoding_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except for one query token in a grouped-query layer: there the query heads that
+    share a key/value head become that head's query rows, so each key and value is read once. transformers' SDPA
+    repeats the keys and values once per query head whenever a mask is given (a static cache always gives one, for
+    its empty slots) and groups the query only outside ``torch.compile``; in a compiled decoding step the repeat
+    writes and reads the whole cache several times over. The result is the same: a one-token query's mask is the
+    same for every head."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, length, _ = query.shape
+    if (
+        length != 1
+        or groups == 1
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or (attention_mask is not None and attention_mask.shape[1] != 1)
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    grouped = query.reshape(batch, heads // groups, groups, query.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+AttentionInterface.register(DECODING_ATTENTION, grouped_decoding_attention)
+AttentionMaskInterface.register(DECODING_ATTENTION, sdpa_mask)

@@ -51,14 +51,18 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
 
         odc_generation (`str`, *optional*):
             How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`; unset with `use_vllm`,
-            where vLLM decodes); never in lockstep but for `"lockstep"`. `"gathered"`: the policy's full weights
-            assembled once per generation batch (one-sided reads, no collective) and freed before the update; costs
-            the full weights in the compute dtype while decoding. `"sharded"`: decoding inside a forward-only ODC
-            minibatch, each forward reading its layers' shards from the peers (no copy; needs ODC). `"lockstep"`:
-            TRL's own path (an all-gather per layer group per token, ranks in lockstep), the baseline. `None`:
-            `"gathered"` when the copy takes at most half of the device's free memory, else `"sharded"`. A rank that
-            finishes decoding first waits for the others at the rollouts' gather, within `odc_timeout`: set it above
-            the spread of the ranks' decoding times.
+            where vLLM decodes); never in lockstep but for `"lockstep"`. `"static"`: a plain copy of the policy in the
+            compute dtype, kept for the whole run and refreshed in place once per generation batch (one-sided reads,
+            no collective), decoded with a static KV cache and, on a GPU, a forward compiled once per run; costs the
+            full weights in the compute dtype for the whole run, plus the cache. `"gathered"`: the policy's full
+            weights assembled once per generation batch (one-sided reads) and freed before the update; costs them
+            only while decoding. `"sharded"`: decoding inside a forward-only ODC minibatch, each forward reading its
+            layers' shards from the peers (no copy; needs ODC). `"lockstep"`: TRL's own path (an all-gather per layer
+            group per token, ranks in lockstep), the baseline. `None`: on a GPU, `"static"` when the copy takes at
+            most a quarter of the device's free memory, else `"gathered"` when it takes at most half, else `"sharded"`
+            (`"lockstep"` with plain FSDP2); on a CPU `"gathered"`. A rank that finishes decoding first waits for the
+            others at the rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding
+            times.
 
     > [!NOTE]
     > Not supported, refused at construction: `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its
@@ -71,9 +75,11 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     odc_generation: str | None = field(
         default=None,
         metadata={
-            "help": "How each rank decodes its prompts: 'gathered' (full weights assembled once per generation batch), "
-            "'sharded' (one-sided reads per forward, no copy) or 'lockstep' (TRL's, the baseline). Unset: gathered "
-            "when the copy fits in half the free device memory, else sharded.",
+            "help": "How each rank decodes its prompts: 'static' (a kept copy refreshed per generation batch, static "
+            "KV cache, compiled on a GPU), 'gathered' (full weights assembled once per generation batch), 'sharded' "
+            "(one-sided reads per forward, no copy) or 'lockstep' (TRL's, the baseline). Unset: on a GPU, static when "
+            "the copy fits in a quarter of the free device memory, gathered in half, else sharded (lockstep with "
+            "plain FSDP2); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
         },
     )

@@ -32,13 +32,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from trl import GRPOTrainer
 
+from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 from ..engine._fsdp_internals import lazy_init_root
 from . import _sampling_correction
 from ._base_trainer import _ODCTrainer
 from ._quiet import without_ignored_model_init_kwargs_warning
 from ._step import StepMetrics
-from .generation import choose_generation_mode, decoding
+from .generation import StaticDecoder, choose_generation_mode, decoding
 from .grpo_config import ODCGRPOConfig
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 from .vllm_sync import ODCWeightSync
@@ -104,15 +105,29 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
             self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
         self._generation_index = 0
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-        self._generation_mode = choose_generation_mode(args.odc_generation, self.model, self.odc, dtype)
+        self._generation_mode = choose_generation_mode(
+            args.odc_generation, self.model, self.odc, dtype, self.accelerator.device
+        )
+        self._generation_dtype = dtype
+        self._static_decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
 
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
     def _generate(self, prompts: list) -> tuple:
-        """TRL's, recording each completion's true length (TRL pads them to the longest). A sharded PEFT policy
-        generates through the model it wraps, below the FSDP root: the root's parameters (embeddings, head) are
-        gathered around it, as the root's forward would."""
-        with _root_gathered(self.model) if _generates_below_the_root(self.model) else contextlib.nullcontext():
+        """TRL's, recording each completion's true length (TRL pads them to the longest). In the ``"static"`` mode the
+        copy is refreshed first (every rank, once per generation batch) and TRL generates on it. Otherwise a sharded
+        PEFT policy generates through the model it wraps, below the FSDP root: the root's parameters (embeddings,
+        head) are gathered around it, as the root's forward would."""
+        if self._generation_mode == "static" and not self.use_vllm:
+            if self._static_decoder is None:
+                self._static_decoder = StaticDecoder(self.model, self.odc, self._generation_dtype)
+            self._static_decoder.refresh()
+            context = _compat.generating_on(self, self._static_decoder.model)
+        elif _generates_below_the_root(self.model):
+            context = _root_gathered(self.model)
+        else:
+            context = contextlib.nullcontext()
+        with context:
             result = super()._generate(prompts)
         self._completion_lengths = [len(ids) for ids in result[1]]
         return result

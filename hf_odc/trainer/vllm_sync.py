@@ -33,7 +33,7 @@ from torch import nn
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 
-__all__ = ["ODCWeightSync", "vllm_named_weights"]
+__all__ = ["ODCWeightSync", "checkpoint_name", "vllm_named_weights"]
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "modules_to_save.default.")
 
@@ -122,7 +122,7 @@ def _merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
     return (base + delta).to(base.dtype)
 
 
-def _vllm_name(name: str) -> str:
+def checkpoint_name(name: str) -> str:
     """The checkpoint name of a policy parameter: PEFT's and activation checkpointing's wrapping removed."""
     name = name.removeprefix("base_model.model.").replace(".base_layer", "")
     for prefix in _WRAPPER_PREFIXES:
@@ -141,7 +141,7 @@ def _named(model: nn.Module, runtime: ODCRuntime, lora: _LoraMerge) -> Iterator[
     for name, tensor in lora.merge(runtime.full_parameters(model)):
         # Not modules_to_save's frozen original, nor an adapter left unmerged (inactive).
         if "original_module" not in name and (lora.prefix is None or lora.prefix not in name):
-            yield _vllm_name(name), tensor
+            yield checkpoint_name(name), tensor
 
 
 # -- the sync --------------------------------------------------------------------------------------------------------
