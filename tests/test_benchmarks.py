@@ -87,11 +87,13 @@ def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert set(result["summary"]) == {"gathered", "sharded", "lockstep"} and result["update_s"] > 0
+    assert set(result["summary"]) == {"static", "gathered", "sharded", "lockstep"} and result["update_s"] > 0
     ranks = result["per_rank"]
     # Each rank decodes to its own longest completion, except in lockstep (capped), where both step together.
-    assert [r["gathered"]["steps"] for r in ranks] == [r["gathered"]["longest"] - 1 for r in ranks]
-    assert ranks[0]["gathered"]["steps"] < ranks[1]["gathered"]["steps"]
+    for mode in ("static", "gathered", "sharded"):
+        assert [r[mode]["steps"] for r in ranks] == [r[mode]["longest"] - 1 for r in ranks], mode
+        assert ranks[0][mode]["steps"] < ranks[1][mode]["steps"], mode
+    assert all({"first_batch_s", "refresh_s", "compile_s"} <= set(r["static"]) for r in ranks)
     assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
 
 
