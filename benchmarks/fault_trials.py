@@ -6,13 +6,17 @@ checks are measured with. Each trial prints one line; a table closes each mode.
     python benchmarks/fault_trials.py startup --trials 4 --timeout 5    # SIGSTOP of rank 1 5 s after the launch
     python benchmarks/fault_trials.py launcher --at 1 3 5 10            # SIGKILL of the launcher alone
     python benchmarks/fault_trials.py exits --repeats 20                # clean exits, each example, ODC and FSDP2
+    python benchmarks/fault_trials.py hybrid --runs 200 --busy-every 2  # hybrid runs (2 replicas x 2) back to back
 
 ``stall``: ``examples/sft.py`` (or ``grpo.py``) with ``--odc_timeout T``; after step 20 (``--after``), at a random
 moment (uniform over the next second and a half; for GRPO over the span one step took), rank 1 is stopped; the trial
 records how long rank 0 lives on and whether its last error names rank 1. ``startup``: the same with the stop 5 s
 after the launch (imports, process-group creation, dataset preparation).
 ``launcher``: the launcher is SIGKILLed at each time given; 10 s later, the trial counts the run's processes still
-alive. ``exits``: the exit status of repeated runs, and how many printed gloo's "terminate called".
+alive. ``exits``: the exit status of repeated runs, and how many printed gloo's "terminate called". ``hybrid``:
+``examples/sft.py`` on 4 processes presented as 2 hosts x 2 (``--odc_shard_size 2``), run after run, every
+``--busy-every``-th beside two CPU-bound loops (a shared CI machine); a run that has not ended ``--limit`` s after its
+start is a hang (killed), and each run's exit status, duration and last error line are recorded.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ GRPO_FAST = ["--num_prompts", "64", "--disable_tqdm", "true", "--logging_steps",
 NAMED = re.compile(r"(hf_odc: |^\s+)(rank 1 \(pid|ranks \[1\] did not)", re.MULTILINE)
 
 
-def _launch(script: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    command = [str(ACCELERATE), "launch", "--config_file", str(ROOT / "examples" / "odc_cpu.yaml"), script, *args]
+def _launch(script: str, args: list[str], log: Path, env: dict | None = None, processes: int = 2) -> subprocess.Popen:
+    config = str(ROOT / "examples" / "odc_cpu.yaml")
+    command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes), script, *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as out:
         return subprocess.Popen(
@@ -234,6 +239,47 @@ def exits(args: argparse.Namespace) -> None:
         print(f"| {name} | {len(codes)} | {codes.count(0)} | {aborts} |")
 
 
+def hybrid(args: argparse.Namespace) -> None:
+    hybrid_args = [*SFT_FAST, "--max_steps", str(args.steps), "--odc_shard_size", "2", "--cost_model", "tokens"]
+    rows = []
+    for run in range(args.runs):
+        busy = args.busy_every > 0 and run % args.busy_every == args.busy_every - 1
+        loops = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(2 if busy else 0)
+        ]
+        try:
+            with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+                log = Path(tmp) / "log"
+                run_args = [*hybrid_args, "--odc_timeout", str(args.timeout), "--output_dir", tmp]
+                started = time.monotonic()
+                process = _launch("examples/sft.py", run_args, log, processes=4)
+                try:
+                    code = process.wait(timeout=args.limit)
+                except subprocess.TimeoutExpired:
+                    code = None
+                seconds = time.monotonic() - started
+                _end(process, [])
+                errors = [line for line in log.read_text().splitlines() if "hf_odc: " in line]
+        finally:
+            for loop in loops:
+                _end(loop, [])
+        rows.append({"busy": busy, "code": code, "seconds": seconds, "error": errors[-1:]})
+        label = f"hybrid run {run + 1}{' (busy)' if busy else ''}"
+        print(f"{label}: exit {code} in {seconds:.1f} s {errors[-1:]}", flush=True)
+    print("\n| hybrid runs (2 replicas x 2) | runs | exit 0 | hung (killed at the limit) | other exits | run time |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for label, busy in (("idle machine", False), ("beside 2 CPU-bound loops", True)):
+        mine = [row for row in rows if row["busy"] == busy]
+        if not mine:
+            continue
+        times = sorted(row["seconds"] for row in mine if row["code"] == 0)
+        span = f"{times[0]:.1f}-{times[-1]:.1f} s (median {times[len(times) // 2]:.1f})" if times else "-"
+        ok = sum(row["code"] == 0 for row in mine)
+        hung = sum(row["code"] is None for row in mine)
+        print(f"| {label} | {len(mine)} | {ok} | {hung} | {len(mine) - ok - hung} | {span} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -248,8 +294,15 @@ def main() -> None:
     sub = modes.add_parser("exits")
     sub.add_argument("--repeats", type=int, default=20)
     sub.add_argument("--only", nargs="*", help="run only the runs whose name holds one of these words")
+    sub = modes.add_parser("hybrid")
+    sub.add_argument("--runs", type=int, default=200)
+    sub.add_argument("--busy-every", type=int, default=2, help="every N-th run beside 2 CPU-bound loops (0: none)")
+    sub.add_argument("--steps", type=int, default=5)
+    sub.add_argument("--timeout", type=float, default=30.0, help="the runs' --odc_timeout")
+    sub.add_argument("--limit", type=float, default=300.0, help="seconds after which a run counts as hung")
     args = parser.parse_args()
-    {"stall": stall, "startup": startup, "launcher": launcher, "exits": exits}[args.mode](args)
+    modes_by_name = {"stall": stall, "startup": startup, "launcher": launcher, "exits": exits, "hybrid": hybrid}
+    modes_by_name[args.mode](args)
 
 
 if __name__ == "__main__":

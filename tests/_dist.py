@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from _machine import scaled
+from _machine import scaled, within_test
 from _slow import require_slow
 
 
@@ -58,9 +58,10 @@ def launch(
 
     Raises :class:`WorkersTimedOut` (after killing them) if they outlive ``timeout``, or ``RuntimeError`` with the
     failing ranks' tracebacks. Ranks in ``may_fail`` may die instead: their result is ``None``. With ``cuda``, rank
-    ``r`` uses GPU ``r`` and NCCL. Both timeouts are :func:`~_machine.scaled` to how busy the machine is.
+    ``r`` uses GPU ``r`` and NCCL. Both timeouts are :func:`~_machine.scaled` to how busy the machine is, and
+    ``timeout`` ends before pytest's (:func:`~_machine.within_test`).
     """
-    timeout, pg_timeout = scaled(timeout, world_size), scaled(pg_timeout, world_size)
+    timeout, pg_timeout = within_test(scaled(timeout, world_size)), scaled(pg_timeout, world_size)
     require_slow(f"{world_size} processes")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
@@ -68,16 +69,18 @@ def launch(
             ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout, cuda), daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:
+            for p in procs:
+                p.start()
+            end = time.monotonic() + timeout
+            for p in procs:
+                p.join(max(0.0, end - time.monotonic()))
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:  # whatever ends the wait (pytest's own timeout too), no worker outlives it
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         if alive:
             raise WorkersTimedOut(f"ranks {alive} still running after {timeout:g} s")
         errors = []

@@ -191,6 +191,40 @@ def faulty(rank: int, world_size: int, case: Case) -> dict:
     return {"error": error, "elapsed": time.monotonic() - start, "prefix": prefix}
 
 
+def meetings(rank: int, world_size: int, case: Case) -> dict:
+    """``hf_odc.ODC.meet`` between minibatches, as the trainers meet before each collective of a step.
+
+    ``case.extra["path"]``: ``"same"``: every rank meets ``case.extra["meetings"]`` times, alternating two names, each
+    rank sleeping a random 0-3 ms before each (the hurried replicas of a loaded machine: a replica that passed a
+    meeting must not take away what a slower one still reads); ``"other-replica"``: host 1's ranks meet ``"B"`` where
+    host 0's meet ``"A"``; ``"other-host-peer"``: rank 1 alone meets ``"B"``. Returns the meetings passed, the error
+    (if any) and the seconds until it."""
+    import random
+
+    import hf_odc
+
+    present_hosts(rank, world_size, case)
+    model = shard(tiny_model(device=case.device), case)
+    odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60)))
+    path = case.extra["path"]
+    jitter = random.Random(rank)
+    passed, error, start = 0, None, time.monotonic()
+    try:
+        for n in range(case.extra.get("meetings", 1)):
+            if path == "same":
+                time.sleep(jitter.uniform(0, 3e-3))
+                odc.meet("gradient clipping" if n % 2 == 0 else "logging, evaluation and checkpointing")
+            else:
+                other = rank >= world_size // 2 if path == "other-replica" else rank == 1
+                odc.meet("B" if other else "A")
+            passed += 1
+    except hf_odc.PeerFailureError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    odc.close()
+    return {"passed": passed, "error": error, "elapsed": elapsed}
+
+
 def accumulation_and_divide_factor(rank: int, world_size: int, case: Case) -> dict:
     """Two minibatches without ``zero_grad`` accumulate (as FSDP does); ``set_gradient_divide_factor(1)`` sums."""
     import hf_odc

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 import torch
-from _machine import scaled
+from _machine import run_process, scaled
 from _slow import require_slow
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT
 
@@ -42,10 +42,10 @@ def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = 
         config = str(EXAMPLES / "odc_cpu.yaml")
         command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes), path, *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run(
-        command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=scaled(timeout, processes)
+    returncode, out, err = run_process(
+        command, scaled(timeout, processes), cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert returncode == 0, out[-4000:] + err[-8000:]
 
 
 def finish() -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
-from _machine import scaled
+from _machine import run_process, scaled
 from _slow import require_slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,16 +33,10 @@ def launch(
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout, which
     :func:`~_machine.scaled` stretches on a busy machine)."""
     require_slow(f"the script {Path(script).name}")
-    timeout = scaled(timeout, processes)
-    command = _command(script, args, processes)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **_popen_options(env))
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{output[-8000:]}") from None
-    return process.returncode, output
+    returncode, output, _ = run_process(
+        _command(script, args, processes), scaled(timeout, processes), stdout=subprocess.PIPE, **_popen_options(env)
+    )
+    return returncode, output
 
 
 def start(script: str, *args: str, log: Path, processes: int = 2, env: dict | None = None) -> subprocess.Popen:
@@ -51,7 +44,10 @@ def start(script: str, *args: str, log: Path, processes: int = 2, env: dict | No
     ``os.killpg(process.pid, signal.SIGKILL)``, every rank with the launcher)."""
     require_slow(f"the script {Path(script).name}")
     with open(log, "w") as out:
-        return subprocess.Popen(_command(script, args, processes), stdout=out, **_popen_options(env))
+        # A session of its own, so that the caller's killpg ends the launcher and every rank it started.
+        return subprocess.Popen(
+            _command(script, args, processes), stdout=out, start_new_session=True, **_popen_options(env)
+        )
 
 
 def _command(script: str, args: tuple[str, ...], processes: int) -> list[str]:
@@ -64,8 +60,7 @@ def _command(script: str, args: tuple[str, ...], processes: int) -> list[str]:
 
 def _popen_options(env: dict | None) -> dict:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", **(env or {})}
-    # A session of its own, so that a timeout kills the launcher and every rank it started, not only the launcher.
-    return dict(cwd=ROOT, env=full_env, stderr=subprocess.STDOUT, start_new_session=True)
+    return dict(cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
 
 
 def load_example(script: str) -> ModuleType:

@@ -19,6 +19,7 @@ from _engine_workers import (
     faulty,
     forward_only,
     loss_sum,
+    meetings,
     mesh_error,
     minibatch,
     reference,
@@ -277,6 +278,40 @@ def test_a_failing_rank_on_another_host_ends_every_rank_with_an_error_naming_it(
         assert survivor["error"] is not None and re.search(expected, survivor["error"]), (r, survivor["error"])
         assert survivor["elapsed"] < 3 + 10, (r, survivor["elapsed"])
         assert_no_segments(survivor["prefix"])
+
+
+@pytest.mark.slow
+def test_hybrid_meetings_in_quick_succession_never_lose_a_replica():
+    """2 presented hosts x 2, 400 meetings back to back with random delays: a replica that passed meeting n must not
+    remove its arrival while a slower replica has yet to read it (it did: the slower one then waited for the timeout
+    at "logging, evaluation and checkpointing" while the other waited at the next step's "gradient clipping")."""
+    case = Case(splits=[[]] * 4, hosts=2, extra={"path": "same", "meetings": 400, "timeout": 20})
+    for result in run(meetings, case, 4, timeout=240):
+        assert result["error"] is None and result["passed"] == 400, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        pytest.param("other-replica", r"meeting 1 of the job differs between replicas: rank [0-3] arrived at '[AB]' "
+                     r"where rank [0-3] arrived at '[AB]'", id="a-replica-on-another-path"),
+        pytest.param("other-host-peer", r"meeting 1 of the host differs between ranks: rank [01] arrived at '[AB]' "
+                     r"where rank [01] arrived at '[AB]'", id="a-host-peer-on-another-path"),
+    ],
+)  # fmt: skip
+def test_ranks_at_different_meetings_fail_at_once_naming_both(path, expected):
+    """A rank whose path through the step differs (another meeting where its peers are) is a named error at once,
+    not a wait for the timeout (60 s here). Ranks of the diverging host learn it from its peers, the others from the
+    abort: every rank ends within seconds with an error."""
+    case = Case(splits=[[]] * 4, hosts=2, extra={"path": path, "meetings": 1, "timeout": 60})
+    out = run(meetings, case, 4, timeout=120)
+    named = [r for r in out if r["error"] is not None and re.search(expected, r["error"])]
+    assert named, [r["error"] for r in out]
+    named_meetings = {m for r in named for m in re.findall(r"'([AB])'", r["error"])}
+    assert named_meetings == {"A", "B"}, named
+    for result in out:
+        assert result["error"] is not None and result["passed"] == 0 and result["elapsed"] < 30, result
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ sum their accumulators. That is one collective per dtype per minibatch, where HS
 microbatch, and hosts may run different numbers of microbatches.
 
 Nothing here may hang. A collective cannot name a peer that never arrives, so the replicas first meet in the job's
-store (``arrived/<n>/<rank>`` keys, polled with the ODC timeout): a missing replica is named, and a rank that gives up
+store (``arrived/<n>/<rank>`` keys holding the meeting's name, polled with the ODC timeout): a missing replica is
+named after the timeout, a replica whose meeting ``n`` is another one is named at once, and a rank that gives up
 anywhere writes an ``abort`` key that every waiting rank, on any host, reads within milliseconds (the host barriers
 poll it too, see :meth:`ReplicaGroup.check`). The all-reduce itself runs on a process group of its own whose timeout
 is the ODC timeout, so a replica that dies *during* it ends the others within the same bound.
@@ -77,13 +78,16 @@ class ReplicaGroup:
 
     def meet(self, what: str = "the minibatch's cross-host all-reduce") -> None:
         """Wait for every replica in the job's store; raises :class:`PeerFailureError` naming the replica that did not
-        arrive at ``what`` within the timeout, or the rank that gave up."""
+        arrive at ``what`` within the timeout, the rank that gave up, or, at once, a replica whose meeting of the same
+        number is another one (the ranks took different paths through the step: waiting would only time out)."""
         self._meetings += 1
         n = self._meetings
         try:
-            self._store.set(f"arrived/{n}/{self.rank}", "1")
-            if n > 1:
-                self._store.delete_key(f"arrived/{n - 1}/{self.rank}")  # every replica passed it to get here
+            self._store.set(f"arrived/{n}/{self.rank}", what)
+            # Reaching meeting n means every replica arrived at n - 1, so each has finished waiting at n - 2 and no
+            # longer reads that key. (Meeting n - 1's key is still read by a replica that has not yet seen it.)
+            if n > 2:
+                self._store.delete_key(f"arrived/{n - 2}/{self.rank}")
         except dist.DistError as e:
             raise PeerFailureError(self._store_gone(e)) from e
         self._wait_for_replicas(n, what)
@@ -108,9 +112,12 @@ class ReplicaGroup:
         while waiting:
             self.check()
             try:
-                waiting = [r for r in waiting if not self._store.check([f"arrived/{n}/{r}"])]
+                arrived = [r for r in waiting if self._store.check([f"arrived/{n}/{r}"])]
+                for r in arrived:
+                    self._check_same_meeting(n, r, what)
             except dist.DistError as e:
                 raise PeerFailureError(self._store_gone(e)) from e
+            waiting = [r for r in waiting if r not in arrived]
             if not waiting:
                 return
             if time.monotonic() - start > self.timeout:
@@ -122,6 +129,15 @@ class ReplicaGroup:
                 )
             time.sleep(delay)
             delay = min(5e-3, delay * 2 + 5e-5)
+
+    def _check_same_meeting(self, n: int, rank: int, what: str) -> None:
+        theirs = self._store.get(f"arrived/{n}/{rank}").decode(errors="replace")
+        if theirs != what:
+            raise PeerFailureError(
+                f"hf_odc: meeting {n} of the job differs between replicas: rank {rank} arrived at {theirs!r} where "
+                f"rank {self.rank} arrived at {what!r}; every rank must meet at the same points in the same order (a "
+                "decision taken per rank or per host where it must be taken for the whole job)."
+            )
 
     def _await_report(self) -> None:
         """Wait briefly (at most 5 s) for a rank to report why it gave up, and raise that report if one comes."""

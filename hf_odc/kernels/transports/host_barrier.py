@@ -2,14 +2,17 @@
 
 ODC meets its peers only twice per minibatch, so a barrier is cheap in count but must be robust: a peer killed in the
 middle of a minibatch must end the others with a clear error in bounded time, not leave them waiting forever as a
-collective would. Each rank owns a small control block in shared memory (its arrival count, its pid, an abort flag
-and reason); waiting ranks poll their peers' blocks and check that the peers' processes are still alive.
+collective would. Each rank owns a small control block in shared memory (its arrival count and the name of the meeting
+it arrived at, its pid, an abort flag and reason); waiting ranks poll their peers' blocks and check that the peers'
+processes are still alive. A peer that arrived at another meeting of the same number is named at once: the ranks took
+different paths through the step, and waiting would only end in the timeout.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -19,10 +22,9 @@ from .. import heartbeat
 from ._dev_shm import ShmJob
 from .transport import PeerFailureError
 
-_ARRIVALS, _PID, _ABORTED = 0, 1, 2
-_REASON_OFFSET = 8  # int64 slots; the reason is stored as bytes from here on
+_ARRIVALS, _PID, _ABORTED = 0, 1, 2  # _ARRIVALS: the count << 32 | the meeting name's CRC-32, one aligned 64-bit write
+_NAME_OFFSET, _REASON_OFFSET = 8, 24  # int64 slots; the meeting's name, then the abort reason, stored as bytes
 _BLOCK_SLOTS = 64
-_REASON_BYTES = (_BLOCK_SLOTS - _REASON_OFFSET) * 8
 
 
 def _process_alive(pid: int) -> bool:
@@ -70,17 +72,19 @@ class HostBarrier:
         """Collective: a barrier among ``job``'s ranks, its control blocks in ``job``'s shared memory."""
         return cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout, job.global_ranks)
 
-    def _reason(self, r: int) -> str:
-        raw = self._blocks[r][_REASON_OFFSET:].numpy().tobytes()
+    def _text(self, r: int, start: int, end: int) -> str:
+        raw = self._blocks[r][start:end].numpy().tobytes()
         return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
+    def _write_text(self, start: int, end: int, text: str) -> None:
+        data = text.encode("utf-8", "replace")[: (end - start) * 8 - 1]
+        area = self._blocks[self._rank][start:end].numpy().view(np.uint8)
+        area[:] = 0
+        area[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+
     def abort(self, reason: str) -> None:
-        own = self._blocks[self._rank]
-        data = reason.encode("utf-8", "replace")[: _REASON_BYTES - 1]
-        reason_bytes = own[_REASON_OFFSET:].numpy().view(np.uint8)
-        reason_bytes[:] = 0
-        reason_bytes[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-        own[_ABORTED] = 1
+        self._write_text(_REASON_OFFSET, _BLOCK_SLOTS, reason)
+        self._blocks[self._rank][_ABORTED] = 1
 
     def watch(self, check: Callable[[], None]) -> None:
         """Also call ``check()`` at every liveness check while waiting (it raises :class:`PeerFailureError`)."""
@@ -89,7 +93,8 @@ class HostBarrier:
     def _check_aborts(self) -> None:
         for r, block in enumerate(self._blocks):
             if r != self._rank and int(block[_ABORTED]):
-                raise PeerFailureError(f"hf_odc: rank {self._names[r]} aborted: {self._reason(r)}")
+                reason = self._text(r, _REASON_OFFSET, _BLOCK_SLOTS)
+                raise PeerFailureError(f"hf_odc: rank {self._names[r]} aborted: {reason}")
 
     def _check_alive(self, waiting_for: list[int], what: str | None) -> None:
         if not self._check_pids:
@@ -128,13 +133,26 @@ class HostBarrier:
     def _wait(self, what: str) -> None:
         self._arrivals += 1
         target = self._arrivals
-        self._blocks[self._rank][_ARRIVALS] = target
+        meeting = zlib.crc32(what.encode())
+        # Count and name's CRC in one slot, so that a peer never reads the count of one meeting with the name of
+        # another; the name itself only for the error (a peer at another meeting of this number stays there).
+        self._write_text(_NAME_OFFSET, _REASON_OFFSET, what)
+        self._blocks[self._rank][_ARRIVALS] = target << 32 | meeting
         start = time.monotonic()
         next_liveness_check = start
         delay = 0.0
         while True:
             self._check_aborts()
-            waiting_for = [r for r, b in enumerate(self._blocks) if int(b[_ARRIVALS]) < target]
+            arrivals = [int(b[_ARRIVALS]) for b in self._blocks]
+            waiting_for = [r for r, a in enumerate(arrivals) if a >> 32 < target]
+            for r, a in enumerate(arrivals):
+                if a >> 32 == target and a & 0xFFFFFFFF != meeting:
+                    raise PeerFailureError(
+                        f"hf_odc: meeting {target} of the host differs between ranks: rank {self._names[r]} arrived at "
+                        f"{self._text(r, _NAME_OFFSET, _REASON_OFFSET)!r} where rank {self._names[self._rank]} arrived "
+                        f"at {what!r}; every rank must meet at the same points in the same order (a decision taken "
+                        "per rank where it must be taken for the whole job)."
+                    )
             if not waiting_for:
                 return
             now = time.monotonic()
