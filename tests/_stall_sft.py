@@ -1,4 +1,5 @@
-"""``examples/sft.py`` with rank 1 stalling at a chosen point of the second optimizer step, deterministically.
+"""``examples/sft.py`` with rank 1 (or ``HF_ODC_TEST_STALL_RANK``) stalling at a chosen point of the second optimizer
+step, deterministically.
 
 ``HF_ODC_TEST_STALL`` names the point (:data:`POINTS`); when rank 1 reaches it, it writes ``"<pid> <time>"`` to
 ``HF_ODC_TEST_STALL_FILE`` and sleeps (a hung driver, a paused VM, a deadlocked data worker, as its peers see it). Each
@@ -22,7 +23,7 @@ from hf_odc.engine.odc import ODC
 from hf_odc.trainer import ODCSFTTrainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
-STALLED_RANK = 1
+STALLED_RANK = int(os.environ.get("HF_ODC_TEST_STALL_RANK", "1"))
 STEP = 2  # the optimizer step (1-based) in which rank 1 stalls
 
 

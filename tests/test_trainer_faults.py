@@ -66,20 +66,30 @@ STOPPED_SAYS = {
     r"process is stopped: SIGSTOP, a debugger or a paused container\); it was last seen .*\(the step's metrics gather "
     r"failed: ",
     "stopped-at-startup": r"hf_odc: ending rank 0: a rank went silent for longer than the ODC timeout "
-    r"\({timeout} s\):\n\s+rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its process is stopped",
+    r"\({timeout} s\):\n\s+rank {rank} \(pid {pid}\) has not been heard from for [\d.]+ s \(its process is stopped",
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", list(STOPS))
-def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, tmp_path):
+@pytest.mark.parametrize(
+    ("point", "hybrid"), [*((point, False) for point in STOPS), ("stopped-at-startup", True)], ids=lambda v: str(v)
+)
+def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, hybrid, tmp_path):
     """Rank 1 is frozen by SIGSTOP (every thread, its heartbeat's too): inside the metrics gather, after meeting its
     peers, where gloo's timeout names nobody; or at startup, before the process group exists, where nothing of hf_odc
-    waits and gloo would wait 30 minutes. Rank 0 names rank 1, its pid and that its process is stopped."""
+    waits and gloo would wait 30 minutes. Rank 0 names rank 1, its pid and that its process is stopped. Hybrid: 4
+    processes as 2 replicas x 2 (``--odc_shard_size 2``), rank 3 (the other replica's) stopped at startup."""
     stall_file, log = tmp_path / "stalled", tmp_path / "log"
-    env = {"HF_ODC_TEST_STALL": point, "HF_ODC_TEST_STALL_FILE": str(stall_file)}
+    stalled = 3 if hybrid else 1
+    env = {
+        "HF_ODC_TEST_STALL": point,
+        "HF_ODC_TEST_STALL_FILE": str(stall_file),
+        "HF_ODC_TEST_STALL_RANK": str(stalled),
+    }
     args = (*COMMON, "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path))
-    process = start(str(ROOT / "tests" / "_stall_sft.py"), *args, log=log, env=env)
+    if hybrid:
+        args = (*args, "--odc_shard_size", "2")
+    process = start(str(ROOT / "tests" / "_stall_sft.py"), *args, log=log, env=env, processes=4 if hybrid else 2)
     pid, said = None, None
     try:
         deadline = time.monotonic() + scaled(240, 2)
@@ -87,7 +97,7 @@ def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, t
             if pid is None and stall_file.exists() and stall_file.read_text().strip():
                 pid = int(stall_file.read_text().split()[0])
             if pid is not None:
-                said = re.search(STOPPED_SAYS[point].format(pid=pid, timeout=TIMEOUT), log.read_text())
+                said = re.search(STOPPED_SAYS[point].format(pid=pid, timeout=TIMEOUT, rank=stalled), log.read_text())
             time.sleep(0.2)
     finally:
         if pid is not None:  # torchrun starts each rank in a session of its own, and a stopped one ignores SIGTERM
