@@ -12,7 +12,15 @@ import sys
 
 import pytest
 
-from hf_odc.packing import DISTRIBUTIONS, evaluate_costs, lb_micro, lb_mini, local_sort, sample_lengths
+from hf_odc.packing import (
+    DISTRIBUTIONS,
+    CalibratedCost,
+    evaluate_costs,
+    lb_micro,
+    lb_mini,
+    local_sort,
+    sample_lengths,
+)
 
 PLANNERS = {
     "local_sort": lambda lengths, world_size, max_tokens, cost="tokens": local_sort(lengths, world_size),
@@ -363,3 +371,30 @@ def test_plans_are_identical_across_processes_and_hash_seeds():
         assert plans[name]["lb_mini_speeds"] == lb_mini(lengths, 16, _cap(name), "attention", speeds=_SPEEDS)
         _assert_every_index_once(plans[name]["lb_mini"], 256)
         _assert_every_index_once(plans[name]["lb_mini_speeds"], 256)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+@pytest.mark.parametrize("name", ["longalign", "swe-smith"])
+def test_lb_mini_never_predicts_a_slower_minibatch_than_lb_micro_with_odc(name, world_size):
+    """Under ODC a rank's time is its samples' costs plus a fixed cost per microbatch (a calibrated cost measures
+    one). Given that cost, LB-Mini's plan never finishes later than LB-Micro's plan run with ODC, at 2 to 16 samples
+    per rank, and it weighs the microbatch count: with a large fixed cost it runs no more microbatches in all than
+    LB-Micro. (Balancing the samples alone, it was behind on some minibatches of both distributions.)"""
+    cost = CalibratedCost(linear=3.46e-5, quadratic=6.11e-10, per_microbatch=0.37)  # a 1.5B shape on an H100
+    cap = _cap(name)
+    fewer = 0
+    for per_rank in (2, 4, 8, 16):
+        n = per_rank * world_size
+        lengths = sample_lengths(name, 6 * n, seed=[0, per_rank])
+        for step in range(6):
+            chunk = lengths[step * n : (step + 1) * n]
+            mini = lb_mini(chunk, world_size, cap, cost, per_microbatch=cost.per_microbatch)
+            micro = lb_micro(chunk, world_size, cap, cost.amortised(cap))
+            assert _odc_finish(mini, chunk, cost) <= _odc_finish(micro, chunk, cost) * (1 + 1e-12), (per_rank, step)
+            fewer += sum(map(len, mini)) < sum(map(len, micro))
+    assert fewer > 0  # the fixed cost steered some plans to fewer microbatches
+
+
+def _odc_finish(plan, lengths, cost) -> float:
+    costs = cost(lengths)
+    return max(sum(sum(costs[i] for i in mb) + cost.per_microbatch for mb in rank) for rank in plan)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .bubble import bubble_rate
 from .calibration import Calibration, Calibrator
 from .cost import CostModel
-from .planners import Plan, get_planner
+from .planners import Plan, get_planner, lb_mini
 
 __all__ = ["MinibatchPlanner"]
 
@@ -55,10 +55,14 @@ class MinibatchPlanner:
         return calibration.cost.amortised(max_tokens) if calibration is not None else self._cost
 
     def plan(self, lengths: Sequence[int], max_tokens: int) -> Plan:
-        """The plan of a minibatch of ``lengths`` under the token cap ``max_tokens``."""
-        speeds = self.speeds
-        extra = {"speeds": speeds} if speeds is not None else {}
-        return self._planner(lengths, self.world_size, max_tokens, self.cost_for(max_tokens), **extra)
+        """The plan of a minibatch of ``lengths`` under the token cap ``max_tokens``. LB-Mini under ODC is given the
+        calibrated per-microbatch cost as such (it weighs each rank's microbatch count, see
+        :func:`~hf_odc.packing.lb_mini`); the other planners see it spread over the tokens."""
+        speeds = self.speeds  # set for LB-Mini under ODC once calibrated
+        if speeds is None:
+            return self._planner(lengths, self.world_size, max_tokens, self.cost_for(max_tokens))
+        cost = self.calibration.cost
+        return lb_mini(lengths, self.world_size, max_tokens, cost, speeds=speeds, per_microbatch=cost.per_microbatch)
 
     def predicted_bubble(self, plan: Plan, lengths: Sequence[int], max_tokens: int) -> float:
         """The idle fraction the cost model (and speeds) predict for ``plan``."""

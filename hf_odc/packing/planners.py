@@ -59,15 +59,28 @@ def lb_mini(
     max_tokens: int,
     cost: CostLike = "tokens",
     speeds: Sequence[float] | None = None,
+    per_microbatch: float = 0.0,
 ) -> Plan:
-    """LB-Mini: balance the whole minibatch's cost across ranks, then pack each rank's share into microbatches.
+    """LB-Mini: balance the whole minibatch across ranks, each rank's share packed into microbatches.
 
-    Each rank's share is split into as few microbatches as ``max_tokens`` allows (by LPT, see
-    :func:`_pack_share`), balanced by tokens among themselves and ordered by descending cost. Balancing tokens
-    rather than cost is deliberate: with ODC a rank's time is the sum of its samples' costs however they are
-    grouped, so within a rank only memory, i.e. tokens, is worth evening out, and that is also what lets the
-    fewest microbatches fit the cap. Ranks may get different
-    numbers of samples and of microbatches; with fewer samples than ranks, some ranks get none.
+    Under ODC a rank's time is the sum of its samples' costs plus a fixed cost per microbatch it runs
+    (``per_microbatch``, in the cost's unit: the parameter reads, gradient pushes and launches every microbatch pays,
+    which a calibrated cost measures), so two things matter: balance, and few microbatches. Two constructions trade
+    them differently, and LB-Mini takes whichever plan finishes first under that model (the first on a tie):
+
+    * *share, then pack*: Karmarkar–Karp splits the samples' costs (the microbatch term spread over a full
+      microbatch's tokens) across ranks, then each share is split into as few microbatches as ``max_tokens``
+      allows (:func:`_pack_share`). The best balance of the samples themselves.
+    * *pack, then share*: the whole minibatch is split into the fewest microbatches the cap allows (and a few
+      counts above it), balanced by tokens, then Karmarkar–Karp deals whole microbatches to ranks. The fewest
+      microbatches; a rank may get any number of them. LB-Micro's plan is among these constructions (equal counts
+      per rank), so under the same cost LB-Mini never predicts a slower minibatch than LB-Micro's plan run with ODC.
+      Tried up to 16 samples per rank: with more, a rank's share packs about as tight as the whole minibatch, and
+      the time these searches take grows with the number of microbatches.
+
+    Within a share, microbatches are balanced by tokens (memory: what lets the fewest fit the cap) and ordered by
+    descending cost. Ranks may get different numbers of samples and of microbatches; with fewer samples than ranks,
+    some ranks get none.
 
     With ``speeds`` (``world_size`` positive numbers, rank ``r``'s relative speed: it runs a cost ``c`` in time
     ``c / speeds[r]``) the ranks' predicted times are balanced instead of their costs, so that with ODC's one sync
@@ -77,9 +90,27 @@ def lb_mini(
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
     _check_max_tokens(lengths, max_tokens)
+    if not per_microbatch >= 0:
+        raise ValueError(f"per_microbatch must be a non-negative cost, got {per_microbatch!r}.")
     costs = evaluate_costs(lengths, cost)
-    shares = karmarkar_karp(costs, world_size, speeds=speeds)  # with speeds, share r is rank r's
-    return [_pack_share(share, lengths, costs, max_tokens) for share in shares]
+    spread = costs + per_microbatch * np.asarray(lengths, dtype=np.float64) / max_tokens
+    shares = karmarkar_karp(spread, world_size, speeds=speeds)  # with speeds, share r is rank r's
+    candidates = [[_pack_share(share, lengths, costs, max_tokens) for share in shares]]
+    if len(lengths) > _PACK_FIRST_PER_RANK * world_size:  # a share of many samples packs about as tight
+        return candidates[0]
+    fewest = max(1, math.ceil(sum(lengths) / max_tokens))
+    for count in range(fewest, min(len(lengths), fewest + _PACK_FIRST_COUNTS) + 1):
+        everything = range(len(lengths))
+        microbatches = _lpt(everything, lengths, count, max_tokens) or _best_fit(lengths, count, max_tokens)
+        if microbatches is not None:
+            candidates.append(_deal_whole(microbatches, costs, world_size, per_microbatch, speeds))
+    if len(lengths) >= world_size and (in_steps := _in_steps(lengths, spread, world_size, max_tokens)) is not None:
+        candidates.append(in_steps)
+    return min(candidates, key=lambda plan: _finish(plan, costs, per_microbatch, speeds))
+
+
+_PACK_FIRST_COUNTS = 3  # microbatch counts above the fewest that "pack, then share" tries
+_PACK_FIRST_PER_RANK = 16  # samples per rank up to which the other constructions are tried
 
 
 def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: CostLike = "tokens") -> Plan:
@@ -102,22 +133,58 @@ def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, cost: Cos
             f"lb_micro needs at least one sample per rank, got {len(lengths)} samples for world_size={world_size}; "
             "pass more samples per minibatch, or use lb_mini, which leaves ranks without samples idle."
         )
-    costs = evaluate_costs(lengths, cost)
-    max_steps = len(lengths) // world_size
+    plan = _in_steps(lengths, evaluate_costs(lengths, cost), world_size, max_tokens)
+    if plan is None:
+        raise ValueError(
+            f"lb_micro cannot keep every microbatch under max_tokens={max_tokens} with at most "
+            f"{len(lengths) // world_size} non-empty microbatches per rank ({len(lengths)} samples, "
+            f"world_size={world_size}); raise max_tokens, use a multiple of world_size samples per minibatch, or use "
+            "lb_mini."
+        )
+    return plan
+
+
+def _in_steps(lengths: list[int], costs: np.ndarray, world_size: int, max_tokens: int) -> Plan | None:
+    """LB-Micro's plan (at least ``world_size`` samples), or ``None`` if no step count fits the cap."""
     fewest_steps = max(1, math.ceil(sum(lengths) / (world_size * max_tokens)))
-    for steps in range(fewest_steps, max_steps + 1):
-        microbatches = karmarkar_karp(costs, steps * world_size)
-        if not _fits(microbatches, lengths, max_tokens):
-            microbatches = _lpt(range(len(lengths)), lengths, steps * world_size, max_tokens) or _best_fit(
-                lengths, steps * world_size, max_tokens
-            )
+    for steps in range(fewest_steps, len(lengths) // world_size + 1):
+        microbatches = _split(lengths, costs, steps * world_size, max_tokens)
         if microbatches is not None:
             microbatches.sort(key=lambda microbatch: -math.fsum(costs[microbatch]))  # already so if by cost
             return _deal_steps(microbatches, costs, world_size)
-    raise ValueError(
-        f"lb_micro cannot keep every microbatch under max_tokens={max_tokens} with at most {max_steps} non-empty "
-        f"microbatches per rank ({len(lengths)} samples, world_size={world_size}); raise max_tokens, use a multiple "
-        "of world_size samples per minibatch, or use lb_mini."
+    return None
+
+
+def _split(lengths: list[int], costs: np.ndarray, count: int, max_tokens: int) -> list[list[int]] | None:
+    """The minibatch in ``count`` non-empty microbatches under the cap: balanced by cost if that split fits, else by
+    tokens (LPT), else packed tight by best-fit decreasing; ``None`` if none fits."""
+    microbatches = karmarkar_karp(costs, count)
+    if _fits(microbatches, lengths, max_tokens):
+        return microbatches
+    return _lpt(range(len(lengths)), lengths, count, max_tokens) or _best_fit(lengths, count, max_tokens)
+
+
+def _deal_whole(
+    microbatches: list[list[int]],
+    costs: np.ndarray,
+    world_size: int,
+    per_microbatch: float,
+    speeds: Sequence[float] | None,
+) -> Plan:
+    """Whole microbatches to ranks, balanced by Karmarkar–Karp on their costs (each with its fixed cost), each rank's
+    by descending cost."""
+    loads = [float(costs[microbatch].sum()) + per_microbatch for microbatch in microbatches]
+    shares = karmarkar_karp(loads, world_size, speeds=speeds)
+    return [sorted((microbatches[i] for i in share), key=lambda mb: -costs[mb].sum()) for share in shares]
+
+
+def _finish(plan: Plan, costs: np.ndarray, per_microbatch: float, speeds: Sequence[float] | None) -> float:
+    """When the last rank finishes ``plan`` under ODC: each rank's samples' costs plus its microbatches' fixed
+    costs, over its speed."""
+    rates = speeds if speeds is not None else [1.0] * len(plan)
+    return max(
+        (sum(float(costs[mb].sum()) for mb in rank) + per_microbatch * len(rank)) / rate
+        for rank, rate in zip(plan, rates, strict=True)
     )
 
 
