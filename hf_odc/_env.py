@@ -11,6 +11,7 @@ An explicit argument always wins; the variable is the fallback, the way Accelera
 | ``HF_ODC_SHARD_SIZE`` | ranks per shard group, replicated across groups (hybrid ODC); unset: a host's ranks |
 | ``HF_ODC_HOST_ID`` | tests only: ranks with different values are different hosts (``kernels.transports.hosts``) |
 | ``HF_ODC_SCATTER_PROGRAMS`` | cap on the GPU accumulate kernel's programs (0: uncapped), a tuning knob |
+| ``HF_ODC_PEAK_TFLOPS`` | a device's peak dense bf16 TFLOP/s, for MFU where ``hf_odc.packing.flops`` lacks it |
 """
 
 from __future__ import annotations
@@ -46,13 +47,18 @@ def parse_bool(value: str | bool, name: str) -> bool:
 
 def parse_seconds(value: str | float, name: str) -> float:
     """``value`` as a positive, finite number of seconds; a clear error for anything else."""
+    return parse_positive(value, name, "seconds")
+
+
+def parse_positive(value: str | float, name: str, unit: str) -> float:
+    """``value`` as a positive, finite number (of ``unit``, as errors say); a clear error for anything else."""
     try:
-        seconds = float(value)
+        number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}.") from None
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{name} must be positive and finite, got {seconds}.")
-    return seconds
+        raise ValueError(f"{name} must be a number of {unit}, got {value!r}.") from None
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be positive and finite, got {number}.")
+    return number
 
 
 def parse_shard_size(value: str | int | None) -> int | None:

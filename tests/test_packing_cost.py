@@ -151,3 +151,35 @@ def test_sample_lengths_checks_its_arguments():
         sample_lengths("alpaca", 10)
     with pytest.raises(ValueError, match="n must be >= 0, got -1"):
         sample_lengths("longalign", -1)
+
+
+def test_training_flops_count_every_weight_a_token_multiplies_and_attention_per_document():
+    """6 FLOPs per weight and token (forward and backward) plus causal attention per document; a mixture of experts
+    counts its router and the experts a token is routed to, not all of them."""
+    from hf_odc.packing.flops import training_flops
+
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 100}  # fmt: skip
+    weights = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 64 * 100  # layers x (q, o, k, v, MLP) + LM head
+    attention = 2 * 4.0 * 4 * 16  # per causal pair: layers x 2 matmuls x 2 FLOPs x heads x head_dim
+    assert training_flops([10, 30], shape) == pytest.approx(3 * (2 * weights * 40 + attention * (100 + 900) / 2))
+    assert training_flops([40], shape) > training_flops([10, 30], shape)  # one document of 40 attends more pairs
+    moe = {**shape, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    moe_weights = weights - 2 * 3 * 64 * 128 + 2 * (64 * 8 + 2 * 3 * 64 * 32)  # router + 2 routed experts a layer
+    assert training_flops([40], moe) - training_flops([40], shape) == pytest.approx(
+        3 * 2 * 40 * (moe_weights - weights)
+    )
+
+
+def test_mfu_reads_the_peak_from_the_device_name_or_the_environment(monkeypatch):
+    from hf_odc.packing.flops import mfu, peak_flops
+
+    monkeypatch.delenv("HF_ODC_PEAK_TFLOPS", raising=False)
+    assert peak_flops("NVIDIA H100 80GB HBM3") == peak_flops("NVIDIA H200") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("cpu") is None
+    monkeypatch.setenv("HF_ODC_PEAK_TFLOPS", "2")
+    assert peak_flops("cpu") == 2e12
+    assert mfu(4e12, 2.0, 2, peak_flops("cpu")) == pytest.approx(0.5)
+    monkeypatch.setenv("HF_ODC_PEAK_TFLOPS", "fast")
+    with pytest.raises(ValueError, match="HF_ODC_PEAK_TFLOPS must be a number of TFLOP/s"):
+        peak_flops("cpu")

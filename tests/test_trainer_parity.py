@@ -4,14 +4,17 @@ with ODC + LB-Mini, and with LB-Micro with and without ODC; it must save and res
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from _trainer_launch import ROOT, logged_steps, run
 from safetensors.torch import load_file
 
-from hf_odc.packing import Calibration
+from hf_odc.packing import AttentionCost, Calibration
 
 pytestmark = pytest.mark.slow  # every test starts processes
 STEPS = 5
+PEAK_TFLOPS = 1e-3
 # A higher learning rate than the demo's, so that five steps move the weights enough for a wrong gradient to show.
 COMMON = ("--max_steps", str(STEPS), "--learning_rate", "1e-2", "--num_samples", "128", "--disable_tqdm", "true")
 LORA = (
@@ -20,11 +23,11 @@ LORA = (
 )  # fmt: skip
 
 
-def train(output_dir, *args: str, processes: int) -> dict[int, dict]:
+def train(output_dir, *args: str, processes: int, env: dict | None = None) -> dict[int, dict]:
     """Run examples/sft.py; the global minibatch is 16 samples either way."""
     batch = str(16 // processes)
     run("sft.py", *COMMON, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
-        processes=processes)  # fmt: skip
+        processes=processes, env=env)  # fmt: skip
     return logged_steps(output_dir)
 
 
@@ -57,15 +60,21 @@ def lb_mini(tmp_path_factory):
     lengths they give the ranks different numbers of microbatches at some step, which this test must exercise."""
     directory = tmp_path_factory.mktemp("lb_mini")
     return directory, train(
-        directory, "--save_strategy", "steps", "--save_steps", "2", "--cost_model", "tokens", processes=2
-    )
+        directory, "--save_strategy", "steps", "--save_steps", "2", "--cost_model", "tokens", processes=2,
+        env={"HF_ODC_PEAK_TFLOPS": str(PEAK_TFLOPS)},  # a peak for the CPU, so that MFU is logged
+    )  # fmt: skip
 
 
 def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
     (reference_dir, expected), (directory, logs) = reference, lb_mini
     assert_same_training(logs, expected)
+    cost = AttentionCost.from_config(json.loads((directory / "config.json").read_text()))
     for entry in logs.values():
         assert_step_metrics(entry)
+        # MFU: the step's training FLOPs (3 x the forward's, attention per document) over step_s x 2 ranks x peak
+        flops = entry["mfu"] * entry["step_s"] * 2 * PEAK_TFLOPS * 1e12
+        tokens = entry["tokens/rank_0"] + entry["tokens/rank_1"]
+        assert 3 * cost.linear * tokens < flops < 3 * (cost.linear * tokens + cost.quadratic * tokens**2), entry
     # LB-Mini is only exercised if the ranks ran different numbers of microbatches at some step.
     assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in logs.values())
     # The model saved from the shards equals the single-process one (per tensor: Adam turns rounding-level gradient

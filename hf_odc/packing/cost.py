@@ -96,17 +96,19 @@ class AttentionCost(QuadraticCost):
 
         Per token and layer, the q/k/v/o projections and the gated MLP (three ``hidden x intermediate`` matrices)
         cost 2 FLOPs per weight; the LM head adds ``2 * hidden * vocab`` once. Per causal token pair (``L**2 / 2``
-        of them) and layer, ``QK^T`` and ``AV`` cost ``2 * 2 * heads * head_dim`` FLOPs.
+        of them) and layer, ``QK^T`` and ``AV`` cost ``2 * 2 * heads * head_dim`` FLOPs. A mixture of experts
+        (``num_experts_per_tok`` in the config) runs, per token, its router and the experts it is routed to (each
+        ``moe_intermediate_size`` wide, else ``intermediate_size``), plus a shared expert if it has one: every layer
+        is counted so.
         """
         hidden = _config_int(config, "hidden_size")
         layers = _config_int(config, "num_hidden_layers")
-        intermediate = _config_int(config, "intermediate_size")
+        mlp_weights = _mlp_weights_per_token(config, hidden)
         heads = _config_int(config, "num_attention_heads")
         vocab = _config_int(config, "vocab_size")
         kv_heads = _config_int(config, "num_key_value_heads", default=heads)
         head_dim = _config_int(config, "head_dim", default=hidden // heads)
         projection_weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-        mlp_weights = 3 * hidden * intermediate
         linear = 2.0 * (layers * (projection_weights + mlp_weights) + hidden * vocab)
         quadratic = 0.5 * layers * 4.0 * heads * head_dim
         return cls(linear=linear, quadratic=quadratic)
@@ -150,6 +152,18 @@ class CalibratedCost(QuadraticCost):
             quadratic=self.quadratic,
             per_sequence=self.per_sequence,
         )
+
+
+def _mlp_weights_per_token(config: Any, hidden: int) -> int:
+    """The MLP weights one token multiplies in a layer: the gated MLP's, or a mixture of experts' router, routed
+    experts and shared expert."""
+    routed = _config_int(config, "num_experts_per_tok", default=0)
+    if not routed:
+        return 3 * hidden * _config_int(config, "intermediate_size")
+    experts = _config_int(config, "num_local_experts", default=0) or _config_int(config, "num_experts")
+    width = _config_int(config, "moe_intermediate_size", default=0) or _config_int(config, "intermediate_size")
+    shared = _config_int(config, "shared_expert_intermediate_size", default=0)
+    return hidden * experts + 3 * hidden * (routed * width + shared)
 
 
 def _config_int(config: Any, key: str, default: int | None = None) -> int:

@@ -25,6 +25,7 @@ from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 from ..packing import MinibatchPlanner, idle_fraction, named_cost
 from ..packing.calibration import FEATURES, Calibration, Calibrator
+from ..packing.flops import mfu, peak_flops, training_flops
 from ._checkpointing import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._step import PlannedStep, StepMetrics
@@ -96,6 +97,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         count = getattr(self.model, "num_parameters", None)
         self._flops_per_token = 6 * count(exclude_embeddings=True) if count is not None else 0
         self._step_flos = 0
+        device = self.args.device
+        self._peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
     def _shard_frozen(self, model: nn.Module) -> tuple[nn.Module, ODCRuntime]:
         """A frozen model the trainer reads beside the trained one (a reference policy), set up like it: packed
@@ -211,6 +214,10 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         metrics["predicted_bubble_rate"].append(step.predicted_bubble_rate)
         if torch.cuda.is_available():
             metrics["peak_memory_gib"].append(max(peak))  # the largest rank's, since the start
+        if self._peak_flops is not None:
+            documents = (length for rank in lengths for microbatch in rank for length in microbatch)
+            flops = training_flops(documents, self.model.config.get_text_config())
+            metrics["mfu"].append(mfu(flops, step_s, len(lengths), self._peak_flops))
         if self.odc.hybrid:
             metrics["all_reduce_s"].append(max(all_reduce))
         for rank, rank_lengths in enumerate(lengths):
