@@ -1,4 +1,5 @@
-"""The headline: SFT throughput of Collective+LocalSort, Collective+LB-Micro, ODC+LB-Micro and ODC+LB-Mini, one launch.
+"""The headline: SFT throughput of Collective+LocalSort, Collective+LB-Micro, ODC+LB-Micro and ODC+LB-Mini (planned
+with the attention cost, and with the trainers' default, the calibrated cost), one launch.
 
 One process per GPU builds the model once (random weights from a Qwen2.5 shape, bf16 compute with fp32 master
 weights and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what
@@ -13,8 +14,12 @@ microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.ti
         --json sft.json --plot sft.png
 
 Per configuration (samples per device x packing ratio) and scheme it prints the median step time, tokens/s over the
-timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, and
-the time ratios to Collective+LB-Micro and Collective+LocalSort. It then fits a ``Calibration`` to the measured
+timed steps, the measured bubble ``1 - sum(busy) / (W * step)`` and the plan's predicted one, the peak memory, MFU
+(:mod:`hf_odc.packing.flops`: the documents' training FLOPs over the summed step times, the GPUs and their peak), the
+microbatches all ranks ran, and the time ratios to Collective+LB-Micro and Collective+LocalSort. "ODC+LB-Mini
+calibrated" plans as the trainers do by default (``cost_model="calibrated"``): a ``MinibatchPlanner`` whose
+``Calibrator`` is fed every step's gathered microbatch times (give it ``--warmup 3``: its first fit follows the third
+step). It then fits a ``Calibration`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
 for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
@@ -41,6 +46,7 @@ from hf_odc.packing import (
     DISTRIBUTIONS,
     SCHEMES,
     Calibration,
+    Calibrator,
     MinibatchPlanner,
     idle_fraction,
     microbatch_features,
@@ -50,6 +56,7 @@ from hf_odc.packing import (
 )
 from hf_odc.packing.bubble import sync_time
 from hf_odc.packing.distributions import get_distribution
+from hf_odc.packing.flops import mfu, peak_flops, training_flops
 from hf_odc.trainer import PACKED_ATTENTION, PlannedMinibatchCollator
 
 MODELS = {
@@ -64,7 +71,9 @@ MODELS = {
 }  # fmt: skip
 
 
-UNBALANCED, HEADLINE = "Collective+LocalSort", "ODC+LB-Mini"
+UNBALANCED, HEADLINE, CALIBRATED = "Collective+LocalSort", "ODC+LB-Mini", "ODC+LB-Mini calibrated"
+SYNC = {scheme.name: scheme.sync for scheme in SCHEMES} | {CALIBRATED: "minibatch"}
+NAMES = list(SYNC)
 
 
 def build(args, device: torch.device, shard_size: int | None = None):
@@ -120,28 +129,27 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     minibatch_size = samples_per_device * world_size
     steps = args.warmup + args.steps
     cap = int(packing_ratio * dist_info.max_length * args.length_scale)
-    cost = named_cost("attention", model.config)  # the trainer's default cost model
-    collators = {
-        s.name: PlannedMinibatchCollator(rank, MinibatchPlanner(s.balance, world_size, s.sync, cost), cap, 0)
-        for s in SCHEMES
-        if s.name in args.schemes
+    cost = named_cost("attention", model.config)
+    planners = {
+        s.name: MinibatchPlanner(s.balance, world_size, s.sync, cost) for s in SCHEMES if s.name in args.schemes
     }
+    if CALIBRATED in args.schemes:  # the trainers' default
+        planners[CALIBRATED] = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, Calibrator(world_size))
+    collators = {name: PlannedMinibatchCollator(rank, planner, cap, 0) for name, planner in planners.items()}
     records: dict[str, list[dict]] = {name: [] for name in collators}
     for step, (chunk, examples) in enumerate(minibatches(args, model.config.vocab_size, minibatch_size, steps)):
-        for scheme in SCHEMES:
-            if scheme.name not in collators:
-                continue
-            collator = collators[scheme.name]
+        for name, collator in collators.items():
+            uses_odc = SYNC[name] == "minibatch"
             batch = collator(examples)
-            result = run_step(
-                model, optimizer, odc if scheme.odc else collective, batch, world_size, scheme.odc, device
-            )
+            result = run_step(model, optimizer, odc if uses_odc else collective, batch, world_size, uses_odc, device)
+            if planners[name].calibrator is not None:
+                calibrate(planners[name], batch, result["microbatch_s"])
             if step >= args.warmup:
                 result["plan"] = collator.plan(chunk)
                 result["lengths"] = chunk
                 result["predicted_bubble"] = batch.predicted_bubble_rate
                 result["tokens"] = sum(chunk)
-                records[scheme.name].append(result)
+                records[name].append(result)
         if rank == 0:
             print(f"  [{samples_per_device}/dev x{packing_ratio:g}] minibatch {step + 1}/{steps} done", flush=True)
     gathered: list = [None] * world_size
@@ -152,6 +160,13 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
         "max_tokens": cap,
         "records": gathered,
     }
+
+
+def calibrate(planner: MinibatchPlanner, batch, seconds: list[float]) -> None:
+    """Feed a step's microbatch times, every rank's (one gather), to ``planner``'s calibration, as the trainers do."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seconds)
+    planner.record(batch.microbatch_lengths, gathered)
 
 
 def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):
@@ -194,19 +209,19 @@ def summarize(config: dict, args, world_size: int) -> dict:
     calibration = Calibration.fit(features, seconds)
     calibrated = calibration.cost.amortised(config["max_tokens"])
     summary: dict[str, dict] = {}
+    peak = peak_flops(args.device_name)
     for name in names:
-        scheme = next(s for s in SCHEMES if s.name == name)
+        sync = SYNC[name]
         steps = list(zip(*(rank_records[name] for rank_records in per_rank), strict=True))  # [step][rank]
         step_s = [max(r["busy"] + r["wait"] for r in ranks) for ranks in steps]
         busy = [sum(ranks[rank]["busy"] for ranks in steps) for rank in range(world_size)]  # per rank, all steps
         first = [ranks[0] for ranks in steps]
-        predicted = sum(
-            sync_time(plan_costs(s["plan"], s["lengths"], calibrated), "minibatch" if scheme.odc else "layer")
-            for s in first
-        )
+        predicted = sum(sync_time(plan_costs(s["plan"], s["lengths"], calibrated), sync) for s in first)
+        flops = training_flops((length for s in first for length in s["lengths"]), args.model_config)
         summary[name] = {
             **timing_summary(step_s, busy, [s["tokens"] for s in first], [s["predicted_bubble"] for s in first]),
             "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
+            "mfu": mfu(flops, sum(step_s), world_size, peak) if peak is not None else None,
             "predicted_time": predicted,
             "microbatches": [[len(r["microbatch_s"]) for r in ranks] for ranks in steps],
         }
@@ -238,7 +253,7 @@ def print_table(results: list[dict], args, world_size: int) -> None:
     head = (
         f"{'config':>9} | {'scheme':>20} | {'step s':>7} | {'tok/s':>8} | {'bubble':>6} | {'pred':>5} | {'GiB':>5} | "
     )
-    head += f"{'x LB-Micro':>10} | {'x LocalSort':>11} | {'pred x LBMicro':>14}"
+    head += f"{'MFU':>5} | {'mbs':>4} | {'x LB-Micro':>10} | {'x LocalSort':>11} | {'pred x LBMicro':>14}"
     print(head)
     for result in results:
         label = f"{result['samples_per_device']}/dev x{result['packing_ratio']:g}"
@@ -246,6 +261,8 @@ def print_table(results: list[dict], args, world_size: int) -> None:
             print(
                 f"{label:>9} | {name:>20} | {row['step_s_median']:7.3f} | {row['tokens_per_second']:8.0f} | "
                 f"{row['bubble_measured']:6.1%} | {row['bubble_predicted']:5.1%} | {row['peak_gib']:5.1f} | "
+                f"{row['mfu'] if row['mfu'] is not None else float('nan'):5.1%} | "
+                f"{sum(map(sum, row['microbatches'])):4d} | "
                 f"{row.get(f'speedup_vs_{BASELINE}', float('nan')):10.3f} | "
                 f"{row.get(f'speedup_vs_{UNBALANCED}', float('nan')):11.3f} | "
                 f"{row.get(f'predicted_speedup_vs_{BASELINE}', float('nan')):14.3f}"
@@ -345,7 +362,7 @@ def main() -> None:
     parser.add_argument("--packing-ratios", default="1", help="comma list of token caps as multiples of the longest")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and scheme")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--schemes", default=",".join(s.name for s in SCHEMES))
+    parser.add_argument("--schemes", default=",".join(NAMES), help=f"comma list of {NAMES}")
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--predict-world-sizes", default="8,32,128")
@@ -354,10 +371,13 @@ def main() -> None:
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
+    if unknown := set(args.schemes) - set(NAMES):
+        parser.error(f"unknown schemes {sorted(unknown)}: choose from {NAMES}")
     args.predict_world_sizes = [int(w) for w in args.predict_world_sizes.split(",")]
     device = init_distributed(args)
     world_size = dist.get_world_size()
-    model, optimizer, _ = build(args, device)
+    model, optimizer, config = build(args, device)
+    args.model_config = config.to_dict()
     odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
     results = []
     for samples in (int(s) for s in args.samples_per_device.split(",")):

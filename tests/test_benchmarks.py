@@ -4,6 +4,7 @@ scheme with self-consistent numbers, so that the GPU command cannot rot unnotice
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,14 +24,17 @@ def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
         "--samples-per-device", "4", "--length-scale", "0.004", "--steps", "2", "--warmup", "1",
         "--predict-world-sizes", "8", "--json", str(out), "--plot", str(png),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "ODC+LB-Mini" in done.stdout and png.stat().st_size > 0
     result = json.loads(out.read_text())["results"][0]
     schemes = result["summary"]["schemes"]
-    assert list(schemes) == ["Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini"]
+    assert list(schemes) == [
+        "Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini", "ODC+LB-Mini calibrated"
+    ]  # fmt: skip
     for row in schemes.values():
-        assert row["tokens_per_second"] > 0 and 0 <= row["bubble_measured"] < 1
+        assert row["tokens_per_second"] > 0 and 0 <= row["bubble_measured"] < 1 and row["mfu"] > 0
         assert len(row["microbatches"]) == 2  # the warm-up minibatch is not timed
     assert schemes["Collective+LB-Micro"]["speedup_vs_Collective+LB-Micro"] == pytest.approx(1.0)
     # LocalSort runs one sample per microbatch; the collective schemes run equal counts on every rank
