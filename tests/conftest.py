@@ -21,9 +21,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def _pytest_timeout(item: pytest.Item) -> float:
-    """The seconds pytest-timeout gives ``item`` (its marker, else ``--timeout``, else the ini value; 0: none)."""
+    """The seconds pytest-timeout gives ``item`` (its marker, else ``--timeout``, else the ini value; 0: none, or
+    without pytest-timeout, as on the GPU image)."""
     marker = item.get_closest_marker("timeout")
     if marker is not None and marker.args:
         return float(marker.args[0])
     option = item.config.getoption("timeout", None)
-    return float(option if option is not None else item.config.getini("timeout") or 0)
+    if option is not None:
+        return float(option)
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except ValueError:  # no plugin registered the value
+        return 0.0
