@@ -1,11 +1,11 @@
 """The headline: SFT throughput of Collective+LocalSort, Collective+LB-Micro, ODC+LB-Micro and ODC+LB-Mini (planned
 with the attention cost, and with the trainers' default, the calibrated cost), one launch.
 
-One process per GPU builds the model once (random weights from a Qwen2.5 shape, bf16 compute with fp32 master
-weights and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what
-``ODCSFTTrainer`` runs) and trains it on the same global minibatches under every scheme, interleaved minibatch by
-minibatch so that drift hits them alike. Plain FSDP2 is the ODC model outside ``odc.minibatch()``, between the same
-two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
+One process per GPU builds the model once (random weights from a Qwen2.5 shape, bf16 compute with fp32 master weights
+and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what ``ODCSFTTrainer`` runs)
+and trains it on the same global minibatches under every scheme, interleaved minibatch by minibatch so that drift hits
+them alike, the schemes taking turns at going first. Plain FSDP2 is the ODC model outside ``odc.minibatch()``, between
+the same two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
 microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.timing`)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
@@ -137,8 +137,12 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
         planners[CALIBRATED] = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, Calibrator(world_size))
     collators = {name: PlannedMinibatchCollator(rank, planner, cap, 0) for name, planner in planners.items()}
     records: dict[str, list[dict]] = {name: [] for name in collators}
+    names = list(collators)
     for step, (chunk, examples) in enumerate(minibatches(args, model.config.vocab_size, minibatch_size, steps)):
-        for name, collator in collators.items():
+        # The schemes take turns at going first: each follows each other one equally often, so that what a scheme
+        # leaves behind (the caching allocator's blocks, warm clocks) favours none.
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            collator = collators[name]
             uses_odc = SYNC[name] == "minibatch"
             batch = collator(examples)
             result = run_step(model, optimizer, odc if uses_odc else collective, batch, world_size, uses_odc, device)
