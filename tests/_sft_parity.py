@@ -26,11 +26,11 @@ COMMON = dict(
 )  # fmt: skip
 # (samples per accumulation step, accumulation steps, ODC's microbatch tokens, other settings); 112 tokens give the
 # MoE cases' ranks different numbers of microbatches in their second step
-CASES = {
-    "accumulation": (8, 4, 160, {}),
+MOE_CASES = {
     "moe-aux": (32, 1, 112, {"router_aux_loss_coef": 0.2}),
     "moe-no-aux": (8, 4, 112, {"router_aux_loss_coef": 0.0}),
 }
+CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES}
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:

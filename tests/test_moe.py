@@ -14,6 +14,7 @@ import pytest
 import torch
 from _dpo_parity import MOE_CASES as DPO_CASES
 from _grpo_parity import MOE_CASES as GRPO_CASES
+from _sft_parity import MOE_CASES as SFT_CASES
 from _models import tiny_model, tiny_moe_config
 from _parity import assert_same_training, run_checked
 from transformers import AutoModelForCausalLM
@@ -24,7 +25,6 @@ from hf_odc.trainer._moe import ExpertLoad
 from hf_odc.trainer._step import packed_row
 from hf_odc.trainer.attention import use_packed_attention
 
-SFT_CASES = ("moe-aux", "moe-no-aux")
 QUIET = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
@@ -130,7 +130,7 @@ def sft_runs(tmp_path_factory):
     model = _save(directory, "qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=512,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                   bos_token_id=tokenizer.bos_token_id)  # fmt: skip
-    return _run("_sft_parity.py", model, directory, SFT_CASES)
+    return _run("_sft_parity.py", model, directory, list(SFT_CASES))
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +148,10 @@ def grpo_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", SFT_CASES)
+@pytest.mark.parametrize("case", list(SFT_CASES))
 def test_odc_sft_on_a_moe_matches_stock_trl(sft_runs, case):
-    _assert_parity(sft_runs, case)
+    accumulating = SFT_CASES[case][1] > 1  # then TRL's token means are per accumulation slice, ODC's per minibatch
+    _assert_parity(sft_runs, case, skip=("entropy", "mean_token_accuracy") if accumulating else ())
 
 
 @pytest.mark.slow
