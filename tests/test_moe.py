@@ -14,9 +14,9 @@ import pytest
 import torch
 from _dpo_parity import MOE_CASES as DPO_CASES
 from _grpo_parity import MOE_CASES as GRPO_CASES
-from _sft_parity import MOE_CASES as SFT_CASES
 from _models import tiny_model, tiny_moe_config
 from _parity import assert_same_training, run_checked
+from _sft_parity import MOE_CASES as SFT_CASES
 from transformers import AutoModelForCausalLM
 
 from hf_odc import _compat
