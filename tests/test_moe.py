@@ -17,6 +17,7 @@ from _grpo_parity import MOE_CASES as GRPO_CASES
 from _models import tiny_model, tiny_moe_config
 from _parity import assert_same_training, run_checked
 from _sft_parity import MOE_CASES as SFT_CASES
+from _trainer_launch import logged_steps, run
 from transformers import AutoModelForCausalLM
 
 from hf_odc import _compat
@@ -167,3 +168,15 @@ def test_odc_dpo_on_a_moe_matches_stock_trl(dpo_runs, case):
 def test_odc_grpo_on_a_moe_matches_stock_trl(grpo_runs, case):
     skip = ("step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
     _assert_parity(grpo_runs, case, skip=skip)
+
+
+@pytest.mark.slow
+def test_the_sft_example_trains_the_tiny_moe_on_two_processes(tmp_path):
+    """``examples/sft.py --model_config tiny-moe``: a Qwen3-MoE built from a config, trained with the router's
+    load-balancing loss (its config's coefficient) on 2 processes; the saved model loads with the Auto class."""
+    run("sft.py", "--model_config", "tiny-moe", "--max_steps", "2", "--num_samples", "32", "--global_batch_size", "8",
+        "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)  # fmt: skip
+    logs = logged_steps(tmp_path)
+    assert sorted(logs) == [1, 2]
+    assert all(entry["aux_loss"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen3MoeForCausalLM"

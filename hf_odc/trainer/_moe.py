@@ -86,9 +86,10 @@ class ExpertLoad:
     def count(self) -> torch.Tensor:
         """The recorded forward's statistics, without gradient: ``[assignments per expert (E), probability sums per
         expert (E), rows]``, rows counted once per layer."""
-        stats = torch.zeros(2 * self.num_experts + 1, dtype=torch.float64, device=self._recorded[0].device)
         with torch.no_grad():
-            for probabilities in self._probabilities():
+            layers = self._probabilities()
+            stats = torch.zeros(2 * self.num_experts + 1, dtype=torch.float64, device=layers[0].device)
+            for probabilities in layers:
                 chosen = probabilities.topk(self.top_k, dim=-1).indices.reshape(-1)
                 stats[: self.num_experts] += torch.bincount(chosen, minlength=self.num_experts)
                 stats[self.num_experts : -1] += probabilities.sum(0)
