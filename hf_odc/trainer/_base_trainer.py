@@ -199,7 +199,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     def _count_expert_load(self, model: nn.Module, step: PlannedStep, expert_load: ExpertLoad) -> None:
         """The router's assignments over the whole minibatch, which the load-balancing loss of every microbatch needs
         before the first backward (:mod:`hf_odc.trainer._moe`): this rank's microbatches in a forward-only ODC
-        minibatch, then one all-reduce of the counts. Logs TRL's ``aux_loss``, the minibatch's."""
+        minibatch, then one all-reduce of the counts. Logs TRL's ``aux_loss``, the minibatch's, and ``expert_load_s``,
+        the forward-only minibatch (device-timed)."""
         totals = torch.zeros(2 * expert_load.num_experts + 1, dtype=torch.float64, device=self.args.device)
         with self.odc.minibatch(backward=False), torch.no_grad():
             for microbatch in step.microbatches:
@@ -207,9 +208,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 with self.compute_loss_context_manager(), expert_load.recording():
                     model(**inputs, use_cache=False, fused_lm_head=True)
                     totals += expert_load.count().to(totals.device)
+        counted_s = self.odc.last.step
         with self.odc.bounded("the MoE expert-load all-reduce"):
             totals = self.accelerator.reduce(totals, reduction="sum")
         self._metrics["train"]["aux_loss"].append(expert_load.start_step(totals))
+        self._metrics["train"]["expert_load_s"].append(counted_s)
 
     def _to_device(self, inputs: Any) -> Any:
         """``inputs`` on the training device: the Trainer's ``_prepare_inputs``, not a subclass's (GRPO's generates
