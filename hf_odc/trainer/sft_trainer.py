@@ -40,9 +40,11 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     sharding, which is the reference the distributed runs must match.
 
     Not supported (refused at construction): a custom `data_collator` for training (the planner packs),
-    `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global
-    minibatch needs random access), and attention implementations that would attend across packed samples (see
-    `hf_odc.trainer.attention`).
+    `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global minibatch needs random access), and
+    attention implementations that would attend across packed samples (see `hf_odc.trainer.attention`).
+
+    Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
+    `ODCSFTConfig`).
 
     Example:
 
