@@ -1,11 +1,13 @@
 """The headline: SFT throughput of Collective+LocalSort, Collective+LB-Micro, ODC+LB-Micro and ODC+LB-Mini (planned
 with the attention cost, and with the trainers' default, the calibrated cost), one launch.
 
-One process per GPU builds the model once (random weights from a Qwen2.5 shape, bf16 compute with fp32 master weights
-and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what ``ODCSFTTrainer`` runs)
-and trains it on the same global minibatches under every scheme, interleaved minibatch by minibatch so that drift hits
-them alike, the schemes taking turns at going first. Plain FSDP2 is the ODC model outside ``odc.minibatch()``, between
-the same two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
+One process per GPU builds the model once (random weights from a Qwen2.5 shape, or a Qwen3-MoE one whose 3-D expert
+weights are sharded like the rest, trained without the router's load-balancing loss; bf16 compute with fp32 master
+weights and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what
+``ODCSFTTrainer`` runs) and trains it on the same global minibatches under every scheme, interleaved minibatch by
+minibatch so that drift hits them alike, the schemes taking turns at going first. Plain FSDP2 is the ODC model outside
+``odc.minibatch()``, between the same two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its
+reduce-scatter deferred to the last
 microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.timing`)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
@@ -68,6 +70,15 @@ MODELS = {
                          num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Mixture-of-Experts (Qwen3-MoE): the tiny one for CPU runs, and Qwen3-30B-A3B's layer (128 experts of width 768,
+    # top-8) with 8 of its 48 layers, which fits 2 H100s with fp32 master weights and AdamW (--num-layers changes it)
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512),
+    "qwen3-30b-a3b-8l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                             num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             vocab_size=151936, tie_word_embeddings=False),
 }  # fmt: skip
 
 
@@ -79,14 +90,16 @@ NAMES = list(SYNC)
 def build(args, device: torch.device, shard_size: int | None = None):
     """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
     groups; ``None``: a host's ranks), its AdamW and its config."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
     from trl.trainer.utils import add_fused_lm_head
 
-    shape = {"tie_word_embeddings": True, **MODELS[args.model]}
-    config = Qwen2Config(**shape, max_position_embeddings=262144, attn_implementation=PACKED_ATTENTION)
+    shape = {"model_type": "qwen2", "tie_word_embeddings": True, **MODELS[args.model]}
+    if getattr(args, "num_layers", None):
+        shape["num_hidden_layers"] = args.num_layers
+    config = AutoConfig.for_model(**shape, max_position_embeddings=262144, attn_implementation=PACKED_ATTENTION)
     torch.manual_seed(0)
     with device:
-        model = Qwen2ForCausalLM(config)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     add_fused_lm_head(model, outputs=("log_probs",))
@@ -330,6 +343,7 @@ def workload_parser(description: str, steps: int, warmup: int, warmup_help: str 
     distribution, one samples-per-device and packing ratio, timed steps per scheme."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--num-layers", type=int, default=None, help="override the model's number of layers")
     parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
     parser.add_argument("--samples-per-device", type=int, default=8)
     parser.add_argument("--packing-ratio", type=float, default=1.0)
@@ -361,6 +375,7 @@ def init_distributed(args) -> torch.device:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--num-layers", type=int, default=None, help="override the model's number of layers")
     parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
     parser.add_argument("--samples-per-device", default="8", help="comma list, e.g. 2,4,8,16")
     parser.add_argument("--packing-ratios", default="1", help="comma list of token caps as multiples of the longest")
@@ -380,8 +395,8 @@ def main() -> None:
     args.predict_world_sizes = [int(w) for w in args.predict_world_sizes.split(",")]
     device = init_distributed(args)
     world_size = dist.get_world_size()
-    model, optimizer, config = build(args, device)
-    args.model_config = config.to_dict()
+    model, optimizer, model_config = build(args, device)
+    args.model_config = model_config.to_dict()
     odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
     results = []
     for samples in (int(s) for s in args.samples_per_device.split(",")):
@@ -395,7 +410,8 @@ def main() -> None:
         print_table(results, args, world_size)
         if args.json:
             with open(args.json, "w") as f:
-                record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__}
+                record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__,
+                          "model_type": model_config.model_type}  # fmt: skip
                 json.dump({**record, "results": results}, f, indent=1)
         if args.plot:
             plot(results, args.plot, world_size)

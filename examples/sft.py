@@ -72,7 +72,8 @@ class ODCScriptArguments(ScriptArguments):
             longest sample is `max_length` tokens.
         model_config (`str`, *optional*, defaults to `"tiny"`):
             Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"` (Llama),
-            `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a directory holding one).
+            `"tiny-moe"` (Qwen3-MoE), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a
+            directory holding one).
         global_batch_size (`int`, *optional*, defaults to `16`):
             Samples per optimizer step over all processes: each process gets `global_batch_size / processes`
             (`per_device_train_batch_size`), so that one process and several train on the same minibatches. Set
@@ -94,7 +95,8 @@ class ODCScriptArguments(ScriptArguments):
     model_config: str = field(
         default="tiny",
         metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
+            "help": "Model config when model_name_or_path is unset: 'tiny', 'tiny-moe', 'qwen2-0.5b', "
+            "'qwen2.5-1.5b' or a path."
         },
     )
     global_batch_size: int = field(

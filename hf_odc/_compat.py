@@ -27,6 +27,7 @@ __all__ = [
     "generating_on",
     "mark_fsdp_managed",
     "mark_vllm_weights_awake",
+    "router_modules",
     "trainer_prepare_inputs",
 ]
 
@@ -169,3 +170,27 @@ def mark_vllm_weights_awake(generation: Any) -> None:
             "that the weights it loaded after sleep are awake. Update hf_odc/_compat.py."
         )
     generation._llm_weights_sleeping = False
+
+
+def router_modules(model: Any) -> list[tuple[Any, int]]:
+    """The modules of ``model`` whose output (at the given index of a tuple) is a MoE layer's router logits: those a
+    transformers model records as ``router_logits`` (its classes' private ``_can_record_outputs``, which is how
+    ``output_router_logits`` collects them). Empty for a dense model."""
+    from transformers import PreTrainedModel
+
+    if not hasattr(PreTrainedModel, "_can_record_outputs"):
+        raise UnsupportedLibraryError(
+            f"{_library_version('transformers:x')}'s PreTrainedModel no longer has _can_record_outputs: hf_odc cannot "
+            "find the MoE routers whose logits the load-balancing loss reads. Update hf_odc/_compat.py."
+        )
+    targets: dict[type, int] = {}
+    for module in model.modules():
+        recorders = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        for recorder in recorders if isinstance(recorders, list | tuple) else [recorders]:
+            if isinstance(recorder, type):
+                targets[recorder] = 0
+            elif recorder is not None:
+                targets[recorder.target_class] = recorder.index
+    return [
+        (module, index) for module in model.modules() for target, index in targets.items() if isinstance(module, target)
+    ]

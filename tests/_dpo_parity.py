@@ -46,6 +46,9 @@ CASES = {
     # LoRA: the reference is the policy with its adapter disabled.
     "peft": {"learning_rate": 2.0},
 }
+# A Mixture-of-Experts model (tests/test_moe.py): the router's load-balancing loss on (over the whole minibatch, as
+# TRL's one forward of it computes it) and off.
+MOE_CASES = {"moe-aux": {"router_aux_loss_coef": 0.2}, "moe-no-aux": {"router_aux_loss_coef": 0.0}}
 ODC_MAX_TOKENS = {"accumulation": 112}  # each case's microbatch size gives the ranks different counts in some step
 
 
@@ -55,7 +58,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     from hf_odc.trainer import ODCDPOConfig, ODCDPOTrainer
 
-    settings = COMMON | CASES[name]
+    settings = COMMON | (CASES | MOE_CASES)[name]
     accumulation = settings.get("gradient_accumulation_steps", 1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     peft_config, ref_model = None, None

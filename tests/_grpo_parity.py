@@ -41,7 +41,14 @@ CASES = {
     "accumulation": {"loss_type": "grpo", "gradient_accumulation_steps": 4},
     "accumulation-dapo": {"loss_type": "dapo", "gradient_accumulation_steps": 4, "max_steps": 2},
 }
+# A Mixture-of-Experts model (tests/test_moe.py): the router's load-balancing loss on (over the whole minibatch, as
+# TRL's one forward of it computes it) and off; 60 tokens per microbatch give the ranks different counts in step 2.
+MOE_CASES = {
+    "moe-aux": {"loss_type": "grpo", "router_aux_loss_coef": 0.2, "max_steps": 2},
+    "moe-no-aux": {"loss_type": "dapo", "router_aux_loss_coef": 0.0, "max_steps": 2},
+}
 ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}  # their larger generation batches draw longer rollouts
+ODC_TOKEN_CAP |= dict.fromkeys(MOE_CASES, 60)
 # Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
 # of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
 VLLM_CASES = {
@@ -82,7 +89,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
 
-    overrides = {"max_steps": 1} | (CASES | VLLM_CASES)[name]
+    overrides = {"max_steps": 1} | (CASES | VLLM_CASES | MOE_CASES)[name]
     rollout_func = SyntheticRollouts("synthetic", "swe-smith", seed=0)
     if name in VLLM_CASES:
         from _vllm_workers import eager_float32_engine

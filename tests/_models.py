@@ -40,3 +40,27 @@ def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, d
             model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         )
     return model.to(device)
+
+
+def tiny_moe_config(family: str = "qwen3_moe", **overrides):
+    """A Mixture-of-Experts config of the same tiny shape: ``"qwen3_moe"`` (Qwen3-MoE: 4 experts of width 32, top-2,
+    every layer sparse) or ``"mixtral"`` (Mixtral: 4 experts of width 64, top-2), both with the router's
+    load-balancing loss on (``output_router_logits``) and the model's ``router_aux_loss_coef``; eager attention.
+    ``overrides`` set any field."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    shape = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+        "attn_implementation": "eager",
+    }
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**{**shape, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16, **overrides})
+    if family == "mixtral":
+        return MixtralConfig(**{**shape, "num_local_experts": 4, "intermediate_size": 64, **overrides})
+    raise ValueError(f"family must be 'qwen3_moe' or 'mixtral', got {family!r}.")

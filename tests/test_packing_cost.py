@@ -66,9 +66,28 @@ def test_attention_cost_counts_the_flops_of_a_real_forward_pass():
     assert AttentionCost.from_config(config.to_dict()) == cost  # a parsed config.json gives the same model
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_attention_cost_counts_the_routed_experts_of_a_moe(family):
+    """torch's FLOP counter on a tiny eager MoE (every token through its top-k experts, and the router) agrees with
+    ``from_config``: the experts a token is routed to, not the dense ``intermediate_size`` nor every expert."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from _models import tiny_moe_config
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = tiny_moe_config(family, output_router_logits=False, experts_implementation="eager")  # counted matmuls
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cost = AttentionCost.from_config(config)
+    for length in (16, 96):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.zeros(1, length, dtype=torch.long))
+        assert counter.get_total_flops() == cost.linear * length + 2 * cost.quadratic * length**2
+    assert AttentionCost.from_config(config.to_dict()) == cost
+
+
 def test_attention_config_checks():
     with pytest.raises(ValueError, match="the model config has no 'intermediate_size'"):
-        AttentionCost.from_config({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+        AttentionCost.from_config({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 8})
     gqa = AttentionCost.from_config({**DEFAULT_ATTENTION_SHAPE, "num_key_value_heads": 14})
     assert gqa.linear > resolve_cost("attention").linear  # more k/v heads, more projection weights
     with pytest.raises(ValueError, match="non-negative coefficients, not both zero"):

@@ -26,9 +26,9 @@ def runs(tmp_path_factory):
                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     model = str(directory / "model")
-    run_checked("_sft_parity.py", "trl", model, str(directory / "trl.pt"))
-    run_checked("_sft_parity.py", "odc", model, str(directory / "odc.pt"), processes=2)
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+    run_checked("_sft_parity.py", "trl", model, str(directory / "trl.pt"), "accumulation")
+    run_checked("_sft_parity.py", "odc", model, str(directory / "odc.pt"), "accumulation", processes=2)
+    return torch.load(directory / "trl.pt")["accumulation"], torch.load(directory / "odc.pt")["accumulation"]
 
 
 def test_odc_sft_with_accumulation_matches_stock_trl_on_one_process(runs):

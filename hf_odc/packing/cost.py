@@ -96,20 +96,34 @@ class AttentionCost(QuadraticCost):
 
         Per token and layer, the q/k/v/o projections and the gated MLP (three ``hidden x intermediate`` matrices)
         cost 2 FLOPs per weight; the LM head adds ``2 * hidden * vocab`` once. Per causal token pair (``L**2 / 2``
-        of them) and layer, ``QK^T`` and ``AV`` cost ``2 * 2 * heads * head_dim`` FLOPs. A mixture of experts
-        (``num_experts_per_tok`` in the config) runs, per token, its router and the experts it is routed to (each
-        ``moe_intermediate_size`` wide, else ``intermediate_size``), plus a shared expert if it has one: every layer
-        is counted so.
+        of them) and layer, ``QK^T`` and ``AV`` cost ``2 * 2 * heads * head_dim`` FLOPs.
+
+        A Mixture-of-Experts config (``num_experts_per_tok`` and ``num_experts`` or ``num_local_experts``: Qwen3-MoE,
+        Mixtral...) replaces each sparse layer's MLP by the experts a token is routed to (``num_experts_per_tok``
+        gated MLPs of width ``moe_intermediate_size``, else ``intermediate_size``) and the router (``hidden x
+        experts``), plus a shared expert of width ``shared_expert_intermediate_size`` where the config has one; the
+        layers of ``mlp_only_layers`` stay dense. The count is the same whatever the routing: how evenly the experts
+        are loaded is not a FLOP count.
         """
         hidden = _config_int(config, "hidden_size")
         layers = _config_int(config, "num_hidden_layers")
-        mlp_weights = _mlp_weights_per_token(config, hidden)
         heads = _config_int(config, "num_attention_heads")
         vocab = _config_int(config, "vocab_size")
         kv_heads = _config_int(config, "num_key_value_heads", default=heads)
         head_dim = _config_int(config, "head_dim", default=hidden // heads)
         projection_weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-        linear = 2.0 * (layers * (projection_weights + mlp_weights) + hidden * vocab)
+        top_k = _config_int(config, "num_experts_per_tok", default=0)
+        experts = _config_int(config, "num_experts", default=0) or _config_int(config, "num_local_experts", default=0)
+        if top_k and experts:
+            width = _config_int(config, "moe_intermediate_size", default=0) or _config_int(config, "intermediate_size")
+            shared = _config_int(config, "shared_expert_intermediate_size", default=0)
+            sparse_mlp = top_k * 3 * hidden * width + hidden * experts + (3 * hidden * shared + hidden if shared else 0)
+            dense = len(_config_value(config, "mlp_only_layers") or [])
+            dense_mlp = 3 * hidden * _config_int(config, "intermediate_size") if dense else 0
+            mlp_weights = dense * dense_mlp + (layers - dense) * sparse_mlp  # over every layer
+        else:
+            mlp_weights = layers * 3 * hidden * _config_int(config, "intermediate_size")
+        linear = 2.0 * (layers * projection_weights + mlp_weights + hidden * vocab)
         quadratic = 0.5 * layers * 4.0 * heads * head_dim
         return cls(linear=linear, quadratic=quadratic)
 
@@ -154,20 +168,12 @@ class CalibratedCost(QuadraticCost):
         )
 
 
-def _mlp_weights_per_token(config: Any, hidden: int) -> int:
-    """The MLP weights one token multiplies in a layer: the gated MLP's, or a mixture of experts' router, routed
-    experts and shared expert."""
-    routed = _config_int(config, "num_experts_per_tok", default=0)
-    if not routed:
-        return 3 * hidden * _config_int(config, "intermediate_size")
-    experts = _config_int(config, "num_local_experts", default=0) or _config_int(config, "num_experts")
-    width = _config_int(config, "moe_intermediate_size", default=0) or _config_int(config, "intermediate_size")
-    shared = _config_int(config, "shared_expert_intermediate_size", default=0)
-    return hidden * experts + 3 * hidden * (routed * width + shared)
+def _config_value(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
 
 def _config_int(config: Any, key: str, default: int | None = None) -> int:
-    value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+    value = _config_value(config, key)
     if value is None:
         if default is None:
             raise ValueError(

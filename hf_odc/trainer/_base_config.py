@@ -81,6 +81,21 @@ _ODC_PARAMETERS = """
     > without it every process would silently train alone.
 
     > [!NOTE]
+    > Mixture-of-Experts models (Qwen3-MoE, Mixtral, OLMoE...): as in TRL, the router's load-balancing loss is on for
+    > a model whose config declares `output_router_logits` (whatever its value) when `router_aux_loss_coef` (else the
+    > config's own) is non-zero, and the loss gains `router_aux_loss_coef * aux_loss`, with `aux_loss` transformers'
+    > `load_balancing_loss_func` taken over the whole global minibatch: expert assignments and router probabilities
+    > counted over every token of the optimizer step, on every rank (packed rows have no padding, so every token
+    > counts, as in TRL's padding-free rows). Stock TRL computes it per forward pass, over that microbatch's tokens,
+    > so its value changes with the accumulation, the number of processes and, under ODC, the plan; hf_odc's does
+    > not, and equals stock TRL's when one forward holds the whole minibatch. The experts are balanced over what one
+    > update sees, not within each microbatch (a few similar documents cannot use every expert evenly, and balancing
+    > them per microbatch works against expert specialisation). It costs one forward-only pass over the minibatch per
+    > step (the assignments are needed before the first backward) and one all-reduce; the logged `aux_loss` is the
+    > minibatch's. `router_aux_loss_coef=0` trains without it. Qwen3-MoE's and Mixtral's routers have no z-loss (in
+    > transformers only the encoder-decoder Switch Transformers and NLLB-MoE have one).
+
+    > [!NOTE]
     > `gradient_accumulation_steps` keeps TRL's batch size: an optimizer step takes `per_device_train_batch_size *
     > gradient_accumulation_steps` samples per process. hf_odc plans those samples of every process as *one* ODC
     > minibatch (the ranks meet once per optimizer step, whatever the accumulation), and the planner, not the

@@ -28,6 +28,7 @@ from ..packing.calibration import FEATURES, Calibration, Calibrator
 from ..packing.flops import mfu, peak_flops, training_flops
 from ._checkpointing import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
+from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics
 from .attention import use_packed_attention
 
@@ -55,6 +56,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         and scaled by the world size (ODC, as FSDP2, averages gradients over ranks), so that the sum over every rank's
         microbatches is the single-process loss of the minibatch. Accumulates the step's metrics into
         ``self._step_metrics``."""
+
+    def _model_inputs(self, microbatch: Any) -> dict[str, Any]:
+        """The model's forward inputs of one of this rank's microbatches (on the device): its ``"model"`` entry, as
+        the packers of preference pairs and rollouts make them; SFT's microbatch is the inputs itself."""
+        return microbatch["model"]
 
     def _microbatch_context(self) -> contextlib.AbstractContextManager:
         """A context around the minibatch's microbatches (SFT: activation offloading)."""
@@ -92,6 +98,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         self._planner = self._minibatch_planner()
         self._frozen_runtimes: list[ODCRuntime] = []
         self._step_metrics = step_metrics
+        self._expert_load = self._moe_load_balancing()
         self._window: list[Any] = []
         # The Trainer's estimate (6 x parameters x tokens), counted on the tokens of this rank's share.
         count = getattr(self.model, "num_parameters", None)
@@ -99,6 +106,14 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         self._step_flos = 0
         device = self.args.device
         self._peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
+    def _moe_load_balancing(self) -> ExpertLoad | None:
+        """The router's load-balancing loss over each step's global minibatch (:mod:`hf_odc.trainer._moe`), when TRL
+        enabled it for this model (a MoE model with ``router_aux_loss_coef != 0``); ``None`` otherwise."""
+        if not getattr(self, "aux_loss_enabled", False):
+            return None
+        config = self.model.config.get_text_config()
+        return ExpertLoad(self.model, config.num_experts, config.num_experts_per_tok, self.router_aux_loss_coef)
 
     def _shard_frozen(self, model: nn.Module) -> tuple[nn.Module, ODCRuntime]:
         """A frozen model the trainer reads beside the trained one (a reference policy), set up like it: packed
@@ -161,6 +176,9 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         """Forward and backward of this rank's microbatches inside the minibatch context; without ODC, FSDP2's
         reduce-scatter runs once, in the last backward. Returns the summed loss, detached."""
         defer_reduction = not self.odc.active and isinstance(model, FSDPModule)
+        expert_load = self._expert_load
+        if expert_load is not None:
+            self._count_expert_load(model, step, expert_load)
         loss = torch.zeros((), device=self.args.device)
         last = len(step.microbatches) - 1
         with self._microbatch_context(), self.odc.minibatch():
@@ -168,11 +186,36 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 if defer_reduction:
                     model.set_requires_gradient_sync(index == last)
                 with self.compute_loss_context_manager():
-                    microbatch_loss = self._microbatch_loss(model, self._to_device(microbatch), step)
+                    if expert_load is None:
+                        microbatch_loss = self._microbatch_loss(model, self._to_device(microbatch), step)
+                    else:
+                        with expert_load.recording():
+                            microbatch_loss = self._microbatch_loss(model, self._to_device(microbatch), step)
+                            # scaled by the world size, as the trainers' losses are (ODC averages over ranks)
+                            aux_loss = expert_load.loss() * self.accelerator.num_processes
+                        microbatch_loss = microbatch_loss + aux_loss
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
                 self.odc.lap()
         return loss
+
+    def _count_expert_load(self, model: nn.Module, step: PlannedStep, expert_load: ExpertLoad) -> None:
+        """The router's assignments over the whole minibatch, which the load-balancing loss of every microbatch needs
+        before the first backward (:mod:`hf_odc.trainer._moe`): this rank's microbatches in a forward-only ODC
+        minibatch, then one all-reduce of the counts. Logs TRL's ``aux_loss``, the minibatch's, and ``expert_load_s``,
+        the forward-only minibatch (device-timed)."""
+        totals = torch.zeros(2 * expert_load.num_experts + 1, dtype=torch.float64, device=self.args.device)
+        with self.odc.minibatch(backward=False), torch.no_grad():
+            for microbatch in step.microbatches:
+                inputs = self._model_inputs(self._to_device(microbatch))
+                with self.compute_loss_context_manager(), expert_load.recording():
+                    model(**inputs, use_cache=False, fused_lm_head=True)
+                    totals += expert_load.count().to(totals.device)
+        counted_s = self.odc.last.step
+        with self.odc.bounded("the MoE expert-load all-reduce"):
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        self._metrics["train"]["aux_loss"].append(expert_load.start_step(totals))
+        self._metrics["train"]["expert_load_s"].append(counted_s)
 
     def _to_device(self, inputs: Any) -> Any:
         """``inputs`` on the training device: the Trainer's ``_prepare_inputs``, not a subclass's (GRPO's generates

@@ -42,7 +42,7 @@ class ODCDPOConfig(_ODCConfig, DPOConfig):
     > log-ratios), `use_weighting` (WPO), `sync_ref_model` (TR-DPO), `padding_free` (the trainer always packs; leave it
     > off), vision datasets, prompt-learning PEFT (its virtual tokens belong to a row, not to a packed document), a
     > PEFT model whose existing adapter TRL would copy as the reference (pass the base model with `peft_config`, or a
-    > `ref_model`), a custom `data_collator`, and Mixture-of-Experts auxiliary losses.
+    > `ref_model`), and a custom `data_collator`.
     """
 
     def __post_init__(self):

@@ -86,10 +86,6 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
             args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}
         self._reference_ready = False  # TRL's __init__ asks for precomputed log-probabilities before sharding
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                "ODCDPOTrainer does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
-            )
         _check_peft(self.accelerator.unwrap_model(self.model))
         step_metrics = StepMetrics(args.device, means=_PAIR_MEANS + _TOKEN_MEANS)
         self._setup_odc(step_metrics)

@@ -67,8 +67,8 @@ class ODCGRPOConfig(_ODCConfig, GRPOConfig):
     > [!NOTE]
     > Not supported, refused at construction: `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its
     > threshold is a quantile over the whole minibatch's entropies under the current policy, which an ODC minibatch
-    > has no collective to compute), PEFT with `beta > 0`, multimodal prompts, Mixture-of-Experts auxiliary losses,
-    > and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers (their merge).
+    > has no collective to compute), PEFT with `beta > 0`, multimodal prompts, and with vLLM LoRA variants (DoRA),
+    > `lora_bias` and LoRA on other than linear layers (their merge).
     > `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole models and hf_odc shards them.
     """
 

@@ -88,10 +88,6 @@ class ODCGRPOTrainer(_ODCTrainer, GRPOTrainer):
                 quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
         with quiet:
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                "ODCGRPOTrainer does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
-            )
         if self.beta != 0.0 and self.ref_model is None:
             raise NotImplementedError(
                 "ODCGRPOTrainer does not support beta > 0 with a PEFT model yet (its reference is the model with the "

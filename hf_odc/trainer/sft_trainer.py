@@ -40,9 +40,11 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     sharding, which is the reference the distributed runs must match.
 
     Not supported (refused at construction): a custom `data_collator` for training (the planner packs),
-    `compute_loss_func`, `label_smoothing_factor`, Mixture-of-Experts auxiliary losses, `IterableDataset`s (a global
-    minibatch needs random access), and attention implementations that would attend across packed samples (see
-    `hf_odc.trainer.attention`).
+    `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global minibatch needs random access), and
+    attention implementations that would attend across packed samples (see `hf_odc.trainer.attention`).
+
+    Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
+    `ODCSFTConfig`).
 
     Example:
 
@@ -75,10 +77,6 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         super().__init__(model=model, args=args, **kwargs)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                "ODCSFTTrainer does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
-            )
         self._setup_odc(StepMetrics(args.device, means=("entropy", "mean_token_accuracy")))
 
     # -- data -------------------------------------------------------------------------------------------------------
@@ -140,6 +138,10 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             self._step_metrics.add_mean("entropy", outputs.entropy.sum(), targets)
             self._step_metrics.add_mean("mean_token_accuracy", outputs.is_top1.sum(), targets)
         return per_token_loss.sum() * (self.accelerator.num_processes / max(step.num_loss_tokens, 1))
+
+    def _model_inputs(self, microbatch: dict[str, Any]) -> dict[str, Any]:
+        """A packed SFT microbatch is the model's inputs itself."""
+        return microbatch
 
     def _microbatch_context(self) -> contextlib.AbstractContextManager:
         """SFTTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""
