@@ -67,6 +67,7 @@ overridden too, but only transformers >= 5.23 has and calls it: nothing to check
 INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "trl:SFTTrainer": ("_metrics", "_total_train_tokens", "_tokenizer", "maybe_activation_offload_context"),
     "trl:DPOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
+    "trl:RewardTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
     "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
 }
 """``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""

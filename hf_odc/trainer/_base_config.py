@@ -235,3 +235,10 @@ class _ODCConfig:
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
         return packing.max_tokens_for(longest_sample, self.packing_ratio or 1.0)
+
+    def max_tokens_for_pairs(self, longest_pair: int) -> int:
+        """Tokens one packed microbatch of preference pairs (DPO, reward modelling) may hold, given the minibatch's
+        longest pair (both sequences): `max_tokens_for` the longest pair `max_length` allows (`2 * max_length`), else
+        for ``longest_pair``."""
+        max_length = getattr(self, "max_length", None)
+        return self.max_tokens_for(2 * max_length if max_length is not None else longest_pair)

@@ -33,7 +33,15 @@ from ._step import StepMetrics
 from .data import MinibatchDataLoader, minibatch_loader
 from .dpo_config import ODCDPOConfig
 from .dpo_losses import TOKEN_LOSSES, PairLogps, pair_losses
-from .pairs import PAIR_COLUMNS, REFERENCE_COLUMNS, PairPacker, PairStep, document_sums
+from .pairs import (
+    PAIR_COLUMNS,
+    REFERENCE_COLUMNS,
+    PairPacker,
+    PairStep,
+    check_pair_capacity,
+    document_sums,
+    refuse_prompt_learning,
+)
 
 __all__ = ["ODCDPOTrainer"]
 
@@ -187,20 +195,12 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
         """Refuse, at construction, a microbatch size (``max_tokens_for_pairs``) that the dataset's longest pair does
         not fit (the planner would only find out at the minibatch that draws it)."""
-        args, limit = self.args, self.args.max_length or float("inf")
+        limit = self.args.max_length or float("inf")
         lengths = [
             min(len(prompt) + len(chosen), limit) + min(len(prompt) + len(rejected), limit)
             for prompt, chosen, rejected in zip(*(dataset[c] for c in PAIR_COLUMNS), strict=True)
         ]
-        longest = max(lengths, default=0)
-        max_tokens = args.max_tokens_for_pairs(longest)
-        if longest > max_tokens:
-            raise ValueError(
-                f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
-                f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
-                f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
-                "truncate (--max_length) the longest pairs."
-            )
+        check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
@@ -282,8 +282,4 @@ def _check_peft(policy: nn.Module) -> None:
             "Pass the base model with peft_config (the reference is then the base model, adapter disabled), or a "
             "ref_model."
         )
-    if policy.active_peft_config.is_prompt_learning:
-        raise NotImplementedError(
-            "ODCDPOTrainer does not support prompt-learning PEFT (prefix, prompt or P-tuning): its virtual tokens "
-            "belong to a row, and a packed row holds several pairs. Use LoRA (or another adapter method)."
-        )
+    refuse_prompt_learning(policy, "ODCDPOTrainer")

@@ -26,9 +26,11 @@ __all__ = [
     "REFERENCE_COLUMNS",
     "PairPacker",
     "PairStep",
+    "check_pair_capacity",
     "document_sums",
     "pack_pairs",
     "pair_documents",
+    "refuse_prompt_learning",
 ]
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -56,6 +58,32 @@ def pair_documents(
             ids, mask = ids[cut], mask[cut]
         documents.append((ids, mask))
     return documents[0], documents[1]
+
+
+def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], int]) -> None:
+    """Refuse, at construction, a microbatch size that the dataset's longest pair (``lengths``: each pair's two
+    sequences' summed length, as packed) does not fit: the planner would only find out at the minibatch that draws
+    it. ``max_tokens_for(longest)`` is the microbatch's capacity (``max_tokens_for_pairs``)."""
+    longest = max(lengths, default=0)
+    max_tokens = max_tokens_for(longest)
+    if longest > max_tokens:
+        raise ValueError(
+            f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
+            f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
+            f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
+            "shorten (--max_length) the longest pairs."
+        )
+
+
+def refuse_prompt_learning(policy: Any, trainer: str) -> None:
+    """Refuse a PEFT ``policy`` with prompt learning (prefix, prompt or P-tuning): its virtual tokens belong to a row,
+    and a packed row holds several pairs."""
+    config = getattr(policy, "active_peft_config", None)
+    if config is not None and config.is_prompt_learning:
+        raise NotImplementedError(
+            f"{trainer} does not support prompt-learning PEFT (prefix, prompt or P-tuning): its virtual tokens "
+            "belong to a row, and a packed row holds several pairs. Use LoRA (or another adapter method)."
+        )
 
 
 def document_sums(values: torch.Tensor, document: torch.Tensor, num_documents: int) -> torch.Tensor:
