@@ -50,8 +50,9 @@ _ODC_PARAMETERS = """
             Token capacity of one packed microbatch. Mutually exclusive with `packing_ratio`.
         packing_ratio (`float`, *optional*):
             Token capacity of one packed microbatch as a multiple of the longest sample it must fit (SFT:
-            `max_length`; GRPO: the minibatch's longest rollout; DPO: a pair, `2 * max_length`), so `1.0` fits
-            exactly one longest sample. Used when `max_tokens_per_microbatch` is not set; defaults to `1.0`.
+            `max_length`; GRPO: the minibatch's longest rollout; DPO and reward modelling: a pair, `2 * max_length`),
+            so `1.0` fits exactly one longest sample. Used when `max_tokens_per_microbatch` is not set; defaults to
+            `1.0`.
         cost_model (`str`, *optional*, defaults to `"calibrated"`):
             Per-sample cost the planner balances. `"calibrated"`: start from `"attention"` (or from
             `calibration_file`) and refit after every step to the microbatch times every rank measured
