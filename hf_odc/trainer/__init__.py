@@ -1,9 +1,9 @@
 """TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig`, :class:`ODCGRPOTrainer` /
-:class:`ODCGRPOConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig` and :class:`ODCRewardTrainer` /
-:class:`ODCRewardConfig`.
+:class:`ODCGRPOConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`, :class:`ODCRewardTrainer` /
+:class:`ODCRewardConfig` and :class:`ODCKTOTrainer` / :class:`ODCKTOConfig`.
 
 The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling); hf_odc's packed
+:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling, KTO); hf_odc's packed
 attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
@@ -31,6 +31,8 @@ from .dpo_config import ODCDPOConfig
 from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
+from .kto_config import ODCKTOConfig
+from .kto_trainer import ODCKTOTrainer
 from .reward_config import ODCRewardConfig
 from .reward_trainer import ODCRewardTrainer
 from .sft_trainer import ODCSFTTrainer
@@ -46,6 +48,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCKTOConfig",
+    "ODCKTOTrainer",
     "ODCRewardConfig",
     "ODCRewardTrainer",
     "ODCSFTConfig",
