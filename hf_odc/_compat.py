@@ -59,8 +59,10 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
         "get_off_policy_mask",
         "get_gamma_weights",
     ),
-    # DPO's precomputation of the reference log-probabilities, which ODCDPOTrainer runs itself once it has sharded.
+    # DPO's and KTO's precomputation of the reference log-probabilities, which the ODC trainers run themselves once
+    # they have sharded.
     "trl:DPOTrainer": ("_precompute_ref_logps",),
+    "trl:KTOTrainer": ("_precompute_ref_logps",),
 }
 """``"module:Class"`` -> the attributes hf_odc needs on that class. (``Trainer._defer_fsdp_gradient_reduction`` is
 overridden too, but only transformers >= 5.23 has and calls it: nothing to check.)"""
@@ -68,6 +70,8 @@ overridden too, but only transformers >= 5.23 has and calls it: nothing to check
 INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "trl:SFTTrainer": ("_metrics", "_total_train_tokens", "_tokenizer", "maybe_activation_offload_context"),
     "trl:DPOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
+    "trl:RewardTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
+    "trl:KTOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context", "aux_loss_enabled"),
     "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
 }
 """``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""

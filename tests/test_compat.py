@@ -8,7 +8,7 @@ import trl
 from torch import nn
 
 from hf_odc import _compat
-from hf_odc.trainer import ODCDPOTrainer, ODCGRPOTrainer, ODCSFTTrainer
+from hf_odc.trainer import ODCDPOTrainer, ODCGRPOTrainer, ODCKTOTrainer, ODCRewardTrainer, ODCSFTTrainer
 
 
 def test_the_installed_libraries_have_every_listed_name():
@@ -20,7 +20,7 @@ def test_every_trainer_hook_the_package_overrides_is_listed():
     when the hook is renamed (the override would simply never run)."""
     listed = {name for names in _compat.CLASS_NAMES.values() for name in names}
     listed.add("_defer_fsdp_gradient_reduction")  # transformers >= 5.23 only (see _compat.CLASS_NAMES)
-    for trainer in (ODCSFTTrainer, ODCGRPOTrainer, ODCDPOTrainer):
+    for trainer in (ODCSFTTrainer, ODCGRPOTrainer, ODCDPOTrainer, ODCRewardTrainer, ODCKTOTrainer):
         ours = [cls for cls in trainer.__mro__ if cls.__module__.startswith("hf_odc")]
         theirs = [cls for cls in trainer.__mro__ if cls.__module__.split(".")[0] in ("trl", "transformers")]
         overridden = {

@@ -1,4 +1,4 @@
-"""The demos' parts, shared by the example scripts (``examples/sft.py``, ``examples/grpo.py``, ``examples/dpo.py``), the
+"""The demos' parts, shared by the example scripts (``examples/sft.py``, ``examples/dpo.py``, ...), the
 notebooks and the tests: a word-level tokenizer built in code, models built from a config (a tiny Llama, or a real
 model's shape with random weights), built-in datasets with long-tailed lengths (chats, token ids, prompts, preference
 pairs), GRPO's rule-based rewards and synthetic rollouts, and the scripts' command-line conventions. Nothing
@@ -8,7 +8,14 @@ Nothing else in hf_odc imports this package: it is for trying ODC out, writing a
 style, and testing; a real run brings its own model, tokenizer and data.
 """
 
-from .data import chat_dataset, longtail_lengths, preference_dataset, prompt_dataset, synthetic_dataset
+from .data import (
+    chat_dataset,
+    longtail_lengths,
+    preference_dataset,
+    prompt_dataset,
+    synthetic_dataset,
+    unpaired_dataset,
+)
 from .models import MODEL_CONFIGS, build_model, save_initial_model
 from .rewards import echo_reward, length_reward
 from .rollouts import SyntheticRollouts
@@ -37,4 +44,5 @@ __all__ = [
     "save_initial_model",
     "synthetic_dataset",
     "train_and_save",
+    "unpaired_dataset",
 ]

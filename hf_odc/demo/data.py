@@ -1,5 +1,6 @@
 """The demos' built-in datasets, long-tailed like real post-training data: chats and pre-tokenized samples for SFT,
-prompts asking for replies of a given length for GRPO, preference pairs for DPO. Lengths follow
+prompts asking for replies of a given length for GRPO, preference pairs for DPO and reward modelling, unpaired
+examples for KTO. Lengths follow
 :data:`hf_odc.packing.DISTRIBUTIONS`, rescaled."""
 
 from __future__ import annotations
@@ -82,3 +83,16 @@ def preference_dataset(num_pairs: int, max_length: int, distribution: str, seed:
             }
         )
     return Dataset.from_list(rows)
+
+
+def unpaired_dataset(num_examples: int, max_length: int, distribution: str, seed: int) -> Dataset:
+    """Conversational unpaired preference examples (TRL's ``prompt`` / ``completion`` / ``label``), one from each of
+    :func:`preference_dataset`'s pairs: its chosen reply, desirable, or its rejected one, undesirable, at random."""
+    pairs = preference_dataset(num_examples, max_length, distribution, seed)
+    desirable = np.random.default_rng(seed + 1).random(num_examples) < 0.5
+    return Dataset.from_list(
+        [
+            {"prompt": pair["prompt"], "completion": pair["chosen" if label else "rejected"], "label": bool(label)}
+            for pair, label in zip(pairs, desirable, strict=True)
+        ]
+    )

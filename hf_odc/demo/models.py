@@ -7,7 +7,14 @@ import json
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, TrainingArguments
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    TrainingArguments,
+)
 from trl import ModelConfig
 
 from ..trainer import PACKED_ATTENTION
@@ -68,17 +75,23 @@ MODEL_CONFIGS = {
 
 
 def build_model(
-    model_config: str, model_args: ModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int
+    model_config: str,
+    model_args: ModelConfig,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    num_labels: int | None = None,
 ) -> PreTrainedModel:
     """A pretrained model from ``model_name_or_path``, else a randomly initialised one from ``model_config`` (a name
     of :data:`MODEL_CONFIGS`, or a path to a ``config.json`` or a directory holding one) with ``tokenizer``'s special
-    tokens (TRL would otherwise align them itself, saying so on every process)."""
+    tokens (TRL would otherwise align them itself, saying so on every process). A causal LM, or with ``num_labels``
+    a sequence-classification model with that many outputs (a reward model: 1)."""
     attn = model_args.attn_implementation or PACKED_ATTENTION
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
+    auto_class, head = AutoModelForCausalLM, {}
+    if num_labels is not None:
+        auto_class, head = AutoModelForSequenceClassification, {"num_labels": num_labels}
     if model_args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path, dtype=dtype, attn_implementation=attn
-        )
+        return auto_class.from_pretrained(model_args.model_name_or_path, dtype=dtype, attn_implementation=attn, **head)
     if model_config in MODEL_CONFIGS:
         raw = {"vocab_size": len(tokenizer), "max_position_embeddings": 4096, "tie_word_embeddings": True}
         raw |= MODEL_CONFIGS[model_config]
@@ -87,10 +100,10 @@ def build_model(
         with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
             raw = json.load(f)
     raw |= {name: getattr(tokenizer, name) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
-    config = AutoConfig.for_model(**raw)
+    config = AutoConfig.for_model(**raw, **head)
     config._attn_implementation = attn  # private: transformers.PretrainedConfig._attn_implementation
     torch.manual_seed(seed)  # same initial weights on every rank
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return auto_class.from_config(config, dtype=dtype)
 
 
 def save_initial_model(model: PreTrainedModel, path: str, training_args: TrainingArguments) -> None:

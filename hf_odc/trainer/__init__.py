@@ -1,8 +1,9 @@
 """TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig`, :class:`ODCGRPOTrainer` /
-:class:`ODCGRPOConfig` and :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`.
+:class:`ODCGRPOConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`, :class:`ODCRewardTrainer` /
+:class:`ODCRewardConfig` and :class:`ODCKTOTrainer` / :class:`ODCKTOConfig`.
 
 The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO); hf_odc's packed
+:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling, KTO); hf_odc's packed
 attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
@@ -30,6 +31,10 @@ from .dpo_config import ODCDPOConfig
 from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
+from .kto_config import ODCKTOConfig
+from .kto_trainer import ODCKTOTrainer
+from .reward_config import ODCRewardConfig
+from .reward_trainer import ODCRewardTrainer
 from .sft_trainer import ODCSFTTrainer
 
 check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)
@@ -43,6 +48,10 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCKTOConfig",
+    "ODCKTOTrainer",
+    "ODCRewardConfig",
+    "ODCRewardTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "PlannedMinibatchCollator",

@@ -50,8 +50,10 @@ _ODC_PARAMETERS = """
             Token capacity of one packed microbatch. Mutually exclusive with `packing_ratio`.
         packing_ratio (`float`, *optional*):
             Token capacity of one packed microbatch as a multiple of the longest sample it must fit (SFT:
-            `max_length`; GRPO: the minibatch's longest rollout; DPO: a pair, `2 * max_length`), so `1.0` fits
-            exactly one longest sample. Used when `max_tokens_per_microbatch` is not set; defaults to `1.0`.
+            `max_length`; GRPO: the minibatch's longest rollout; DPO and reward modelling: a pair, `2 * max_length`;
+            KTO: an example with its mismatched sequence, `2 * max_length`),
+            so `1.0` fits exactly one longest sample. Used when `max_tokens_per_microbatch` is not set; defaults to
+            `1.0`.
         cost_model (`str`, *optional*, defaults to `"calibrated"`):
             Per-sample cost the planner balances. `"calibrated"`: start from `"attention"` (or from
             `calibration_file`) and refit after every step to the microbatch times every rank measured
@@ -250,3 +252,10 @@ class _ODCConfig:
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
         return packing.max_tokens_for(longest_sample, self.packing_ratio or 1.0)
+
+    def max_tokens_for_pairs(self, longest_pair: int) -> int:
+        """Tokens one packed microbatch of two-sequence items (DPO's and reward modelling's pairs, KTO's examples with
+        their mismatched sequences) may hold, given the minibatch's longest item (both sequences): `max_tokens_for`
+        the longest item `max_length` allows (`2 * max_length`), else for ``longest_pair``."""
+        max_length = getattr(self, "max_length", None)
+        return self.max_tokens_for(2 * max_length if max_length is not None else longest_pair)

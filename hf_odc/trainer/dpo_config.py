@@ -72,8 +72,3 @@ class ODCDPOConfig(_ODCConfig, DPOConfig):
                 "one-sidedly by ODC and must not change during training. Set sync_ref_model=False, or use "
                 "trl.DPOTrainer."
             )
-
-    def max_tokens_for_pairs(self, longest_pair: int) -> int:
-        """Tokens one packed microbatch may hold, given the minibatch's longest pair (both sequences): see
-        `max_tokens_per_microbatch` and `packing_ratio`."""
-        return self.max_tokens_for(2 * self.max_length if self.max_length is not None else longest_pair)

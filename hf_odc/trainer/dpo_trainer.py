@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 
 import datasets
 import torch
-from accelerate.utils import DistributedType, gather_object, is_peft_model
 from torch import nn
 from trl import DPOTrainer
 
@@ -33,7 +32,15 @@ from ._step import StepMetrics
 from .data import MinibatchDataLoader, minibatch_loader
 from .dpo_config import ODCDPOConfig
 from .dpo_losses import TOKEN_LOSSES, PairLogps, pair_losses
-from .pairs import PAIR_COLUMNS, REFERENCE_COLUMNS, PairPacker, PairStep, document_sums
+from .pairs import (
+    PAIR_COLUMNS,
+    REFERENCE_COLUMNS,
+    PairPacker,
+    PairStep,
+    check_pair_capacity,
+    item_sums,
+)
+from .reference import _ReferencePasses, check_peft_reference, trl_loads_a_model
 
 __all__ = ["ODCDPOTrainer"]
 
@@ -43,7 +50,7 @@ _PAIR_MEANS = (
 _TOKEN_MEANS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 
 
-class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
+class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
     """
     Trainer for Direct Preference Optimization with On-Demand Communication (ODC) and minibatch-level load
     balancing of preference pairs.
@@ -80,13 +87,13 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
             raise TypeError("ODCDPOTrainer needs a map-style `datasets.Dataset`: it samples global minibatches.")
         if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
             raise NotImplementedError("ODCDPOTrainer trains on text pairs; vision datasets are not supported.")
-        if _trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
+        if trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
             # Every rank loads the whole model and hf_odc shards it: TRL's default device_map="auto" would spread it
             # over all of this host's GPUs instead.
             args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}
         self._reference_ready = False  # TRL's __init__ asks for precomputed log-probabilities before sharding
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
-        _check_peft(self.accelerator.unwrap_model(self.model))
+        check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCDPOTrainer")
         step_metrics = StepMetrics(args.device, means=_PAIR_MEANS + _TOKEN_MEANS)
         self._setup_odc(step_metrics)
         self._ref_odc: ODCRuntime | None = None
@@ -108,66 +115,12 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
 
     # -- the reference ------------------------------------------------------------------------------------------------
 
-    def _reference(self) -> tuple[nn.Module, ODCRuntime, contextlib.AbstractContextManager]:
-        """The reference model, its runtime, and the context to run it in: ``ref_model``; else the policy with its
-        PEFT adapter disabled; else (``precompute_ref_log_probs``, before training) the policy itself."""
-        if self.ref_model is not None:
-            return self.ref_model, self._ref_odc, contextlib.nullcontext()
-        policy = self.accelerator.unwrap_model(self.model)
-        return self.model, self.odc, policy.disable_adapter() if is_peft_model(policy) else contextlib.nullcontext()
+    def _reference_columns(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return PAIR_COLUMNS, REFERENCE_COLUMNS
 
-    def _score_reference(self, microbatches: list[dict[str, Any]]) -> float:
-        """The reference's summed completion log-probabilities of each pair of this rank's packed ``microbatches``,
-        stored as their ``ref_logps``, in one forward-only minibatch; returns its device-timed span (seconds)."""
-        model, runtime, context = self._reference()
-        with runtime.minibatch(backward=False), context, self.accelerator.autocast():
-            for microbatch in microbatches:
-                inputs = self._to_device(microbatch)
-                outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
-                microbatch["pairs"]["ref_logps"] = _pair_sums(outputs.log_probs[0].float(), inputs["pairs"])
-        return runtime.last.step
-
-    def _precompute_ref_logps(self, dataset: datasets.Dataset, name: str, batch_size: int) -> datasets.Dataset:
-        """``dataset`` with the reference's log-probabilities of each pair (:data:`REFERENCE_COLUMNS`), computed in
-        planned, packed forward-only minibatches of ``batch_size x world_size`` pairs on the sharded reference, then
-        gathered once. (TRL's own pass, which runs in its ``__init__`` before hf_odc has sharded anything, is
-        skipped: this one runs at the end of :meth:`__init__`.)"""
-        if not self._reference_ready:
-            return dataset
-        if not isinstance(dataset, datasets.Dataset):
-            raise TypeError("precompute_ref_log_probs needs a map-style `datasets.Dataset`.")
-        dataset = dataset.remove_columns([c for c in REFERENCE_COLUMNS if c in dataset.column_names])
-        pairs, size = dataset.select_columns(PAIR_COLUMNS), batch_size * self.accelerator.num_processes
-        computed: dict[int, list[float]] = {}
-        for start in range(0, len(pairs), size):
-            chunk = pairs[start : start + size]
-            step = self._packer([dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)])
-            self._score_reference(step.microbatches)
-            for indices, microbatch in zip(step.pair_indices, step.microbatches, strict=True):
-                logps = microbatch["pairs"]["ref_logps"].cpu().tolist()
-                computed.update({start + i: values for i, values in zip(indices, logps, strict=True)})
-        with self.odc.bounded(f"gathering the reference log-probabilities of the {name} dataset"):
-            for part in gather_object([computed]):
-                computed.update(part)
-        for column, side in zip(REFERENCE_COLUMNS, (0, 1), strict=True):
-            dataset = dataset.add_column(column, [computed[i][side] for i in range(len(dataset))])
-        return dataset
-
-    def _precompute_datasets(self) -> None:
-        """The reference's log-probabilities of the training and evaluation datasets (what TRL's ``__init__`` does
-        with ``precompute_ref_log_probs``), now that the models are sharded."""
-        args = self.args
-        self.train_dataset = self._precompute_ref_logps(
-            self.train_dataset, "train", args.precompute_ref_batch_size or args.per_device_train_batch_size
-        )
-        if self.eval_dataset is None:
-            return
-        batch_size = args.precompute_ref_batch_size or args.per_device_eval_batch_size
-        if isinstance(self.eval_dataset, dict):
-            datasets_by_name = self.eval_dataset.items()
-            self.eval_dataset = {name: self._precompute_ref_logps(d, name, batch_size) for name, d in datasets_by_name}
-        else:
-            self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, "eval", batch_size)
+    def _reference_microbatches(self, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        step = self._packer(examples)
+        return step.microbatches, step.pair_indices
 
     # -- data -------------------------------------------------------------------------------------------------------
 
@@ -183,20 +136,12 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
         """Refuse, at construction, a microbatch size (``max_tokens_for_pairs``) that the dataset's longest pair does
         not fit (the planner would only find out at the minibatch that draws it)."""
-        args, limit = self.args, self.args.max_length or float("inf")
+        limit = self.args.max_length or float("inf")
         lengths = [
             min(len(prompt) + len(chosen), limit) + min(len(prompt) + len(rejected), limit)
             for prompt, chosen, rejected in zip(*(dataset[c] for c in PAIR_COLUMNS), strict=True)
         ]
-        longest = max(lengths, default=0)
-        max_tokens = args.max_tokens_for_pairs(longest)
-        if longest > max_tokens:
-            raise ValueError(
-                f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
-                f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
-                f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
-                "truncate (--max_length) the longest pairs."
-            )
+        check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
@@ -214,7 +159,7 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
         args, pairs = self.args, microbatch["pairs"]
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
         log_probs = outputs.log_probs[0].float()
-        logps, ref_logps, lengths = _pair_sums(log_probs, pairs), pairs["ref_logps"], pairs["completion_tokens"]
+        logps, ref_logps, lengths = item_sums(log_probs, pairs), pairs["ref_logps"], pairs["completion_tokens"]
         scored = PairLogps(*logps.unbind(1), *ref_logps.unbind(1), *lengths.unbind(1))
         loss = pair_losses(scored, args).sum() / step.num_samples
         scored_mask = outputs.label_mask[0]
@@ -248,38 +193,3 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
         """DPOTrainer's ``num_tokens``: the tokens (both sequences of every pair) trained on so far."""
         self._total_train_tokens += step.num_tokens
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-
-
-def _pair_sums(log_probs: torch.Tensor, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each pair's summed (LD-DPO-weighted) completion log-probabilities from a packed row's per-position
-    ``log_probs``: ``(k, 2)``, chosen then rejected."""
-    count = pairs["completion_tokens"].shape[0]
-    return document_sums(log_probs * pairs["weight"], pairs["document"], 2 * count).view(count, 2)
-
-
-def _trl_loads_a_model(model: Any, ref_model: Any, peft_config: Any, args: ODCDPOConfig) -> bool:
-    """Whether TRL's ``__init__`` will load a model by name: the policy given as a name, or a reference copy of it
-    (no ``ref_model``, no PEFT, and the log-probabilities not precomputed, or precomputed under an FSDP config)."""
-    if isinstance(model, str):
-        return True
-    if ref_model is not None or peft_config is not None or is_peft_model(model):
-        return False
-    return not args.precompute_ref_log_probs or args.distributed_state.distributed_type == DistributedType.FSDP
-
-
-def _check_peft(policy: nn.Module) -> None:
-    """Refuse the PEFT setups whose reference the packed path cannot reproduce."""
-    if not is_peft_model(policy):
-        return
-    if "ref" in policy.peft_config:
-        raise NotImplementedError(
-            "ODCDPOTrainer got a PEFT model with an adapter and no ref_model: TRL would keep a copy of the adapter as "
-            "the reference and switch adapters between passes, which changes the trainable parameters ODC laid out. "
-            "Pass the base model with peft_config (the reference is then the base model, adapter disabled), or a "
-            "ref_model."
-        )
-    if policy.active_peft_config.is_prompt_learning:
-        raise NotImplementedError(
-            "ODCDPOTrainer does not support prompt-learning PEFT (prefix, prompt or P-tuning): its virtual tokens "
-            "belong to a row, and a packed row holds several pairs. Use LoRA (or another adapter method)."
-        )

@@ -12,6 +12,7 @@ rejected_ids``, each truncated to ``max_length`` as ``truncation_mode`` says, th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,13 @@ __all__ = [
     "REFERENCE_COLUMNS",
     "PairPacker",
     "PairStep",
+    "check_pair_capacity",
     "document_sums",
+    "item_sums",
     "pack_pairs",
     "pair_documents",
+    "refuse_prompt_learning",
+    "score_items",
 ]
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -58,6 +63,32 @@ def pair_documents(
     return documents[0], documents[1]
 
 
+def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], int]) -> None:
+    """Refuse, at construction, a microbatch size that the dataset's longest pair (``lengths``: each pair's two
+    sequences' summed length, as packed) does not fit: the planner would only find out at the minibatch that draws
+    it. ``max_tokens_for(longest)`` is the microbatch's capacity (``max_tokens_for_pairs``)."""
+    longest = max(lengths, default=0)
+    max_tokens = max_tokens_for(longest)
+    if longest > max_tokens:
+        raise ValueError(
+            f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
+            f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
+            f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
+            "shorten (--max_length) the longest pairs."
+        )
+
+
+def refuse_prompt_learning(policy: Any, trainer: str) -> None:
+    """Refuse a PEFT ``policy`` with prompt learning (prefix, prompt or P-tuning): its virtual tokens belong to a row,
+    and a packed row holds several pairs."""
+    config = getattr(policy, "active_peft_config", None)
+    if config is not None and config.is_prompt_learning:
+        raise NotImplementedError(
+            f"{trainer} does not support prompt-learning PEFT (prefix, prompt or P-tuning): its virtual tokens "
+            "belong to a row, and a packed row holds several pairs. Use LoRA (or another adapter method)."
+        )
+
+
 def document_sums(values: torch.Tensor, document: torch.Tensor, num_documents: int) -> torch.Tensor:
     """``values`` of a packed row (one per scored position) summed per document (``document`` holds each position's),
     differentiably: ``(num_documents,)``."""
@@ -65,30 +96,31 @@ def document_sums(values: torch.Tensor, document: torch.Tensor, num_documents: i
 
 
 def pack_pairs(
-    documents: Sequence[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]],
-    references: Sequence[tuple[float, float]] | None = None,
+    documents: Sequence[Sequence[tuple[list[int], list[int]]]],
+    references: Sequence[Sequence[float]] | None = None,
     ld_alpha: float | None = None,
 ) -> dict[str, Any]:
-    """One padding-free microbatch of ``k`` pairs (each as :func:`pair_documents` gives it): document ``2j`` is pair
-    ``j``'s chosen sequence, ``2j + 1`` its rejected one.
+    """One padding-free microbatch of ``k`` items of ``w`` documents each (a pair as :func:`pair_documents` gives it,
+    ``w = 2``; KTO packs single completions, ``w = 1``): document ``w * j + i`` is item ``j``'s ``i``-th sequence (a
+    pair's chosen sequence, then its rejected one).
 
-    Returns ``{"model": ..., "pairs": ...}``. ``model`` holds the forward's inputs: one row of the ``2k`` documents,
+    Returns ``{"model": ..., "pairs": ...}``. ``model`` holds the forward's inputs: one row of the ``w * k`` documents,
     ``position_ids`` restarting at 0 for each, ``labels`` equal to the tokens on completions and -100 elsewhere and on
     each document's first token (which no position predicts), so a fused LM head scores exactly the completion tokens
     TRL scores; and ``cu_seq_lens_q/k`` / ``max_length_q/k`` for varlen kernels. ``pairs`` holds, per scored position
     (the row's ``log_probs`` score token ``t`` at ``t - 1``): ``document`` (its document) and ``weight`` (1, or
-    ``ld_alpha`` past the pair's shared completion length as TRL's LD-DPO weighs it; 0 where nothing is scored); per
-    pair, ``completion_tokens`` ``(k, 2)`` (each completion's length, as TRL's IPO and ``sigmoid_norm`` normalise
-    by it) and, if ``references`` is given, ``ref_logps`` ``(k, 2)``.
+    ``ld_alpha`` past the item's shared completion length as TRL's LD-DPO weighs it; 0 where nothing is scored); per
+    item, ``completion_tokens`` ``(k, w)`` (each completion's length, as TRL's IPO and ``sigmoid_norm`` normalise
+    by it) and, if ``references`` is given, ``ref_logps`` ``(k, w)``.
     """
+    width = len(documents[0]) if documents else 2
     ids, labels, owner, weights, lengths, sizes = [], [], [], [], [], []
-    for pair, (chosen, rejected) in enumerate(documents):
-        scored = [sum(mask[1:]) for _, mask in (chosen, rejected)]
-        shared = min(scored)
-        for side, (tokens, mask) in enumerate((chosen, rejected)):
+    for item, sequences in enumerate(documents):
+        shared = min(sum(mask[1:]) for _, mask in sequences)
+        for side, (tokens, mask) in enumerate(sequences):
             ids += tokens
             labels += [-100] + [t if m else -100 for t, m in zip(tokens[1:], mask[1:], strict=True)]
-            owner += [2 * pair + side] * len(tokens)
+            owner += [width * item + side] * len(tokens)
             counted = 0
             weights.append(0.0)
             for m in mask[1:]:
@@ -101,12 +133,41 @@ def pack_pairs(
         "pairs": {
             "document": torch.tensor(owner[1:]),
             "weight": torch.tensor(weights[1:]),
-            "completion_tokens": torch.tensor(lengths, dtype=torch.float32).view(-1, 2),
+            "completion_tokens": torch.tensor(lengths, dtype=torch.float32).view(-1, width),
         },
     }
     if references is not None:
-        packed["pairs"]["ref_logps"] = torch.tensor(references, dtype=torch.float32).view(-1, 2)
+        packed["pairs"]["ref_logps"] = torch.tensor(references, dtype=torch.float32).view(-1, width)
     return packed
+
+
+def item_sums(log_probs: torch.Tensor, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each packed item's summed (weighted) completion log-probabilities per document, from a :func:`pack_pairs` row's
+    per-position ``log_probs``: ``(k, w)``."""
+    count, width = pairs["completion_tokens"].shape
+    return document_sums(log_probs * pairs["weight"], pairs["document"], count * width).view(count, width)
+
+
+def score_items(
+    model: Any,
+    runtime: Any,
+    microbatches: Sequence[dict[str, Any]],
+    to_device: Callable[[Any], Any],
+    key: str,
+    contexts: Sequence[contextlib.AbstractContextManager] = (),
+) -> float:
+    """``model``'s summed completion log-probabilities (:func:`item_sums`) of each item of this rank's packed
+    ``microbatches`` (:func:`pack_pairs`'s), stored under ``microbatch["pairs"][key]``, in one forward-only ODC
+    minibatch of its ``runtime``, inside ``contexts`` (a disabled adapter, autocast); returns its device-timed span
+    (seconds). ``to_device`` places a microbatch's tensors."""
+    with runtime.minibatch(backward=False), contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        for microbatch in microbatches:
+            inputs = to_device(microbatch)
+            outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
+            microbatch["pairs"][key] = item_sums(outputs.log_probs[0].float(), inputs["pairs"])
+    return runtime.last.step
 
 
 @dataclass

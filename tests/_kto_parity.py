@@ -1,0 +1,77 @@
+"""Two optimizer steps of KTO per case, saving what to compare.
+
+``python tests/_kto_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.KTOTrainer`` on one process with the
+whole minibatch (8 examples per accumulation step); ``accelerate launch ... tests/_kto_parity.py odc MODEL_DIR OUT
+CASE...`` trains ``ODCKTOTrainer`` with ``8 / world_size`` examples per process and accumulation step, so each
+optimizer step sees the same examples (sequential sampling, as TRL's KL estimate needs), planned as one ODC minibatch.
+The examples are the KTO example's (``hf_odc.demo.unpaired_dataset``), some longer than ``max_length`` (truncated).
+Rank 0 saves, per case, the logged step entries and the full parameters."""
+
+from __future__ import annotations
+
+import os
+
+from _parity import run_cases, trained_state
+from transformers import AutoModelForCausalLM
+
+from hf_odc.demo import build_tokenizer, unpaired_dataset
+
+MINIBATCH, MAX_LENGTH = 8, 40
+COMMON = dict(
+    max_steps=2, learning_rate=0.5, optim="sgd", beta=0.5, max_length=MAX_LENGTH, logging_steps=1,
+    save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True,
+    train_sampling_strategy="sequential", gradient_checkpointing=False,
+)  # fmt: skip
+CASES = {
+    "kto": {},
+    # No reference model: its log-probabilities (of both sequences) are the initial policy's, computed before training.
+    "precompute": {"precompute_ref_log_probs": True, "desirable_weight": 1.3, "undesirable_weight": 0.7},
+    # Two accumulation steps per optimizer step: 16 examples, one ODC minibatch, a KL estimate per accumulation call.
+    "accumulation": {"gradient_accumulation_steps": 2},
+    # The other loss type: no KL estimate, no mismatched sequences.
+    "apo-zero-unpaired": {"loss_type": "apo_zero_unpaired", "desirable_weight": 0.8, "undesirable_weight": 1.2},
+    # LoRA: the reference is the policy with its adapter disabled.
+    "peft": {"learning_rate": 2.0},
+}
+# Microbatch sizes that give the ranks different microbatch counts in some step.
+ODC_MAX_TOKENS, CASE_MAX_TOKENS = 56, {"accumulation": 72, "apo-zero-unpaired": 40}
+
+
+def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
+    from peft import LoraConfig
+    from trl import KTOConfig, KTOTrainer
+
+    from hf_odc.trainer import ODCKTOConfig, ODCKTOTrainer
+
+    settings = COMMON | CASES[name]
+    accumulation = settings.get("gradient_accumulation_steps", 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    peft_config, ref_model = None, None
+    if name == "peft":
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    elif not settings.get("precompute_ref_log_probs"):
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    if kind == "trl":
+        args = KTOConfig(output_dir, per_device_train_batch_size=MINIBATCH, **settings)
+        trainer_class = KTOTrainer
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        args = ODCKTOConfig(
+            output_dir, per_device_train_batch_size=MINIBATCH // world_size, cost_model="tokens",
+            max_tokens_per_microbatch=CASE_MAX_TOKENS.get(name, ODC_MAX_TOKENS), **settings,
+        )  # fmt: skip
+        trainer_class = ODCKTOTrainer
+    trainer = trainer_class(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=unpaired_dataset(MINIBATCH * accumulation * settings["max_steps"], 64, "swe-smith", seed=2),
+        processing_class=build_tokenizer(),
+        peft_config=peft_config,
+    )
+    trainer.train()
+    return trained_state(trainer)
+
+
+if __name__ == "__main__":
+    run_cases(train_case)
