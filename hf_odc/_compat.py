@@ -58,6 +58,15 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
         "get_off_policy_mask",
         "get_gamma_weights",
     ),
+    # RLOO's generation and scoring pieces ODCRLOOTrainer wraps (its rewards kept for the KL-penalised advantages).
+    "trl:RLOOTrainer": (
+        "_generate",
+        "_generate_single_turn",
+        "_generate_and_score_completions",
+        "_get_per_token_logps_and_entropies",
+        "_calculate_rewards",
+        "_prepare_inputs",
+    ),
     # DPO's precomputation of the reference log-probabilities, which ODCDPOTrainer runs itself once it has sharded.
     "trl:DPOTrainer": ("_precompute_ref_logps",),
 }
@@ -68,6 +77,7 @@ INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "trl:SFTTrainer": ("_metrics", "_total_train_tokens", "_tokenizer", "maybe_activation_offload_context"),
     "trl:DPOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
     "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
+    "trl:RLOOTrainer": ("_metrics", "_logs", "_step", "_buffered_inputs", "reward_weights"),
 }
 """``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""
 

@@ -1,8 +1,9 @@
 """TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig`, :class:`ODCGRPOTrainer` /
-:class:`ODCGRPOConfig` and :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`.
+:class:`ODCGRPOConfig`, :class:`ODCRLOOTrainer` / :class:`ODCRLOOConfig` and :class:`ODCDPOTrainer` /
+:class:`ODCDPOConfig`.
 
 The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO); hf_odc's packed
+:mod:`hf_odc.trainer.rollouts` (GRPO, RLOO) and :mod:`hf_odc.trainer.pairs` (DPO); hf_odc's packed
 attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
@@ -30,6 +31,8 @@ from .dpo_config import ODCDPOConfig
 from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
+from .rloo_config import ODCRLOOConfig
+from .rloo_trainer import ODCRLOOTrainer
 from .sft_trainer import ODCSFTTrainer
 
 check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)
@@ -43,6 +46,8 @@ __all__ = [
     "ODCDPOTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
+    "ODCRLOOConfig",
+    "ODCRLOOTrainer",
     "ODCSFTConfig",
     "ODCSFTTrainer",
     "PlannedMinibatchCollator",
