@@ -49,7 +49,7 @@ RLOO_CASES = {  # TRL's beta defaults to 0.05: the KL penalty is in the rewards 
     # The KL penalty in the rewards (step 2: the policy has left the reference), the advantages standardised, clipped.
     "rloo-kl": {"beta": 0.2, "normalize_advantages": True, "reward_clip_range": (-1.0, 0.5), "max_steps": 2},
     # Two steps on one generation batch: the second's ratio is against the old policy's log-probabilities, clipped.
-    "rloo-iterations": {"num_iterations": 2, "epsilon": 0.3, "max_steps": 2},
+    "rloo-iterations": {"beta": 0.0, "num_iterations": 2, "epsilon": 0.3, "max_steps": 2},
     "rloo-accumulation": {"gradient_accumulation_steps": 2, "max_steps": 2},
     "rloo-lora": {"lora": True, "beta": 0.0, "max_steps": 2},
 }  # fmt: skip

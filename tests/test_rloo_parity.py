@@ -11,6 +11,7 @@ import torch
 from _grpo_parity import RLOO_CASES
 from _models import tiny_qwen2_config
 from _parity import assert_same_training, run_checked
+from _trainer_launch import logged_steps, run
 from transformers import Qwen2ForCausalLM
 
 pytestmark = pytest.mark.slow  # every test starts processes
@@ -48,3 +49,14 @@ def test_the_kl_case_penalised_and_the_iterations_case_clipped(runs):
 def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
     entries = [entry for result in runs[1].values() for entry in result["logs"]]
     assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in entries)
+
+
+def test_the_default_example_generates_and_trains_on_two_processes(tmp_path):
+    """``examples/rloo.py`` with no argument but the output and fewer steps: transformers generation on each rank,
+    TRL's default ``beta`` (the reference model loaded from the saved initial policy and sharded), ODC updates."""
+    run("rloo.py", "--max_steps", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)
+    logs = logged_steps(tmp_path)
+    assert sorted(logs) == [1, 2]
+    assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert all("kl" in entry and entry["scoring_s"] > 0 for entry in logs.values())
+    assert (tmp_path / "model.safetensors").is_file()
