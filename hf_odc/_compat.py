@@ -67,6 +67,13 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
         "_calculate_rewards",
         "_prepare_inputs",
     ),
+    # Distillation's generation pieces ODCDistillationTrainer wraps.
+    "trl:DistillationTrainer": (
+        "_generate",
+        "_generate_single_turn",
+        "_generate_and_score_completions",
+        "_prepare_inputs",
+    ),
     # DPO's precomputation of the reference log-probabilities, which ODCDPOTrainer runs itself once it has sharded.
     "trl:DPOTrainer": ("_precompute_ref_logps",),
 }
@@ -78,6 +85,7 @@ INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "trl:DPOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
     "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
     "trl:RLOOTrainer": ("_metrics", "_logs", "_step", "_buffered_inputs", "reward_weights"),
+    "trl:DistillationTrainer": ("_metrics", "_step", "_buffered_inputs", "teacher_model", "beta", "temperature"),
 }
 """``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 
+import torch
 from _parity import run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
@@ -53,8 +54,16 @@ RLOO_CASES = {  # TRL's beta defaults to 0.05: the KL penalty is in the rewards 
     "rloo-accumulation": {"gradient_accumulation_steps": 2, "max_steps": 2},
     "rloo-lora": {"lora": True, "beta": 0.0, "max_steps": 2},
 }  # fmt: skip
+DISTILLATION_CASES = {  # TRL's beta defaults to 1.0: the reverse KL
+    "distill": {},
+    "distill-forward": {"beta": 0.0},
+    "distill-jsd": {"beta": 0.3, "temperature": 0.7},
+    "distill-accumulation": {"beta": 0.5, "gradient_accumulation_steps": 2, "max_steps": 2},
+    "distill-lora": {"lora": True, "max_steps": 2},
+}  # fmt: skip
 # their larger generation batches draw longer rollouts
-ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64} | dict.fromkeys(RLOO_CASES, 56)
+ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}
+ODC_TOKEN_CAP |= dict.fromkeys(RLOO_CASES, 56) | dict.fromkeys(DISTILLATION_CASES, 50)  # ranks' counts differ
 # Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
 # of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
 VLLM_CASES = {
@@ -92,12 +101,12 @@ class ScoredRollouts(SyntheticRollouts):
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
     from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer, ODCRLOOConfig, ODCRLOOTrainer
+    from hf_odc import trainer as odc
 
-    rloo = name in RLOO_CASES
-    overrides = {"max_steps": 1} | (CASES | VLLM_CASES | RLOO_CASES)[name]
+    rloo, distill = name in RLOO_CASES, name in DISTILLATION_CASES
+    overrides = {"max_steps": 1} | (CASES | VLLM_CASES | RLOO_CASES | DISTILLATION_CASES)[name]
     lora = overrides.pop("lora", False)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
     rollout_func = SyntheticRollouts("synthetic", "swe-smith", seed=0)
@@ -113,30 +122,42 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
             VLLMGeneration.sync_weights = lambda self: None
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    common = {key: value for key, value in COMMON.items() if not (distill and key == "num_generations")}
     if kind == "trl":
-        config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
-        args = config_class(output_dir, per_device_train_batch_size=MINIBATCH, **COMMON, **overrides)
+        config_class, trainer_class = (
+            (DistillationConfig, DistillationTrainer) if distill else (RLOOConfig, RLOOTrainer) if rloo
+            else (GRPOConfig, GRPOTrainer)
+        )  # fmt: skip
+        args = config_class(output_dir, per_device_train_batch_size=MINIBATCH, **common, **overrides)
     else:
-        config_class, trainer_class = (ODCRLOOConfig, ODCRLOOTrainer) if rloo else (ODCGRPOConfig, ODCGRPOTrainer)
+        config_class, trainer_class = (
+            (odc.ODCDistillationConfig, odc.ODCDistillationTrainer) if distill
+            else (odc.ODCRLOOConfig, odc.ODCRLOOTrainer) if rloo else (odc.ODCGRPOConfig, odc.ODCGRPOTrainer)
+        )  # fmt: skip
         args = config_class(
             output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **COMMON, **overrides,
+            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **common, **overrides,
         )  # fmt: skip
+    if distill:  # the teacher: the student's shape, other weights (the same on every process)
+        torch.manual_seed(1)
+        extra = {"teacher_model": AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa")}
+    else:
+        extra = {"reward_funcs": [length_reward, echo_reward]} | ({} if rloo else {"rollout_func": rollout_func})
     trainer = trainer_class(
         model=model,
-        reward_funcs=[length_reward, echo_reward],
         args=args,
         train_dataset=prompt_dataset(64, COMMON["max_completion_length"], "swe-smith", seed=0),
         processing_class=tokenizer,
         peft_config=peft_config,
-        **({} if rloo else {"rollout_func": rollout_func}),
+        **extra,
     )
-    if rloo:  # the same completions as GRPO's rollout_func, in place of the decoding
+    if rloo or distill:  # the same completions as GRPO's rollout_func, in place of the decoding
         trainer._generate_single_turn = lambda prompt_ids, *args: rollout_func.complete(prompt_ids, trainer)
     trainer.train()
     result = trained_state(trainer)
-    if result is not None:  # the reference model's attention (beta > 0): hf_odc switches it to packed
-        result["ref_attention"] = None if trainer.ref_model is None else attention_implementation(trainer.ref_model)
+    if result is not None:  # the reference model's (beta > 0) or teacher's attention: hf_odc switches it to packed
+        frozen = getattr(trainer, "ref_model", None) or getattr(trainer, "teacher_model", None)
+        result["ref_attention"] = None if frozen is None else attention_implementation(frozen)
     return result
 
 

@@ -41,7 +41,8 @@ class SyntheticRollouts:
         """One completion per prompt, seeded by ``seed``, the prompt's ``key`` and its index in its group."""
         tokenizer, args = trainer.processing_class, trainer.args
         rank = trainer.accelerator.process_index
-        num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        # one completion per prompt where the trainer has no groups (distillation)
+        num_generations = getattr(trainer, "num_generations" if trainer.model.training else "num_generations_eval", 1)
         low = len(SPECIAL_TOKENS) + 3  # after the special tokens and role names
         vocab = len(tokenizer)
         completion_ids = []

@@ -1,9 +1,9 @@
 """TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig`, :class:`ODCGRPOTrainer` /
-:class:`ODCGRPOConfig`, :class:`ODCRLOOTrainer` / :class:`ODCRLOOConfig` and :class:`ODCDPOTrainer` /
-:class:`ODCDPOConfig`.
+:class:`ODCGRPOConfig`, :class:`ODCRLOOTrainer` / :class:`ODCRLOOConfig`, :class:`ODCDistillationTrainer` /
+:class:`ODCDistillationConfig` and :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`.
 
 The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO, RLOO) and :mod:`hf_odc.trainer.pairs` (DPO); hf_odc's packed
+:mod:`hf_odc.trainer.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.pairs` (DPO); hf_odc's packed
 attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
 implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
@@ -27,6 +27,8 @@ from .data import (
     global_minibatch,
     minibatch_loader,
 )
+from .distillation_config import ODCDistillationConfig
+from .distillation_trainer import ODCDistillationTrainer
 from .dpo_config import ODCDPOConfig
 from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
@@ -44,6 +46,8 @@ __all__ = [
     "MinibatchDataLoader",
     "ODCDPOConfig",
     "ODCDPOTrainer",
+    "ODCDistillationConfig",
+    "ODCDistillationTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
     "ODCRLOOConfig",

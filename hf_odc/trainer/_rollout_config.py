@@ -1,4 +1,4 @@
-"""The field every online ODC trainer's config adds (GRPO, RLOO): how each rank decodes with transformers,
+"""The field every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with transformers,
 ``odc_generation`` (:class:`_ODCRolloutConfig`), its documentation (:func:`_document_generation_fields`), and the checks
 that hold for every trainer that plans its generation batches as ODC minibatches."""
 
@@ -39,8 +39,9 @@ def _document_generation_fields(config_class: type) -> type:
 
 @dataclass
 class _ODCRolloutConfig(_ODCConfig):
-    """The ODC fields plus ``odc_generation``, for a config whose TRL class generates (``steps_per_generation``,
-    ``use_vllm``, ``model_init_kwargs``...). Refuses what no ODC rollout trainer runs, naming what to set."""
+    """The ODC fields plus ``odc_generation``, for a config whose TRL class generates (``use_vllm``,
+    ``model_init_kwargs``; ``steps_per_generation`` and continuous batching where it has them). Refuses what no ODC
+    rollout trainer runs, naming what to set."""
 
     odc_generation: str | None = field(
         default=None,
@@ -63,13 +64,13 @@ class _ODCRolloutConfig(_ODCConfig):
                 "odc_generation chooses how each rank decodes with transformers; with use_vllm=True vLLM decodes. "
                 "Leave odc_generation unset, or set use_vllm=False."
             )
-        if self.use_transformers_continuous_batching:
+        if getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError(
                 f"{trainer} generates with transformers' generate(), in lockstep across the sharded ranks; "
                 "continuous batching runs each rank on its own. Set use_transformers_continuous_batching=False."
             )
         super().__post_init__()
-        if self.steps_per_generation % self.gradient_accumulation_steps:
+        if getattr(self, "steps_per_generation", 0) % self.gradient_accumulation_steps:
             raise ValueError(
                 f"{trainer} plans each optimizer step's rollouts as one minibatch of a generation batch, so "
                 f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "

@@ -47,31 +47,39 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_
 
 class _ODCRolloutTrainer(_ODCTrainer):
     """The ODC side of an online TRL trainer that generates and scores rollouts (a mixin placed before the TRL class,
-    whose ``__init__`` takes ``model, reward_funcs, args``). The subclass calls :meth:`_setup_odc`, then
+    whose ``__init__`` takes ``model`` and ``args`` by name). The subclass calls :meth:`_setup_odc`, then
     :meth:`_setup_generation`, and implements :meth:`_deferred_passes` and ``_microbatch_loss``."""
 
-    def __init__(self, model: Any, reward_funcs: Any, args: Any, **kwargs: Any):
+    def __init__(self, model: Any, args: Any, **kwargs: Any):
         self._deferring_scores = False
         self._completion_lengths: list[int] = []
         quiet = contextlib.nullcontext()
-        if args.model_init_kwargs is None and _loads_a_model(model, reward_funcs, args):
+        if args.model_init_kwargs is None and self._loads_a_model(model, args, kwargs):
             args.model_init_kwargs = {"device_map": None}  # whole models on every rank (see the config)
             if not isinstance(model, str):
                 quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
         with quiet:
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        if self.aux_loss_enabled:
+            super().__init__(model=model, args=args, **kwargs)
+        if getattr(self, "aux_loss_enabled", False):
             raise NotImplementedError(
                 f"{type(self).__name__} does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
             )
 
+    def _loads_a_model(self, model: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether TRL will load a model by name with ``model_init_kwargs``: the policy, the reference model
+        (``beta > 0`` without PEFT) or a reward model."""
+        funcs = kwargs.get("reward_funcs")
+        funcs = funcs if isinstance(funcs, list) else [funcs]
+        return isinstance(model, str) or args.beta != 0.0 or any(isinstance(func, str) for func in funcs)
+
     def _setup_generation(self) -> None:
-        """After :meth:`_setup_odc`: vLLM's weight sync, the reference model sharded, the generation mode chosen."""
+        """After :meth:`_setup_odc`: vLLM's weight sync, the reference model (if any) sharded, the generation mode
+        chosen."""
         args = self.args
         if args.use_vllm:
             ODCWeightSync.install(self.vllm_generation, self.model, self.odc)
         self._ref_odc = None
-        if self.ref_model is not None:
+        if getattr(self, "ref_model", None) is not None:
             self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
         self._generation_index = 0
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
@@ -90,6 +98,14 @@ class _ODCRolloutTrainer(_ODCTrainer):
 
     def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
         """After the deferred passes, with the gathered generation batch and this rank's planned steps."""
+
+    def _steps_per_generation(self) -> int:
+        """Calls of ``training_step`` one generation batch serves per iteration (TRL's ``steps_per_generation``)."""
+        return self.args.steps_per_generation
+
+    def _iterations_per_generation(self) -> int:
+        """How many times each generation batch is trained on (TRL's ``num_iterations``)."""
+        return self.num_iterations
 
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
@@ -142,11 +158,11 @@ class _ODCRolloutTrainer(_ODCTrainer):
         then taking its next minibatch. ``window`` holds each accumulation call's prompts (TRL repeats the generation
         batch's prompts for each call)."""
         first, self._step = self._step, self._step + len(window)  # TRL counts calls of training_step
-        args = self.args
-        if first % (args.steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
+        per_generation = self._steps_per_generation()
+        if first % (per_generation * self._iterations_per_generation()) == 0 or self._buffered_inputs is None:
             with self.odc.bounded("generation and scoring"):
                 self._buffered_inputs = self._generate_and_plan(window[0])
-        return self._buffered_inputs[(first % args.steps_per_generation) // args.gradient_accumulation_steps]
+        return self._buffered_inputs[(first % per_generation) // self.args.gradient_accumulation_steps]
 
     def _generate_and_plan(self, generation_batch: list[dict[str, Any]]) -> list[RolloutStep]:
         """Generate and score with TRL, gather the rollouts, plan every minibatch of the generation batch, pack this
@@ -165,7 +181,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
         rollouts = gather_rollouts(Rollouts.from_scored(scored, self._completion_lengths))
         planned = plan_generation_batch(
             rollouts,
-            steps=args.steps_per_generation // args.gradient_accumulation_steps,
+            steps=self._steps_per_generation() // args.gradient_accumulation_steps,
             rank=self.accelerator.process_index,
             seed=args.seed + self._generation_index,
             planner=self._planner,
@@ -204,10 +220,3 @@ def _root_gathered(model: FSDPModule) -> Iterator[None]:
         yield
     finally:
         model.reshard()
-
-
-def _loads_a_model(model: Any, reward_funcs: Any, args: Any) -> bool:
-    """Whether TRL will load a model by name with ``model_init_kwargs``: the policy, the reference model (``beta > 0``
-    without PEFT) or a reward model."""
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    return isinstance(model, str) or args.beta != 0.0 or any(isinstance(func, str) for func in funcs)
