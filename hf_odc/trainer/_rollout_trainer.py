@@ -1,5 +1,5 @@
-"""What the online trainers (GRPO, RLOO) share: :class:`_ODCRolloutTrainer`, TRL's generation and scoring with the
-rollouts re-planned across ranks, the old/reference passes deferred and packed.
+"""What the online trainers (GRPO, RLOO, distillation) share: :class:`_ODCRolloutTrainer`, TRL's generation and
+scoring with the rollouts re-planned across ranks, the old/reference passes deferred and packed.
 
 Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints are every ODC trainer's:
 :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
@@ -17,8 +17,8 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
   forward-only minibatches, then the trainer's :meth:`_after_scoring`. Each optimizer step then takes its planned
   minibatch. Evaluation is TRL's.
 
-The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``) adds its loss (``_microbatch_loss``), its metrics and the two
-hooks above.
+The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``) adds its loss
+(``_microbatch_loss``), its metrics and the two hooks above.
 """
 
 from __future__ import annotations
