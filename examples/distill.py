@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
-from hf_odc.demo import ExampleParser, build_model, load_tokenizer, prompt_dataset, train_and_save
+from hf_odc.demo import (
+    ExampleParser,
+    SyntheticRollouts,
+    build_model,
+    load_tokenizer,
+    prompt_dataset,
+    train_and_save,
+)
 from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCDistillationConfig, ODCDistillationTrainer
 
@@ -50,9 +57,13 @@ class DistillationScriptArguments(ScriptArguments):
         teacher_config (`str`, *optional*, defaults to `"tiny"`):
             Teacher built from a config (other random weights than the student's) when `teacher_model_name_or_path`
             is not set; the same choices.
+        rollouts (`str`, *optional*, defaults to `"generate"`):
+            `"generate"` (transformers `generate`, or vLLM) or `"synthetic"`: completions drawn reproducibly (lengths
+            from `length_distribution` scaled to `max_completion_length`) in place of the decoding
+            (`hf_odc.demo.SyntheticRollouts.replace_decoding`), for benchmarks of the updates alone.
         length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the asked reply lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its longest is
-            `max_completion_length`.
+            Shape of the asked reply lengths (and of synthetic completions): one of `hf_odc.packing.DISTRIBUTIONS`,
+            rescaled so that its longest is `max_completion_length`.
     """
 
     num_prompts: int = field(default=256, metadata={"help": "Number of prompts of the built-in prompt set."})
@@ -63,6 +74,10 @@ class DistillationScriptArguments(ScriptArguments):
     teacher_config: str = field(
         default="tiny",
         metadata={"help": "Teacher config when teacher_model_name_or_path is unset (the same choices)."},
+    )
+    rollouts: str = field(
+        default="generate",
+        metadata={"help": "Where completions come from.", "choices": ["generate", "synthetic"]},
     )
     length_distribution: str = field(
         default="swe-smith",
@@ -93,6 +108,8 @@ def main(
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
+    if script_args.rollouts == "synthetic":
+        SyntheticRollouts("synthetic", script_args.length_distribution, training_args.seed).replace_decoding(trainer)
     train_and_save(trainer)
 
 

@@ -36,6 +36,7 @@ from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from hf_odc.demo import (
     ExampleParser,
+    SyntheticRollouts,
     build_model,
     echo_reward,
     length_reward,
@@ -58,9 +59,13 @@ class RLOOScriptArguments(ScriptArguments):
         model_config (`str`, *optional*, defaults to `"tiny"`):
             Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
             `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`.
+        rollouts (`str`, *optional*, defaults to `"generate"`):
+            `"generate"` (transformers `generate`, or vLLM) or `"synthetic"`: completions drawn reproducibly (lengths
+            from `length_distribution` scaled to `max_completion_length`) in place of the decoding
+            (`hf_odc.demo.SyntheticRollouts.replace_decoding`), for benchmarks of the updates alone.
         length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the asked reply lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its longest is
-            `max_completion_length`.
+            Shape of the asked reply lengths (and of synthetic completions): one of `hf_odc.packing.DISTRIBUTIONS`,
+            rescaled so that its longest is `max_completion_length`.
     """
 
     num_prompts: int = field(default=256, metadata={"help": "Number of prompts of the built-in prompt set."})
@@ -69,6 +74,10 @@ class RLOOScriptArguments(ScriptArguments):
         metadata={
             "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
         },
+    )
+    rollouts: str = field(
+        default="generate",
+        metadata={"help": "Where completions come from.", "choices": ["generate", "synthetic"]},
     )
     length_distribution: str = field(
         default="swe-smith",
@@ -97,6 +106,8 @@ def main(script_args: RLOOScriptArguments, training_args: ODCRLOOConfig, model_a
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    if script_args.rollouts == "synthetic":
+        SyntheticRollouts("synthetic", script_args.length_distribution, training_args.seed).replace_decoding(trainer)
     train_and_save(trainer)
 
 

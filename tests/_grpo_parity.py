@@ -152,7 +152,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         **extra,
     )
     if rloo or distill:  # the same completions as GRPO's rollout_func, in place of the decoding
-        trainer._generate_single_turn = lambda prompt_ids, *args: rollout_func.complete(prompt_ids, trainer)
+        rollout_func.replace_decoding(trainer)
     trainer.train()
     result = trained_state(trainer)
     if result is not None:  # the reference model's (beta > 0) or teacher's attention: hf_odc switches it to packed

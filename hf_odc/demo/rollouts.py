@@ -37,6 +37,12 @@ class SyntheticRollouts:
         ``_generate_single_turn``'s."""
         return self._draw([str(list(ids)) for ids in prompt_ids], trainer)
 
+    def replace_decoding(self, trainer: Any) -> None:
+        """Make ``trainer`` (a TRL trainer without ``rollout_func``: RLOO, distillation) take :meth:`complete`'s
+        completions in place of its ``_generate_single_turn``'s decoding; the rest of its generation path (prompt
+        tokenization, metrics, scoring) is unchanged."""
+        trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: self.complete(prompt_ids, trainer)
+
     def _draw(self, keys: list[str], trainer: Any) -> list[list[int]]:
         """One completion per prompt, seeded by ``seed``, the prompt's ``key`` and its index in its group."""
         tokenizer, args = trainer.processing_class, trainer.args
