@@ -29,6 +29,8 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
     mixture `(1 - beta) p_student + beta p_teacher`), summed over the step's trained tokens and divided by their count
     across every rank (what every rank holds after the gather), so the update equals TRL's on one process with any
     accumulation. `entropy` is the student's mean token entropy over the step, TRL's per accumulation slice.
+    TRL's `DistillationTrainer` is fully on-policy (every completion the student's own): the on-policy fraction `lmbda`
+    is its experimental `GKDTrainer`'s, not covered here.
 
     Memory: the divergence needs both models' full-vocabulary distributions at every trained token. hf_odc keeps the
     teacher's log-probabilities of this rank's packed rows (trained tokens times vocabulary, float32) from its
