@@ -1,4 +1,6 @@
-"""GRPO policy-update time of ODCGRPOTrainer's schemes on the same rollouts, with a table and JSON.
+"""GRPO policy-update time of ODCGRPOTrainer's schemes on the same rollouts, with a table and JSON (``--script
+rloo.py`` or ``distill.py``: ODCRLOOTrainer's or ODCDistillationTrainer's, with ``--num-generations 0`` for the
+latter, which has no groups).
 
 Each scheme is one ``accelerate launch`` of ``examples/grpo.py`` with the same seed, prompts and injected rollouts
 (``--rollouts synthetic``: long-tailed completions drawn reproducibly, so every scheme trains on the same minibatches
@@ -35,13 +37,14 @@ SCHEMES = {  # name -> extra arguments of examples/grpo.py
 
 
 def launch(args: argparse.Namespace, extra: list[str], output_dir: str, log: Path) -> list[dict]:
-    """Run examples/grpo.py; return its per-step log entries."""
+    """Run the example script; return its per-step log entries."""
     accelerate = Path(sys.executable).with_name("accelerate")
     launcher = [str(accelerate) if accelerate.exists() else shutil.which("accelerate") or "accelerate", "launch"]
     command = [
         *launcher, "--config_file", args.accelerate_config, "--num_processes", str(args.num_processes),
-        str(ROOT / "examples" / "grpo.py"), "--model_config", args.model_config,
-        "--max_completion_length", str(args.max_completion_length), "--num_generations", str(args.num_generations),
+        str(ROOT / "examples" / args.script), "--model_config", args.model_config,
+        "--max_completion_length", str(args.max_completion_length),
+        *(["--num_generations", str(args.num_generations)] if args.num_generations else []),
         "--per_device_train_batch_size", str(args.per_device_train_batch_size), "--max_steps", str(args.steps),
         "--length_distribution", args.distribution, "--logging_steps", "1", "--save_strategy", "no",
         "--report_to", "none", "--disable_tqdm", "true", "--output_dir", output_dir, "--seed", str(args.seed),
@@ -66,6 +69,7 @@ def summarise(entries: list[dict], warmup: int, world_size: int) -> dict:
         "bubble_rate": mean("bubble_rate"),
         "predicted_bubble_rate": mean("predicted_bubble_rate"),
         "predicted_bubble_rate_unbalanced": mean("predicted_bubble_rate_unbalanced"),
+        "scoring_s": mean("scoring_s") if any("scoring_s" in e for e in timed) else 0.0,
         "microbatches_per_rank": [mean(f"microbatches/rank_{r}") for r in range(world_size)],
         "peak_memory_gib": max((e.get("peak_memory_gib", 0.0) for e in timed), default=0.0),
         "per_step_s": [e["step_s"] for e in timed],
@@ -74,6 +78,7 @@ def summarise(entries: list[dict], warmup: int, world_size: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--script", default="grpo.py", choices=["grpo.py", "rloo.py", "distill.py"])
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--accelerate-config", default=str(ROOT / "examples" / "odc.yaml"))
     parser.add_argument("--model-config", default="qwen2.5-1.5b")

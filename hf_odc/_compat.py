@@ -59,6 +59,22 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
         "get_off_policy_mask",
         "get_gamma_weights",
     ),
+    # RLOO's generation and scoring pieces ODCRLOOTrainer wraps (its rewards kept for the KL-penalised advantages).
+    "trl:RLOOTrainer": (
+        "_generate",
+        "_generate_single_turn",
+        "_generate_and_score_completions",
+        "_get_per_token_logps_and_entropies",
+        "_calculate_rewards",
+        "_prepare_inputs",
+    ),
+    # Distillation's generation pieces ODCDistillationTrainer wraps.
+    "trl:DistillationTrainer": (
+        "_generate",
+        "_generate_single_turn",
+        "_generate_and_score_completions",
+        "_prepare_inputs",
+    ),
     # DPO's and KTO's precomputation of the reference log-probabilities, which the ODC trainers run themselves once
     # they have sharded.
     "trl:DPOTrainer": ("_precompute_ref_logps",),
@@ -73,6 +89,8 @@ INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "trl:RewardTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context"),
     "trl:KTOTrainer": ("_metrics", "_total_train_tokens", "maybe_activation_offload_context", "aux_loss_enabled"),
     "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
+    "trl:RLOOTrainer": ("_metrics", "_logs", "_step", "_buffered_inputs", "reward_weights"),
+    "trl:DistillationTrainer": ("_metrics", "_step", "_buffered_inputs", "teacher_model", "beta", "temperature"),
 }
 """``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""
 

@@ -1,9 +1,12 @@
-"""One optimizer step (two with ``num_iterations=2``) of GRPO per case, on fixed rollouts, saving what to compare.
+"""One optimizer step (two with ``num_iterations=2``) of GRPO or RLOO per case, on fixed rollouts, saving what to
+compare.
 
-``python tests/_grpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` on one process with the
-whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_parity.py odc MODEL_DIR OUT CASE...`` trains
-``ODCGRPOTrainer`` on each process with its share (``8 / world_size`` generated per rank, then re-planned). Rollouts
-are the GRPO example's synthetic ones (``hf_odc.demo.SyntheticRollouts``), the same whatever the number of ranks.
+``python tests/_grpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` (``trl.RLOOTrainer`` for
+``RLOO_CASES``) on one process with the whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_parity.py
+odc MODEL_DIR OUT CASE...`` trains ``ODCGRPOTrainer`` (``ODCRLOOTrainer``) on each process with its share
+(``8 / world_size`` generated per rank, then re-planned). Rollouts are the GRPO example's synthetic ones
+(``hf_odc.demo.SyntheticRollouts``), the same whatever the number of ranks: GRPO's through ``rollout_func``, RLOO's
+(TRL's RLOO has no ``rollout_func``) returned in place of its ``_generate_single_turn``'s decoding.
 Rank 0 saves, per case, the logged step entries and the full parameters.
 
 ``VLLM_CASES`` run with vLLM's python (tests/test_vllm.py): ``use_vllm`` with the engine colocated, the rollouts
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 
+import torch
 from _parity import run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
@@ -47,7 +51,25 @@ MOE_CASES = {
     "moe-aux": {"loss_type": "grpo", "router_aux_loss_coef": 0.2, "max_steps": 2},
     "moe-no-aux": {"loss_type": "dapo", "router_aux_loss_coef": 0.0, "max_steps": 2},
 }
-ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}  # their larger generation batches draw longer rollouts
+RLOO_CASES = {  # TRL's beta defaults to 0.05: the KL penalty is in the rewards unless beta=0.0
+    "rloo": {"beta": 0.0},
+    # The KL penalty in the rewards (step 2: the policy has left the reference), the advantages standardised, clipped.
+    "rloo-kl": {"beta": 0.2, "normalize_advantages": True, "reward_clip_range": (-1.0, 0.5), "max_steps": 2},
+    # Two steps on one generation batch: the second's ratio is against the old policy's log-probabilities, clipped.
+    "rloo-iterations": {"beta": 0.0, "num_iterations": 2, "epsilon": 0.3, "max_steps": 2},
+    "rloo-accumulation": {"gradient_accumulation_steps": 2, "max_steps": 2},
+    "rloo-lora": {"lora": True, "beta": 0.0, "max_steps": 2},
+}  # fmt: skip
+DISTILLATION_CASES = {  # TRL's beta defaults to 1.0: the reverse KL
+    "distill": {},
+    "distill-forward": {"beta": 0.0},
+    "distill-jsd": {"beta": 0.3, "temperature": 0.7},
+    "distill-accumulation": {"beta": 0.5, "gradient_accumulation_steps": 2, "max_steps": 2},
+    "distill-lora": {"lora": True, "max_steps": 2},
+}  # fmt: skip
+# their larger generation batches draw longer rollouts
+ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}
+ODC_TOKEN_CAP |= dict.fromkeys(RLOO_CASES, 56) | dict.fromkeys(DISTILLATION_CASES, 50)  # ranks' counts differ
 ODC_TOKEN_CAP |= dict.fromkeys(MOE_CASES, 60)
 # Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
 # of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
@@ -85,11 +107,15 @@ class ScoredRollouts(SyntheticRollouts):
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
-    from trl import GRPOConfig, GRPOTrainer
+    from peft import LoraConfig
+    from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
+    from hf_odc import trainer as odc
 
-    overrides = {"max_steps": 1} | (CASES | VLLM_CASES | MOE_CASES)[name]
+    rloo, distill = name in RLOO_CASES, name in DISTILLATION_CASES
+    overrides = {"max_steps": 1} | (CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES)[name]
+    lora = overrides.pop("lora", False)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
     rollout_func = SyntheticRollouts("synthetic", "swe-smith", seed=0)
     if name in VLLM_CASES:
         from _vllm_workers import eager_float32_engine
@@ -103,27 +129,42 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
             VLLMGeneration.sync_weights = lambda self: None
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    common = {key: value for key, value in COMMON.items() if not (distill and key == "num_generations")}
     if kind == "trl":
-        args = GRPOConfig(output_dir, per_device_train_batch_size=MINIBATCH, **COMMON, **overrides)
-        trainer_class = GRPOTrainer
-    else:
-        args = ODCGRPOConfig(
-            output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **COMMON, **overrides,
+        config_class, trainer_class = (
+            (DistillationConfig, DistillationTrainer) if distill else (RLOOConfig, RLOOTrainer) if rloo
+            else (GRPOConfig, GRPOTrainer)
         )  # fmt: skip
-        trainer_class = ODCGRPOTrainer
+        args = config_class(output_dir, per_device_train_batch_size=MINIBATCH, **common, **overrides)
+    else:
+        config_class, trainer_class = (
+            (odc.ODCDistillationConfig, odc.ODCDistillationTrainer) if distill
+            else (odc.ODCRLOOConfig, odc.ODCRLOOTrainer) if rloo else (odc.ODCGRPOConfig, odc.ODCGRPOTrainer)
+        )  # fmt: skip
+        args = config_class(
+            output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
+            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **common, **overrides,
+        )  # fmt: skip
+    if distill:  # the teacher: the student's shape, other weights (the same on every process)
+        torch.manual_seed(1)
+        extra = {"teacher_model": AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa")}
+    else:
+        extra = {"reward_funcs": [length_reward, echo_reward]} | ({} if rloo else {"rollout_func": rollout_func})
     trainer = trainer_class(
         model=model,
-        reward_funcs=[length_reward, echo_reward],
         args=args,
         train_dataset=prompt_dataset(64, COMMON["max_completion_length"], "swe-smith", seed=0),
         processing_class=tokenizer,
-        rollout_func=rollout_func,
+        peft_config=peft_config,
+        **extra,
     )
+    if rloo or distill:  # the same completions as GRPO's rollout_func, in place of the decoding
+        rollout_func.replace_decoding(trainer)
     trainer.train()
     result = trained_state(trainer)
-    if result is not None:  # the reference model's attention (GRPO with beta > 0): hf_odc switches it to packed
-        result["ref_attention"] = None if trainer.ref_model is None else attention_implementation(trainer.ref_model)
+    if result is not None:  # the reference model's (beta > 0) or teacher's attention: hf_odc switches it to packed
+        frozen = getattr(trainer, "ref_model", None) or getattr(trainer, "teacher_model", None)
+        result["ref_attention"] = None if frozen is None else attention_implementation(frozen)
     return result
 
 

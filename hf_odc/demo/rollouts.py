@@ -26,17 +26,35 @@ class SyntheticRollouts:
         self.mode, self.distribution, self.seed = mode, distribution, seed
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
+        tokenizer = trainer.processing_class
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        return {"prompt_ids": prompt_ids, "completion_ids": self._draw(texts, trainer), "logprobs": None}
+
+    def complete(self, prompt_ids: list[list[int]], trainer: Any) -> list[list[int]]:
+        """The completions of this rank's tokenised prompts, as a generator returns them (token ids, unpadded), each
+        seeded by its prompt's tokens: what a trainer without ``rollout_func`` (RLOO) can be given in place of
+        ``_generate_single_turn``'s."""
+        return self._draw([str(list(ids)) for ids in prompt_ids], trainer)
+
+    def replace_decoding(self, trainer: Any) -> None:
+        """Make ``trainer`` (a TRL trainer without ``rollout_func``: RLOO, distillation) take :meth:`complete`'s
+        completions in place of its ``_generate_single_turn``'s decoding; the rest of its generation path (prompt
+        tokenization, metrics, scoring) is unchanged."""
+        trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: self.complete(prompt_ids, trainer)
+
+    def _draw(self, keys: list[str], trainer: Any) -> list[list[int]]:
+        """One completion per prompt, seeded by ``seed``, the prompt's ``key`` and its index in its group."""
         tokenizer, args = trainer.processing_class, trainer.args
         rank = trainer.accelerator.process_index
-        num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        # one completion per prompt where the trainer has no groups (distillation)
+        num_generations = getattr(trainer, "num_generations" if trainer.model.training else "num_generations_eval", 1)
         low = len(SPECIAL_TOKENS) + 3  # after the special tokens and role names
         vocab = len(tokenizer)
-        prompt_ids, completion_ids = [], []
-        for i, prompt in enumerate(prompts):
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-            index = (rank * len(prompts) + i) % num_generations
-            seed = zlib.crc32(f"{self.seed}|{text}|{index}".encode())
+        completion_ids = []
+        for i, key in enumerate(keys):
+            index = (rank * len(keys) + i) % num_generations
+            seed = zlib.crc32(f"{self.seed}|{key}|{index}".encode())
             rng = np.random.default_rng(seed)
             limit = args.max_completion_length
             if self.mode == "skewed":
@@ -49,4 +67,4 @@ class SyntheticRollouts:
             if length < limit:
                 tokens[-1] = tokenizer.eos_token_id
             completion_ids.append(tokens)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+        return completion_ids

@@ -1,11 +1,12 @@
 """TRL trainers on ODC: :class:`ODCSFTTrainer` / :class:`ODCSFTConfig`, :class:`ODCGRPOTrainer` /
-:class:`ODCGRPOConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`, :class:`ODCRewardTrainer` /
+:class:`ODCGRPOConfig`, :class:`ODCRLOOTrainer` / :class:`ODCRLOOConfig`, :class:`ODCDistillationTrainer` /
+:class:`ODCDistillationConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`, :class:`ODCRewardTrainer` /
 :class:`ODCRewardConfig` and :class:`ODCKTOTrainer` / :class:`ODCKTOConfig`.
 
 The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling, KTO); hf_odc's packed
-attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the other
-implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
+:mod:`hf_odc.trainer.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling,
+KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the
+other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
 """
 
 from .._compat import check_classes
@@ -27,6 +28,8 @@ from .data import (
     global_minibatch,
     minibatch_loader,
 )
+from .distillation_config import ODCDistillationConfig
+from .distillation_trainer import ODCDistillationTrainer
 from .dpo_config import ODCDPOConfig
 from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
@@ -35,6 +38,8 @@ from .kto_config import ODCKTOConfig
 from .kto_trainer import ODCKTOTrainer
 from .reward_config import ODCRewardConfig
 from .reward_trainer import ODCRewardTrainer
+from .rloo_config import ODCRLOOConfig
+from .rloo_trainer import ODCRLOOTrainer
 from .sft_trainer import ODCSFTTrainer
 
 check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)
@@ -46,10 +51,14 @@ __all__ = [
     "MinibatchDataLoader",
     "ODCDPOConfig",
     "ODCDPOTrainer",
+    "ODCDistillationConfig",
+    "ODCDistillationTrainer",
     "ODCGRPOConfig",
     "ODCGRPOTrainer",
     "ODCKTOConfig",
     "ODCKTOTrainer",
+    "ODCRLOOConfig",
+    "ODCRLOOTrainer",
     "ODCRewardConfig",
     "ODCRewardTrainer",
     "ODCSFTConfig",

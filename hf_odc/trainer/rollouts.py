@@ -34,7 +34,8 @@ class Rollouts:
         completion_ids: each rollout's completion token ids (up to and including its end-of-sequence token).
         loss_mask: per completion token, 1.0 where it is trained: the completion mask times the tool mask (0 on tool
             output), all zeros for a truncated completion with ``mask_truncated_completions``.
-        advantages: one per rollout, final (normalised over its group).
+        advantages: one per rollout, final (normalised over its group); zeros for a trainer without them
+            (distillation).
         sampling_logps: per completion token, the generator's log-probabilities when it returned them
             (a ``rollout_func``), else ``None``.
     """
@@ -78,7 +79,7 @@ class Rollouts:
             prompt_ids=prompt_ids,
             completion_ids=[ids[:n] for ids, n in zip(completion_ids, lengths, strict=True)],
             loss_mask=[m[:n] for m, n in zip(mask, lengths, strict=True)],
-            advantages=scored["advantages"].float().cpu(),
+            advantages=scored["advantages"].float().cpu() if "advantages" in scored else torch.zeros(len(prompt_ids)),
             sampling_logps=None
             if sampling is None
             else [s[:n] for s, n in zip(sampling.float().cpu(), lengths, strict=True)],

@@ -1,0 +1,84 @@
+"""The field every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with transformers,
+``odc_generation`` (:class:`_ODCRolloutConfig`), its documentation (:func:`_document_generation_fields`), and the checks
+that hold for every trainer that plans its generation batches as ODC minibatches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._base_config import _ODCConfig
+from .generation import GENERATION_MODES
+
+_GENERATION_PARAMETERS = """
+        > Parameters of generation on the sharded policy
+
+        odc_generation (`str`, *optional*):
+            How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`; unset with `use_vllm`,
+            where vLLM decodes); never in lockstep but for `"lockstep"`. `"static"`: a plain copy of the policy in the
+            compute dtype, kept for the whole run and refreshed in place once per generation batch (one-sided reads,
+            no collective), decoded with a static KV cache and, on a GPU, a forward compiled once per run; costs the
+            full weights in the compute dtype for the whole run, plus the cache. `"gathered"`: the policy's full
+            weights assembled once per generation batch (one-sided reads) and freed before the update; costs them
+            only while decoding. `"sharded"`: decoding inside a forward-only ODC minibatch, each forward reading its
+            layers' shards from the peers (no copy; needs ODC). `"lockstep"`: TRL's own path (an all-gather per layer
+            group per token, ranks in lockstep), the baseline. `None`: on a GPU, `"static"` when the copy takes at
+            most a quarter of the device's free memory, else `"gathered"` when it takes at most half, else `"sharded"`
+            (`"lockstep"` with plain FSDP2); on a CPU `"gathered"`. A rank that finishes decoding first waits for the
+            others at the rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding
+            times.
+"""
+
+
+def _document_generation_fields(config_class: type) -> type:
+    """Put ``odc_generation``'s documentation where ``config_class``'s docstring says ``{generation_parameters}``."""
+    config_class.__doc__ = config_class.__doc__.replace(
+        "    {generation_parameters}", _GENERATION_PARAMETERS.strip("\n")
+    )
+    return config_class
+
+
+@dataclass
+class _ODCRolloutConfig(_ODCConfig):
+    """The ODC fields plus ``odc_generation``, for a config whose TRL class generates (``use_vllm``,
+    ``model_init_kwargs``; ``steps_per_generation`` and continuous batching where it has them). Refuses what no ODC
+    rollout trainer runs, naming what to set."""
+
+    odc_generation: str | None = field(
+        default=None,
+        metadata={
+            "help": "How each rank decodes its prompts: 'static' (a kept copy refreshed per generation batch, static "
+            "KV cache, compiled on a GPU), 'gathered' (full weights assembled once per generation batch), 'sharded' "
+            "(one-sided reads per forward, no copy) or 'lockstep' (TRL's, the baseline). Unset: on a GPU, static when "
+            "the copy fits in a quarter of the free device memory, gathered in half, else sharded (lockstep with "
+            "plain FSDP2); on a CPU gathered.",
+            "choices": list(GENERATION_MODES),
+        },
+    )
+
+    def __post_init__(self):
+        trainer = type(self).__name__.removesuffix("Config") + "Trainer"
+        if self.odc_generation is not None and self.odc_generation not in GENERATION_MODES:
+            raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {self.odc_generation!r}.")
+        if self.use_vllm and self.odc_generation is not None:
+            raise ValueError(
+                "odc_generation chooses how each rank decodes with transformers; with use_vllm=True vLLM decodes. "
+                "Leave odc_generation unset, or set use_vllm=False."
+            )
+        if getattr(self, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                f"{trainer} generates with transformers' generate(), in lockstep across the sharded ranks; "
+                "continuous batching runs each rank on its own. Set use_transformers_continuous_batching=False."
+            )
+        super().__post_init__()
+        if getattr(self, "steps_per_generation", 0) % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"{trainer} plans each optimizer step's rollouts as one minibatch of a generation batch, so "
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}); leave steps_per_generation unset (it defaults to "
+                "gradient_accumulation_steps) or set a multiple of it."
+            )
+        # Every rank loads the whole model (the policy given by name, the reference model) and hf_odc shards it:
+        # TRL's default device_map="auto" would spread it over all of this host's GPUs instead. Unset, the trainer
+        # sets them when it loads a model, so that TRL does not warn they are ignored when it does not.
+        if self.model_init_kwargs is not None:
+            self.model_init_kwargs = {"device_map": None, **self.model_init_kwargs}

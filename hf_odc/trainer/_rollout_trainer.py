@@ -1,0 +1,222 @@
+"""What the online trainers (GRPO, RLOO, distillation) share: :class:`_ODCRolloutTrainer`, TRL's generation and
+scoring with the rollouts re-planned across ranks, the old/reference passes deferred and packed.
+
+Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints are every ODC trainer's:
+:class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+
+* ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy
+  (:meth:`_setup_generation`, after :meth:`_setup_odc`).
+* ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`);
+  with vLLM, TRL's as it is, the weights pushed by hf_odc's sync (:mod:`hf_odc.trainer.vllm_sync`).
+* ``_generate``: TRL's, recording each completion's true length (TRL pads them).
+* ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
+  passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
+* ``_plan_step``: once per ``steps_per_generation * num_iterations`` calls of ``training_step``, TRL generates and
+  scores; then every rank gathers the rollouts, cuts and plans the minibatches (:mod:`hf_odc.trainer.rollouts`), and
+  runs the deferred passes the trainer asks for (:meth:`_deferred_passes`) on its own packed microbatches inside
+  forward-only minibatches, then the trainer's :meth:`_after_scoring`. Each optimizer step then takes its planned
+  minibatch. Evaluation is TRL's.
+
+The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``) adds its loss
+(``_microbatch_loss``), its metrics and the two hooks above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .. import _compat
+from ..accelerate_plugin import ODCRuntime
+from ..engine._fsdp_internals import lazy_init_root
+from ._base_trainer import _ODCTrainer
+from ._quiet import without_ignored_model_init_kwargs_warning
+from .generation import StaticDecoder, choose_generation_mode, decoding
+from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
+from .vllm_sync import ODCWeightSync
+
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids", "mm_token_type_ids")
+
+
+class _ODCRolloutTrainer(_ODCTrainer):
+    """The ODC side of an online TRL trainer that generates and scores rollouts (a mixin placed before the TRL class,
+    whose ``__init__`` takes ``model`` and ``args`` by name). The subclass calls :meth:`_setup_odc`, then
+    :meth:`_setup_generation`, and implements :meth:`_deferred_passes` and ``_microbatch_loss``."""
+
+    def __init__(self, model: Any, args: Any, **kwargs: Any):
+        self._deferring_scores = False
+        self._completion_lengths: list[int] = []
+        quiet = contextlib.nullcontext()
+        if args.model_init_kwargs is None and self._loads_a_model(model, args, kwargs):
+            args.model_init_kwargs = {"device_map": None}  # whole models on every rank (see the config)
+            if not isinstance(model, str):
+                quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
+        with quiet:
+            super().__init__(model=model, args=args, **kwargs)
+        if getattr(self, "aux_loss_enabled", False):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
+            )
+
+    def _loads_a_model(self, model: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether TRL will load a model by name with ``model_init_kwargs``: the policy, the reference model
+        (``beta > 0`` without PEFT) or a reward model."""
+        funcs = kwargs.get("reward_funcs")
+        funcs = funcs if isinstance(funcs, list) else [funcs]
+        return isinstance(model, str) or args.beta != 0.0 or any(isinstance(func, str) for func in funcs)
+
+    def _setup_generation(self) -> None:
+        """After :meth:`_setup_odc`: vLLM's weight sync, the reference model (if any) sharded, the generation mode
+        chosen."""
+        args = self.args
+        if args.use_vllm:
+            ODCWeightSync.install(self.vllm_generation, self.model, self.odc)
+        self._ref_odc = None
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
+        self._generation_index = 0
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        self._generation_mode = choose_generation_mode(
+            args.odc_generation, self.model, self.odc, dtype, self.accelerator.device
+        )
+        self._generation_dtype = dtype
+        self._static_decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
+
+    # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
+
+    def _deferred_passes(self, scored: dict[str, Any]) -> list[tuple[nn.Module, ODCRuntime, str]]:
+        """The deferred log-probability passes the loss needs, given TRL's scored output: ``(model, runtime, key)``
+        each, run on every packed microbatch of the generation batch and stored under ``key`` in its loss inputs."""
+        raise NotImplementedError
+
+    def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
+        """After the deferred passes, with the gathered generation batch and this rank's planned steps."""
+
+    def _steps_per_generation(self) -> int:
+        """Calls of ``training_step`` one generation batch serves per iteration (TRL's ``steps_per_generation``)."""
+        return self.args.steps_per_generation
+
+    def _iterations_per_generation(self) -> int:
+        """How many times each generation batch is trained on (TRL's ``num_iterations``)."""
+        return self.num_iterations
+
+    # -- rollouts -----------------------------------------------------------------------------------------------------
+
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's, recording each completion's true length (TRL pads them to the longest). In the ``"static"`` mode the
+        copy is refreshed first (every rank, once per generation batch) and TRL generates on it. Otherwise a sharded
+        PEFT policy generates through the model it wraps, below the FSDP root: the root's parameters (embeddings,
+        head) are gathered around it, as the root's forward would."""
+        if self._generation_mode == "static" and not self.use_vllm:
+            if self._static_decoder is None:
+                self._static_decoder = StaticDecoder(self.model, self.odc, self._generation_dtype)
+            self._static_decoder.refresh()
+            context = _compat.generating_on(self, self._static_decoder.model)
+        elif _generates_below_the_root(self.model):
+            context = _root_gathered(self.model)
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            result = super()._generate(prompts)
+        self._completion_lengths = [len(ids) for ids in result[1]]
+        return result
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
+        """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`), or by
+        vLLM."""
+        if self.use_vllm:
+            return super()._generate_single_turn(*args, **kwargs)
+        with decoding(self.model, self.odc, self._generation_mode):
+            return super()._generate_single_turn(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        """TRL's, except while a training generation batch is scored: then the old/reference passes are deferred to
+        :meth:`_score_rollouts` (packed, balanced, one-sided), and a placeholder of the right shape is returned."""
+        if not self._deferring_scores:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        logits_to_keep = kwargs.get("logits_to_keep", args[1] if len(args) > 1 else None)
+        return input_ids.new_zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32), None, None
+
+    @contextlib.contextmanager
+    def _deferred_scoring(self) -> Iterator[None]:
+        self._deferring_scores = True
+        try:
+            yield
+        finally:
+            self._deferring_scores = False
+
+    def _plan_step(self, window: list[Any]) -> RolloutStep:
+        """This optimizer step's :class:`~hf_odc.trainer.rollouts.RolloutStep`: generating, scoring and planning a new
+        generation batch when TRL would (every ``steps_per_generation * num_iterations`` calls of ``training_step``),
+        then taking its next minibatch. ``window`` holds each accumulation call's prompts (TRL repeats the generation
+        batch's prompts for each call)."""
+        first, self._step = self._step, self._step + len(window)  # TRL counts calls of training_step
+        per_generation = self._steps_per_generation()
+        if first % (per_generation * self._iterations_per_generation()) == 0 or self._buffered_inputs is None:
+            with self.odc.bounded("generation and scoring"):
+                self._buffered_inputs = self._generate_and_plan(window[0])
+        return self._buffered_inputs[(first % per_generation) // self.args.gradient_accumulation_steps]
+
+    def _generate_and_plan(self, generation_batch: list[dict[str, Any]]) -> list[RolloutStep]:
+        """Generate and score with TRL, gather the rollouts, plan every minibatch of the generation batch, pack this
+        rank's microbatches and run the deferred passes on them."""
+        args, metrics = self.args, self._metrics["train"]
+        started = time.perf_counter()
+        with self._deferred_scoring():
+            scored = self._generate_and_score_completions(generation_batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        metrics["generation_s"].append(time.perf_counter() - started)
+        if any(key in scored for key in _MULTIMODAL_KEYS):
+            raise NotImplementedError(
+                f"{type(self).__name__} trains text-only policies; multimodal prompts are not supported."
+            )
+        rollouts = gather_rollouts(Rollouts.from_scored(scored, self._completion_lengths))
+        planned = plan_generation_batch(
+            rollouts,
+            steps=self._steps_per_generation() // args.gradient_accumulation_steps,
+            rank=self.accelerator.process_index,
+            seed=args.seed + self._generation_index,
+            planner=self._planner,
+            max_tokens_for=args.max_tokens_for,
+        )
+        self._generation_index += 1
+        microbatches = [microbatch for step in planned for microbatch in step.microbatches]
+        passes = self._deferred_passes(scored)
+        if passes:
+            metrics["scoring_s"].append(sum(self._score_rollouts(*p[:2], microbatches, p[2]) for p in passes))
+        self._after_scoring(rollouts, planned)
+        return planned
+
+    def _score_rollouts(
+        self, model: nn.Module, runtime: ODCRuntime, microbatches: list[dict[str, Any]], key: str
+    ) -> float:
+        """Per-token log-probabilities of ``model`` on this rank's packed microbatches, stored under ``key`` in each
+        one's loss inputs, in one forward-only minibatch; returns its device-timed span (seconds)."""
+        with runtime.minibatch(backward=False), self.accelerator.autocast():
+            for microbatch in microbatches:
+                inputs = self._to_device(microbatch)
+                outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
+                microbatch["loss"][key] = outputs.log_probs[0][inputs["loss"]["token_index"]].float()
+        return runtime.last.step
+
+
+def _generates_below_the_root(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule) and is_peft_model(model)
+
+
+@contextlib.contextmanager
+def _root_gathered(model: FSDPModule) -> Iterator[None]:
+    lazy_init_root(model)
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
