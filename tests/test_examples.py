@@ -173,6 +173,7 @@ def test_a_global_minibatch_the_processes_cannot_share_is_refused(monkeypatch, c
 
 BAD_FLAGS = [
     (("--max_stepz", "3"), "unrecognized arguments: --max_stepz 3"),  # unknown
+    (("--max_step", "3"), "unrecognized arguments: --max_step 3"),  # a prefix of --max_steps: spelt in full only
     (("--max_steps", "x"), "invalid int value: 'x'"),  # unparsable
     (("--odc", "false", "--balance", "lb-mini"), "balance='lb-mini'"),  # refused by the config's __post_init__
 ]
@@ -219,19 +220,19 @@ DATA_ROW = {"messages": CHAT}
 def test_a_data_file_loads_and_data_sft_cannot_train_on_is_said_in_one_line(tmp_path, monkeypatch, capsys, name,
                                                                               rows, says):  # fmt: skip
     """``--dataset_name`` naming a file loads it; a dataset without a column SFT trains on, or an empty file, ends the
-    run with one line naming the file, the columns expected and found (not TRL's ``KeyError`` on one rank)."""
+    run as the command line is parsed, with one line naming the file, the columns expected and found (not TRL's
+    ``KeyError`` on one rank)."""
     monkeypatch.delenv("RANK", raising=False)
     path = tmp_path / name
     path.write_text("\n".join(json.dumps(row) for row in rows))
-    script_args, training_args, _ = sft.make_parser().parse_args_and_config(
-        ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out")]
-    )
+    flags = ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out")]
     if says is None:
+        script_args, training_args, _ = sft.make_parser().parse_args_and_config(flags)
         dataset = sft.load_train_dataset(script_args, training_args, vocab_size=600)
         assert len(dataset) == 8 and dataset[0]["messages"] == CHAT
         return
     with pytest.raises(SystemExit) as failure:
-        sft.load_train_dataset(script_args, training_args, vocab_size=600)
+        sft.make_parser().parse_args_and_config(flags)
     lines = capsys.readouterr().err.splitlines()  # datasets' progress bars too, when it read the file
     (error,) = [line for line in lines if "error" in line]
     assert failure.value.code == 2 and error == lines[-1]

@@ -8,6 +8,7 @@ the minibatch's target tokens itself.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ __all__ = [
     "GlobalMinibatchSampler",
     "MinibatchDataLoader",
     "PlannedMinibatchCollator",
+    "check_sft_truncation",
+    "check_truncation",
     "count_target_tokens",
     "global_minibatch",
     "minibatch_loader",
@@ -45,6 +48,35 @@ def require_sft_columns(dataset: Any, text_field: str = "text") -> None:
             f"{dataset.column_names}. Rename the one that holds your data (dataset.rename_column(old, new); a list of "
             "role/content messages goes in 'messages')."
         )
+
+
+def check_truncation(damaged: int, total: int, message: str, warn: bool) -> None:
+    """Refuse (``ValueError``) a training dataset that truncation left with nothing to learn from (``damaged`` of its
+    ``total`` samples, all of them), and warn (when ``warn``: on one process) where it damaged most of them, with
+    ``message`` saying what happened to those samples and what to change: a run on such data trains on nothing, or on
+    fragments, and still exits 0."""
+    if total and damaged == total:
+        raise ValueError(f"{message} That is every one of them, so the run is refused.")
+    if warn and damaged > total / 2:
+        warnings.warn(message, stacklevel=3)
+
+
+def check_sft_truncation(lengths: Sequence[int], original_size: int, max_length: int | None, warn: bool) -> None:
+    """:func:`check_truncation` for SFT: of the ``original_size`` samples given, TRL keeps those with a token to learn
+    from once truncated to ``max_length`` (``lengths``: the kept samples' tokens). A kept sample of ``max_length``
+    tokens counts as cut; a dropped one lost every completion token."""
+    if max_length is None:
+        return
+    cut = sum(1 for length in lengths if length >= max_length)
+    dropped = original_size - len(lengths)
+    check_truncation(
+        cut + dropped,
+        original_size,
+        f"max_length={max_length} cuts {cut + dropped} of the {original_size} training samples ({dropped} of them lost "
+        f"every token that carries a loss, their completion, and are dropped; {cut} train on their first "
+        f"{max_length} tokens only). Raise --max_length to fit most samples whole.",
+        warn,
+    )
 
 
 class GlobalMinibatchSampler(Sampler[list[int]]):
