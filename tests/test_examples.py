@@ -237,3 +237,18 @@ def test_a_data_file_loads_and_data_sft_cannot_train_on_is_said_in_one_line(tmp_
     (error,) = [line for line in lines if "error" in line]
     assert failure.value.code == 2 and error == lines[-1]
     assert error.startswith(f"{sft.make_parser().prog}: error: --dataset_name {path}: ") and says in error
+
+
+def test_a_model_directory_without_its_tokenizer_is_refused_not_given_the_demo_one(tmp_path):
+    """The demo tokenizer stands in only when no model is given: a model directory brings its own tokenizer or is
+    refused, naming the files it lacks (its token ids would mean nothing to another vocabulary)."""
+    from trl import ModelConfig
+
+    from hf_odc.demo import load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"holds no tokenizer \(tokenizer.json or tokenizer_config.json\)"):
+        load_tokenizer(ModelConfig(model_name_or_path=str(tmp_path)))
+    build_tokenizer().save_pretrained(tmp_path)
+    assert load_tokenizer(ModelConfig(model_name_or_path=str(tmp_path))).get_vocab() == build_tokenizer().get_vocab()
+    assert len(load_tokenizer(ModelConfig())) == len(build_tokenizer())

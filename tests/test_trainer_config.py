@@ -78,6 +78,22 @@ def test_invalid_configs_are_refused(tmp_path, kwargs, message):
 
 
 @pytest.mark.parametrize(
+    ("variable", "kwargs", "source"),
+    [
+        ("true", {}, "fsdp_offload_params: true in the Accelerate config"),
+        ("false", {"fsdp": "full_shard offload"}, "fsdp='full_shard offload'"),
+        ("false", {"fsdp_config": {"offload_params": True}}, "fsdp_config's offload_params"),
+    ],
+)
+def test_cpu_offload_is_refused_not_ignored(tmp_path, monkeypatch, variable, kwargs, source):
+    """hf_odc shards without FSDP's CPU offload: asked for in the Accelerate config (which exports it to the processes)
+    or in the config, it is refused in one line rather than silently ignored."""
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", variable)
+    with pytest.raises(ValueError, match=re.escape(source) + ".* asks for FSDP's CPU offload"):
+        config(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"data_collator": lambda batch: batch}, ValueError, "data_collator"),

@@ -11,7 +11,7 @@ import torch
 
 from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import GlobalMinibatchSampler, PlannedMinibatchCollator, count_target_tokens
-from hf_odc.trainer.data import require_sft_columns
+from hf_odc.trainer.data import check_sft_truncation, check_truncation, require_sft_columns
 
 
 def _examples(n: int, seed: int = 0) -> list[dict]:
@@ -131,3 +131,24 @@ def test_a_dataset_sft_cannot_train_on_is_refused_naming_its_columns(columns, sa
         return
     with pytest.raises(ValueError, match=says):
         require_sft_columns(dataset, text_field="body")
+
+
+def test_truncation_that_leaves_nothing_is_refused_and_most_is_warned_once(recwarn):
+    """Every sample damaged by truncation: refused; most of them: one warning, from the process told to warn; a few:
+    nothing."""
+    with pytest.raises(ValueError, match="That is every one of them, so the run is refused"):
+        check_truncation(4, 4, "cut.", warn=False)
+    check_truncation(3, 4, "cut.", warn=False)
+    check_truncation(2, 4, "cut.", warn=True)
+    assert not recwarn.list
+    check_truncation(3, 4, "cut.", warn=True)
+    assert [str(w.message) for w in recwarn.list] == ["cut."]
+
+
+def test_sft_truncation_counts_the_samples_cut_and_the_samples_dropped():
+    """Kept samples of ``max_length`` tokens were cut; samples TRL dropped lost every completion token."""
+    with pytest.warns(UserWarning, match=r"max_length=4 cuts 3 of the 4 training samples \(1 of them lost every"):
+        check_sft_truncation([4, 4, 2], original_size=4, max_length=4, warn=True)
+    with pytest.raises(ValueError, match="max_length=4 cuts 2 of the 2 training samples"):
+        check_sft_truncation([4], original_size=2, max_length=4, warn=False)
+    check_sft_truncation([9, 9], original_size=2, max_length=None, warn=True)  # no truncation
