@@ -59,6 +59,7 @@ def test_max_tokens_from_packing_ratio_or_explicit(tmp_path):
         ({"balance": "greedy"}, "balance must be one of"),
         ({"cost_model": "flops"}, "cost_model must be one of"),
         ({"cost_model": "attention", "calibration_file": "c.json"}, "starting point of cost_model='calibrated'"),
+        ({"calibration_file": "/nonexistent/odc_calibration.json"}, "calibration_file /nonexistent/.* no such file"),
         ({"freeze_calibration": True}, "freeze_calibration keeps a calibration as it is: pass calibration_file"),
         ({"max_tokens_per_microbatch": 10, "packing_ratio": 1.0}, "not both"),
         ({"max_tokens_per_microbatch": 0}, ">= 1"),

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -150,7 +151,9 @@ class ExampleParser(TrlParser):
         resume = getattr(namespace, "resume_from_checkpoint", None)
         if isinstance(resume, str) and resume:
             if resume.lower() == "true" and not os.path.isdir(resume):
-                resume = _checkpoint.last_complete_checkpoint(namespace.output_dir)
+                with warnings.catch_warnings():  # the newer incomplete ones it passes over: the trainer says it once
+                    warnings.simplefilter("ignore")
+                    resume = _checkpoint.last_complete_checkpoint(namespace.output_dir)
             _checkpoint.check_resumable(resume)
         name = getattr(namespace, "dataset_name", None)
         if name:

@@ -236,6 +236,11 @@ class _ODCConfig:
             raise ValueError(f"cost_model must be one of {_COST_MODELS}, got {self.cost_model!r}.")
         if self.calibration_file is not None and self.cost_model != "calibrated":
             raise ValueError("calibration_file is the starting point of cost_model='calibrated'; set that too.")
+        if self.calibration_file is not None and not os.path.isfile(self.calibration_file):
+            raise ValueError(
+                f"calibration_file {self.calibration_file}: no such file; pass the odc_calibration.json an earlier run "
+                "saved beside its model, or leave it unset to calibrate from the attention cost."
+            )
         if self.freeze_calibration and self.calibration_file is None:
             raise ValueError(
                 "freeze_calibration keeps a calibration as it is: pass calibration_file (an earlier run's "
