@@ -86,8 +86,9 @@ CASES = [
      "the Hub model is not in the cache"),
     ("model without tokenizer", "sft.py", 1, _model_without_tokenizer,
      "the directory holds no tokenizer (tokenizer.json or tokenizer_config.json)"),
-    ("max_length cuts every sample", "sft.py", 1, ["--max_length", "4", "--num_samples", "32"],
-     "max_length=4 cuts 32 of the 32 training samples"),
+    ("max_length drops every sample", "sft.py", 1,
+     ["--max_length", "4", "--assistant_only_loss", "true", "--num_samples", "32"],
+     "max_length=4 cuts 32 of the 32 training samples, 32 of them so short"),
     ("flag prefix", "sft.py", 1, ["--max_step", "3"], "unrecognized arguments: --max_step 3"),
 ]  # fmt: skip
 

@@ -50,32 +50,37 @@ def require_sft_columns(dataset: Any, text_field: str = "text") -> None:
         )
 
 
-def check_truncation(damaged: int, total: int, message: str, warn: bool) -> None:
-    """Refuse (``ValueError``) a training dataset that truncation left with nothing to learn from (``damaged`` of its
-    ``total`` samples, all of them), and warn (when ``warn``: on one process) where it damaged most of them, with
-    ``message`` saying what happened to those samples and what to change: a run on such data trains on nothing, or on
-    fragments, and still exits 0."""
-    if total and damaged == total:
-        raise ValueError(f"{message} That is every one of them, so the run is refused.")
+def check_truncation(damaged: int, total: int, message: str, warn: bool, nothing_left: bool) -> None:
+    """Refuse (``ValueError``) a training dataset that truncation left with ``nothing_left`` to learn from, and warn
+    (when ``warn``: on one process) where it damaged most of it (``damaged`` of its ``total`` samples), with ``message``
+    saying what happened to those samples and what to change: a run on such data would train on nothing, or on
+    fragments, and still exit 0."""
+    if nothing_left:
+        raise ValueError(f"{message} Nothing is left to train on, so the run is refused.")
     if warn and damaged > total / 2:
         warnings.warn(message, stacklevel=3)
 
 
-def check_sft_truncation(lengths: Sequence[int], original_size: int, max_length: int | None, warn: bool) -> None:
-    """:func:`check_truncation` for SFT: of the ``original_size`` samples given, TRL keeps those with a token to learn
-    from once truncated to ``max_length`` (``lengths``: the kept samples' tokens). A kept sample of ``max_length``
-    tokens counts as cut; a dropped one lost every completion token."""
+def check_sft_truncation(given: Any, prepared: Any, max_length: int | None, warn: bool) -> None:
+    """:func:`check_truncation` for SFT: TRL truncates the ``given`` dataset to ``max_length`` tokens and keeps, as
+    ``prepared``, the samples left with a token that carries a loss. Refused when none is left; a warning when most
+    were cut (a pre-tokenized sample longer than ``max_length``; one TRL tokenized, when it now has ``max_length``
+    tokens) or dropped."""
     if max_length is None:
         return
-    cut = sum(1 for length in lengths if length >= max_length)
-    dropped = original_size - len(lengths)
+    dropped = len(given) - len(prepared)
+    if "input_ids" in given.column_names:  # the lengths before truncation are known: every dropped one was cut
+        damaged = sum(1 for ids in given["input_ids"] if len(ids) > max_length)
+    else:
+        damaged = dropped + sum(1 for ids in prepared["input_ids"] if len(ids) >= max_length)
     check_truncation(
-        cut + dropped,
-        original_size,
-        f"max_length={max_length} cuts {cut + dropped} of the {original_size} training samples ({dropped} of them lost "
-        f"every token that carries a loss, their completion, and are dropped; {cut} train on their first "
-        f"{max_length} tokens only). Raise --max_length to fit most samples whole.",
+        damaged,
+        len(given),
+        f"max_length={max_length} cuts {damaged} of the {len(given)} training samples, {dropped} of them so short "
+        "that no token carrying a loss (their completion) is left and TRL drops them; the others train on their "
+        f"first {max_length} tokens only. Raise --max_length to fit most samples whole.",
         warn,
+        nothing_left=len(prepared) == 0,
     )
 
 

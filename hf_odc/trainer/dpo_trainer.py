@@ -195,6 +195,7 @@ class ODCDPOTrainer(_ODCTrainer, DPOTrainer):
             "and rejected sequences (their loss is log 2 whatever the policy). Raise --max_length to keep each pair's "
             "prompt and replies up to where they differ.",
             self.accelerator.is_main_process,
+            nothing_left=dropped + same == given,
         )
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:

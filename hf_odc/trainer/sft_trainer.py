@@ -82,8 +82,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
         if train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
-            lengths = [len(ids) for ids in self.train_dataset["input_ids"]]
-            check_sft_truncation(lengths, len(train_dataset), args.max_length, self.accelerator.is_main_process)
+            check_sft_truncation(train_dataset, self.train_dataset, args.max_length, self.accelerator.is_main_process)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
         self._setup_odc(StepMetrics(args.device, means=("entropy", "mean_token_accuracy")))
