@@ -142,7 +142,7 @@ class GRPOParser(ExampleParser):
 
 
 def make_parser() -> ExampleParser:
-    parser = GRPOParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig))
+    parser = GRPOParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig), check_dataset=None)  # built-in prompts
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(
         output_dir="odc-grpo-output",

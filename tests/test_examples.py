@@ -204,6 +204,16 @@ def test_grpo_refuses_a_lora_policy_with_a_kl_term_in_one_line(monkeypatch, caps
     assert failure.value.code == 2 and "--use_peft trains with --beta 0 only (got --beta 0.04)" in error
 
 
+def test_grpo_refuses_a_dataset_it_would_not_read_in_one_line(tmp_path, monkeypatch, capsys):
+    """``examples/grpo.py`` trains on its built-in prompts: ``--dataset_name`` is refused, not silently ignored."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as failure:
+        grpo.make_parser().parse_args_and_config(["--dataset_name", str(tmp_path)])
+    error = capsys.readouterr().err.splitlines()[-1]
+    says = f"--dataset_name {tmp_path}: {grpo.make_parser().prog} trains on its built-in data only"
+    assert failure.value.code == 2 and error.endswith(says)
+
+
 DATA_ROW = {"messages": CHAT}
 
 

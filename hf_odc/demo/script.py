@@ -41,6 +41,10 @@ def make_trainer(trainer_class: type, **kwargs: Any) -> Any:
         fail(str(error))
 
 
+def _any_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
+    """:class:`ExampleParser`'s default ``check_dataset``: the trainer checks the columns itself."""
+
+
 _UNSET = object()
 
 CHECKPOINT_FLAGS = frozenset({"save_steps", "save_total_limit", "save_only_model", "save_on_each_node"})
@@ -89,14 +93,15 @@ class ExampleParser(TrlParser):
 
     Args:
         dataclass_types: The script's argument dataclasses.
-        check_dataset: Raises ``ValueError`` for a ``--dataset_name`` dataset (its training split, loaded) that the
-            script cannot train on. ``None``: the script trains on its built-in data only, and refuses the flag.
+        check_dataset: Raises ``ValueError`` for a ``--dataset_name`` dataset (its training split, loaded, with rows)
+            that the script cannot train on; by default any is accepted. ``None``: the script trains on its built-in
+            data only, and refuses the flag.
     """
 
     def __init__(
         self,
         dataclass_types: Iterable[type],
-        check_dataset: Callable[[Dataset, argparse.Namespace], None] | None = None,
+        check_dataset: Callable[[Dataset, argparse.Namespace], None] | None = _any_dataset,
     ):
         super().__init__(
             dataclass_types, usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)", allow_abbrev=False
