@@ -32,18 +32,21 @@ accelerate launch --config_file examples/odc.yaml examples/dpo.py \
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 
-import datasets
 from datasets import Dataset
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from hf_odc.demo import (
     GlobalBatchParser,
     build_model,
+    load_dataset_input,
     load_tokenizer,
+    make_trainer,
     preference_dataset,
+    quiet_datasets_on_other_ranks,
     save_initial_model,
     train_and_save,
 )
@@ -90,17 +93,25 @@ class DPOScriptArguments(ScriptArguments):
 
 
 def load_pairs(script_args: DPOScriptArguments, training_args: ODCDPOConfig) -> Dataset:
+    """``--dataset_name``'s ``--dataset_train_split`` (checked as the command line was parsed), else the built-in
+    pairs."""
     if script_args.dataset_name:
-        name = script_args.dataset_name
-        dataset = datasets.load_from_disk(name) if os.path.isdir(name) else datasets.load_dataset(name)
-        return dataset[script_args.dataset_train_split] if hasattr(dataset, "keys") else dataset
+        return load_dataset_input(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     max_length = training_args.max_length or 1024
     return preference_dataset(script_args.num_pairs, max_length, script_args.length_distribution, training_args.seed)
 
 
+def check_pairs(dataset: Dataset, namespace: argparse.Namespace) -> None:
+    """A ``--dataset_name`` dataset without preference pairs ends the run with one line naming the columns."""
+    if not {"chosen", "rejected"} <= set(dataset.column_names):
+        raise ValueError(
+            f"DPO needs preference pairs: 'chosen' and 'rejected' columns (and 'prompt', unless the conversations "
+            f"hold it); its columns are {dataset.column_names}. Rename the ones that hold your pairs"
+        )
+
+
 def main(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_args: ModelConfig) -> None:
-    if training_args.process_index != 0:
-        datasets.disable_progress_bars()  # every process prepares the dataset alike: the first one shows it
+    quiet_datasets_on_other_ranks()
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
@@ -111,7 +122,8 @@ def main(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_arg
     elif not training_args.precompute_ref_log_probs:
         # The reference is the initial policy: built again from the same seed (or loaded again from the same path).
         ref_model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
-    trainer = ODCDPOTrainer(
+    trainer = make_trainer(
+        ODCDPOTrainer,
         model=model,
         ref_model=ref_model,
         args=training_args,
@@ -123,7 +135,7 @@ def main(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_arg
 
 
 def make_parser() -> GlobalBatchParser:
-    parser = GlobalBatchParser((DPOScriptArguments, ODCDPOConfig, ModelConfig))
+    parser = GlobalBatchParser((DPOScriptArguments, ODCDPOConfig, ModelConfig), check_dataset=check_pairs)
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(output_dir="odc-dpo-output", max_length=128, max_steps=20, learning_rate=2e-3)
     return parser

@@ -49,6 +49,7 @@ from hf_odc.demo import (
     echo_reward,
     length_reward,
     load_tokenizer,
+    make_trainer,
     prompt_dataset,
     save_initial_model,
     train_and_save,
@@ -111,7 +112,8 @@ def build_trainer(
     rollout_func = None
     if script_args.rollouts != "generate":
         rollout_func = SyntheticRollouts(script_args.rollouts, script_args.length_distribution, training_args.seed)
-    return ODCGRPOTrainer(
+    return make_trainer(
+        ODCGRPOTrainer,
         model=model,
         reward_funcs=[length_reward, echo_reward],
         args=training_args,
@@ -140,7 +142,7 @@ class GRPOParser(ExampleParser):
 
 
 def make_parser() -> ExampleParser:
-    parser = GRPOParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig))
+    parser = GRPOParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig), check_dataset=None)  # built-in prompts
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(
         output_dir="odc-grpo-output",

@@ -31,19 +31,21 @@ accelerate launch --config_file examples/odc.yaml examples/sft.py \
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 
-import datasets
-from datasets import Dataset, load_dataset, load_from_disk
+from datasets import Dataset
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from hf_odc.demo import (
     GlobalBatchParser,
     build_model,
     chat_dataset,
-    fail,
+    load_dataset_input,
     load_tokenizer,
+    make_trainer,
+    quiet_datasets_on_other_ranks,
     save_initial_model,
     synthetic_dataset,
     train_and_save,
@@ -51,9 +53,6 @@ from hf_odc.demo import (
 from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
 from hf_odc.trainer.data import require_sft_columns
-
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-"""What ``load_dataset`` reads a data file given as ``--dataset_name`` with, by its extension."""
 
 
 @dataclass
@@ -109,34 +108,11 @@ class ODCScriptArguments(ScriptArguments):
 
 
 def load_train_dataset(script_args: ODCScriptArguments, training_args: ODCSFTConfig, vocab_size: int) -> Dataset:
-    """``--dataset_name`` (a directory saved with ``save_to_disk``, a data file, or a dataset ``load_dataset`` finds),
-    its ``--dataset_train_split``; else the built-in ``--dataset``. A dataset SFT cannot train on ends the run with one
-    line naming it, the columns expected and the columns found."""
+    """``--dataset_name``'s ``--dataset_train_split`` (a directory saved with ``save_to_disk``, a data file, or a
+    dataset ``load_dataset`` finds: :func:`hf_odc.demo.load_dataset_input`, checked as the command line was parsed);
+    else the built-in ``--dataset``."""
     if script_args.dataset_name:
-        name = script_args.dataset_name
-        if os.path.isdir(name) and any(
-            os.path.exists(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")
-        ):
-            dataset = load_from_disk(name)
-        elif os.path.isfile(name):
-            builder = DATA_FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
-            if builder is None:
-                fail(f"--dataset_name {name}: a data file must end in one of {', '.join(DATA_FILE_BUILDERS)}")
-            if os.path.getsize(name) == 0:
-                fail(f"--dataset_name {name}: the file is empty")
-            dataset = load_dataset(builder, data_files=name, split="train")
-        else:
-            dataset = load_dataset(name, name=script_args.dataset_config)
-        if hasattr(dataset, "keys"):
-            if script_args.dataset_train_split not in dataset:
-                fail(f"--dataset_name {name} has no split {script_args.dataset_train_split!r} (--dataset_train_split); "
-                     f"its splits: {list(dataset)}")  # fmt: skip
-            dataset = dataset[script_args.dataset_train_split]
-        try:
-            require_sft_columns(dataset, training_args.dataset_text_field)
-        except ValueError as error:
-            fail(f"--dataset_name {name}: {error}")
-        return dataset
+        return load_dataset_input(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     max_length = training_args.max_length or 1024
     if script_args.dataset == "synthetic-longtail":
         return synthetic_dataset(
@@ -145,16 +121,22 @@ def load_train_dataset(script_args: ODCScriptArguments, training_args: ODCSFTCon
     return chat_dataset(script_args.num_samples, max_length, script_args.length_distribution, training_args.seed)
 
 
+def check_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
+    """A ``--dataset_name`` dataset SFT cannot train on ends the run with one line naming it, the columns expected and
+    the columns found."""
+    require_sft_columns(dataset, namespace.dataset_text_field)
+
+
 def main(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_args: ModelConfig) -> None:
-    if training_args.process_index != 0:
-        datasets.disable_progress_bars()  # every process prepares the dataset alike: the first one shows it
+    quiet_datasets_on_other_ranks()
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
     dataset = load_train_dataset(script_args, training_args, vocab_size=model.config.get_text_config().vocab_size)
     peft_config = get_peft_config(model_args)
     if peft_config is not None and not model_args.model_name_or_path:
         save_initial_model(model, os.path.join(training_args.output_dir, "base_model"), training_args)
-    trainer = ODCSFTTrainer(
+    trainer = make_trainer(
+        ODCSFTTrainer,
         model=model,
         args=training_args,
         train_dataset=dataset,
@@ -165,7 +147,7 @@ def main(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_arg
 
 
 def make_parser() -> GlobalBatchParser:
-    parser = GlobalBatchParser((ODCScriptArguments, ODCSFTConfig, ModelConfig))
+    parser = GlobalBatchParser((ODCScriptArguments, ODCSFTConfig, ModelConfig), check_dataset=check_dataset)
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(output_dir="odc-sft-output", max_length=256, max_steps=30, learning_rate=3e-3)
     return parser

@@ -28,13 +28,22 @@ def run(script: str, *args: str, processes: int = 1, env: dict | None = None, ti
 
 
 def launch(
-    script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0
+    script: str,
+    *args: str,
+    processes: int = 1,
+    env: dict | None = None,
+    timeout: float = 180.0,
+    config: Path | None = None,
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout, which
-    :func:`~_machine.scaled` stretches on a busy machine)."""
+    :func:`~_machine.scaled` stretches on a busy machine); ``config``: an Accelerate config in place of
+    ``examples/odc_cpu.yaml``."""
     require_slow(f"the script {Path(script).name}")
     returncode, output, _ = run_process(
-        _command(script, args, processes), scaled(timeout, processes), stdout=subprocess.PIPE, **_popen_options(env)
+        _command(script, args, processes, config),
+        scaled(timeout, processes),
+        stdout=subprocess.PIPE,
+        **_popen_options(env),
     )
     return returncode, output
 
@@ -50,10 +59,10 @@ def start(script: str, *args: str, log: Path, processes: int = 2, env: dict | No
         )
 
 
-def _command(script: str, args: tuple[str, ...], processes: int) -> list[str]:
+def _command(script: str, args: tuple[str, ...], processes: int, config: Path | None = None) -> list[str]:
     if processes == 1:
         return [sys.executable, str(EXAMPLES / script), *args]
-    config = str(EXAMPLES / "odc_cpu.yaml")
+    config = str(config or EXAMPLES / "odc_cpu.yaml")
     command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes)]
     return [*command, str(EXAMPLES / script), *args]
 

@@ -371,3 +371,31 @@ def test_reduce_dtype_follows_each_torchs_layout():
     per_param.fsdp_params.append(_fake_param(torch.bfloat16))
     with pytest.raises(ValueError, match="one concrete reduce dtype"):
         _reduce_dtype(per_param, "g", torch.bfloat16)
+
+
+@pytest.mark.parametrize("torch_has_the_new_names", [True, False])
+def test_outside_a_minibatch_the_comms_run_the_collectives_by_their_current_names(monkeypatch, torch_has_the_new_names):
+    """Outside a minibatch the comms fall back to the collectives: torch 2.13 renamed them (``all_gather_single``,
+    ``reduce_scatter_single``), and its old names warn at every call (evaluation, generation, a PEFT model's forward
+    outside a minibatch), so the new names are called where they exist, the old ones before."""
+    import torch.distributed as dist
+
+    from hf_odc.engine.comms import ODCAllGather, ODCReduceScatter
+
+    called = []
+    for new, old in (
+        ("all_gather_single", "all_gather_into_tensor"),
+        ("reduce_scatter_single", "reduce_scatter_tensor"),
+    ):
+        monkeypatch.setattr(dist, old, lambda *args, name=old, **kwargs: called.append(name), raising=False)
+        if torch_has_the_new_names:
+            monkeypatch.setattr(dist, new, lambda *args, name=new, **kwargs: called.append(name), raising=False)
+        else:
+            monkeypatch.delattr(dist, new, raising=False)
+    outside = lambda: False  # noqa: E731
+    tensor = torch.zeros(2)
+    ODCAllGather(slots=None, transport=None, in_minibatch=outside)(tensor, tensor, group=None)
+    ODCReduceScatter(slots=None, transport=None, in_minibatch=outside, sink=tensor)(tensor, tensor, None, op=None)
+    expected = ["all_gather_single", "reduce_scatter_single"] if torch_has_the_new_names else [
+        "all_gather_into_tensor", "reduce_scatter_tensor"]  # fmt: skip
+    assert called == expected

@@ -173,6 +173,7 @@ def test_a_global_minibatch_the_processes_cannot_share_is_refused(monkeypatch, c
 
 BAD_FLAGS = [
     (("--max_stepz", "3"), "unrecognized arguments: --max_stepz 3"),  # unknown
+    (("--max_step", "3"), "unrecognized arguments: --max_step 3"),  # a prefix of --max_steps: spelt in full only
     (("--max_steps", "x"), "invalid int value: 'x'"),  # unparsable
     (("--odc", "false", "--balance", "lb-mini"), "balance='lb-mini'"),  # refused by the config's __post_init__
 ]
@@ -203,6 +204,16 @@ def test_grpo_refuses_a_lora_policy_with_a_kl_term_in_one_line(monkeypatch, caps
     assert failure.value.code == 2 and "--use_peft trains with --beta 0 only (got --beta 0.04)" in error
 
 
+def test_grpo_refuses_a_dataset_it_would_not_read_in_one_line(tmp_path, monkeypatch, capsys):
+    """``examples/grpo.py`` trains on its built-in prompts: ``--dataset_name`` is refused, not silently ignored."""
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as failure:
+        grpo.make_parser().parse_args_and_config(["--dataset_name", str(tmp_path)])
+    error = capsys.readouterr().err.splitlines()[-1]
+    says = f"--dataset_name {tmp_path}: {grpo.make_parser().prog} trains on its built-in data only"
+    assert failure.value.code == 2 and error.endswith(says)
+
+
 DATA_ROW = {"messages": CHAT}
 
 
@@ -219,20 +230,35 @@ DATA_ROW = {"messages": CHAT}
 def test_a_data_file_loads_and_data_sft_cannot_train_on_is_said_in_one_line(tmp_path, monkeypatch, capsys, name,
                                                                               rows, says):  # fmt: skip
     """``--dataset_name`` naming a file loads it; a dataset without a column SFT trains on, or an empty file, ends the
-    run with one line naming the file, the columns expected and found (not TRL's ``KeyError`` on one rank)."""
+    run as the command line is parsed, with one line naming the file, the columns expected and found (not TRL's
+    ``KeyError`` on one rank)."""
     monkeypatch.delenv("RANK", raising=False)
     path = tmp_path / name
     path.write_text("\n".join(json.dumps(row) for row in rows))
-    script_args, training_args, _ = sft.make_parser().parse_args_and_config(
-        ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out")]
-    )
+    flags = ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out")]
     if says is None:
+        script_args, training_args, _ = sft.make_parser().parse_args_and_config(flags)
         dataset = sft.load_train_dataset(script_args, training_args, vocab_size=600)
         assert len(dataset) == 8 and dataset[0]["messages"] == CHAT
         return
     with pytest.raises(SystemExit) as failure:
-        sft.load_train_dataset(script_args, training_args, vocab_size=600)
+        sft.make_parser().parse_args_and_config(flags)
     lines = capsys.readouterr().err.splitlines()  # datasets' progress bars too, when it read the file
     (error,) = [line for line in lines if "error" in line]
     assert failure.value.code == 2 and error == lines[-1]
     assert error.startswith(f"{sft.make_parser().prog}: error: --dataset_name {path}: ") and says in error
+
+
+def test_a_model_directory_without_its_tokenizer_is_refused_not_given_the_demo_one(tmp_path):
+    """The demo tokenizer stands in only when no model is given: a model directory brings its own tokenizer or is
+    refused, naming the files it lacks (its token ids would mean nothing to another vocabulary)."""
+    from trl import ModelConfig
+
+    from hf_odc.demo import load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"holds no tokenizer \(tokenizer.json or tokenizer_config.json\)"):
+        load_tokenizer(ModelConfig(model_name_or_path=str(tmp_path)))
+    build_tokenizer().save_pretrained(tmp_path)
+    assert load_tokenizer(ModelConfig(model_name_or_path=str(tmp_path))).get_vocab() == build_tokenizer().get_vocab()
+    assert len(load_tokenizer(ModelConfig())) == len(build_tokenizer())

@@ -59,6 +59,7 @@ def test_max_tokens_from_packing_ratio_or_explicit(tmp_path):
         ({"balance": "greedy"}, "balance must be one of"),
         ({"cost_model": "flops"}, "cost_model must be one of"),
         ({"cost_model": "attention", "calibration_file": "c.json"}, "starting point of cost_model='calibrated'"),
+        ({"calibration_file": "/nonexistent/odc_calibration.json"}, "calibration_file /nonexistent/.* no such file"),
         ({"freeze_calibration": True}, "freeze_calibration keeps a calibration as it is: pass calibration_file"),
         ({"max_tokens_per_microbatch": 10, "packing_ratio": 1.0}, "not both"),
         ({"max_tokens_per_microbatch": 0}, ">= 1"),
@@ -74,6 +75,22 @@ def test_max_tokens_from_packing_ratio_or_explicit(tmp_path):
 )
 def test_invalid_configs_are_refused(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
+        config(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("variable", "kwargs", "source"),
+    [
+        ("true", {}, "fsdp_offload_params: true in the Accelerate config"),
+        ("false", {"fsdp": "full_shard offload"}, "fsdp='full_shard offload'"),
+        ("false", {"fsdp_config": {"offload_params": True}}, "fsdp_config's offload_params"),
+    ],
+)
+def test_cpu_offload_is_refused_not_ignored(tmp_path, monkeypatch, variable, kwargs, source):
+    """hf_odc shards without FSDP's CPU offload: asked for in the Accelerate config (which exports it to the processes)
+    or in the config, it is refused in one line rather than silently ignored."""
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", variable)
+    with pytest.raises(ValueError, match=re.escape(source) + ".* asks for FSDP's CPU offload"):
         config(tmp_path, **kwargs)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 
 import datasets
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import GlobalMinibatchSampler, PlannedMinibatchCollator, count_target_tokens
-from hf_odc.trainer.data import require_sft_columns
+from hf_odc.trainer.data import check_sft_truncation, check_truncation, require_sft_columns
 
 
 def _examples(n: int, seed: int = 0) -> list[dict]:
@@ -131,3 +132,30 @@ def test_a_dataset_sft_cannot_train_on_is_refused_naming_its_columns(columns, sa
         return
     with pytest.raises(ValueError, match=says):
         require_sft_columns(dataset, text_field="body")
+
+
+def test_truncation_that_leaves_nothing_is_refused_and_most_is_warned_once(recwarn):
+    """Nothing left to train on: refused; most of the samples damaged: one warning, from the process told to warn; a
+    few: nothing."""
+    with pytest.raises(ValueError, match=r"cut\. Nothing is left to train on, so the run is refused"):
+        check_truncation(4, 4, "cut.", warn=False, nothing_left=True)
+    check_truncation(3, 4, "cut.", warn=False, nothing_left=False)
+    check_truncation(2, 4, "cut.", warn=True, nothing_left=False)
+    assert not recwarn.list
+    check_truncation(4, 4, "cut.", warn=True, nothing_left=False)
+    assert [str(w.message) for w in recwarn.list] == ["cut."]
+
+
+def test_sft_truncation_counts_the_samples_cut_and_the_samples_dropped():
+    """Tokenized by TRL, a kept sample of ``max_length`` tokens was cut and a dropped one lost its completion; given
+    tokenized, a sample was cut when it was longer than ``max_length`` (one exactly that long was not)."""
+    chats = datasets.Dataset.from_dict({"messages": [[]] * 4})
+    with pytest.warns(UserWarning, match=r"max_length=4 cuts 3 of the 4 training samples, 1 of them so short"):
+        check_sft_truncation(chats, datasets.Dataset.from_dict({"input_ids": [[1] * 4, [1] * 4, [1] * 2]}), 4, True)
+    with pytest.raises(ValueError, match=r"max_length=4 cuts 4 of the 4 .* Nothing is left to train on"):
+        check_sft_truncation(chats, datasets.Dataset.from_dict({"input_ids": []}), 4, False)
+    tokenized = datasets.Dataset.from_dict({"input_ids": [[1] * 4, [1] * 4, [1] * 5]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_sft_truncation(tokenized, tokenized, 4, True)  # one of three cut
+        check_sft_truncation(tokenized, tokenized, None, True)  # no truncation

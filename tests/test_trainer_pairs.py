@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_odc.packing import MinibatchPlanner, named_cost
-from hf_odc.trainer.pairs import PairPacker, document_sums, pack_pairs, pair_documents
+from hf_odc.trainer.pairs import PairPacker, document_sums, indistinct_pairs, pack_pairs, pair_documents
 
 PAIRS = [
     {"prompt_ids": [10, 11], "chosen_ids": [20, 21, 22], "rejected_ids": [30]},
@@ -26,6 +26,17 @@ def test_truncation_keeps_the_start_or_the_end_as_trl_does():
     assert pair_documents(example, max_length=None)[0][0] == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="truncation_mode"):
         pair_documents(example, 4, "middle")
+
+
+def test_pairs_that_truncation_makes_identical_are_counted():
+    """A prompt that fills ``max_length`` (keep_start), or replies that agree up to it, leave nothing to prefer."""
+    pairs = {
+        "prompt_ids": [[1, 2, 3], [1, 2], [1]],
+        "chosen_ids": [[4], [4, 5, 6], [4]],
+        "rejected_ids": [[5], [4, 5, 7], [5]],
+    }
+    assert [indistinct_pairs(pairs, max_length) for max_length in (None, 5, 4, 3)] == [0, 0, 1, 2]
+    assert indistinct_pairs(pairs, 3, truncation_mode="keep_end") == 0
 
 
 def test_a_packed_microbatch_holds_each_pair_as_two_documents():

@@ -36,7 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-odc", description="On-Demand Communication for FSDP2: tools.")
+    # allow_abbrev=False: a flag is spelt in full (argparse would take "--world 8" for --world-sizes, silently).
+    parser = argparse.ArgumentParser(
+        prog="hf-odc", description="On-Demand Communication for FSDP2: tools.", allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan(commands)
     return parser
@@ -53,6 +56,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         ),
         epilog=_PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     source = plan.add_argument_group("lengths (default: --distribution longalign)")
     exclusive = source.add_mutually_exclusive_group()

@@ -16,10 +16,11 @@ from .data import (
     synthetic_dataset,
     unpaired_dataset,
 )
+from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
 from .models import MODEL_CONFIGS, build_model, save_initial_model
 from .rewards import echo_reward, length_reward
 from .rollouts import SyntheticRollouts
-from .script import CHECKPOINT_FLAGS, ExampleParser, GlobalBatchParser, fail, train_and_save
+from .script import CHECKPOINT_FLAGS, ExampleParser, GlobalBatchParser, fail, make_trainer, train_and_save
 from .tokenizer import CHAT_TEMPLATE, NUM_WORDS, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 
 __all__ = [
@@ -34,13 +35,17 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "chat_dataset",
+    "check_model",
     "echo_reward",
     "fail",
     "length_reward",
+    "load_dataset_input",
     "load_tokenizer",
     "longtail_lengths",
+    "make_trainer",
     "preference_dataset",
     "prompt_dataset",
+    "quiet_datasets_on_other_ranks",
     "save_initial_model",
     "synthetic_dataset",
     "train_and_save",

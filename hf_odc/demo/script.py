@@ -1,6 +1,7 @@
 """What the example scripts share around their trainer: TRL's parser with the demos' command-line conventions
-(:class:`ExampleParser`, and :class:`GlobalBatchParser` for a global minibatch that does not depend on the number of
-processes) and the end of a run (:func:`train_and_save`)."""
+(:class:`ExampleParser`, which also checks the inputs the flags name, and :class:`GlobalBatchParser` for a global
+minibatch that does not depend on the number of processes), the trainer built with its refusals in one line
+(:func:`make_trainer`) and the end of a run (:func:`train_and_save`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from datasets import Dataset
 from trl import TrlParser
+
+from ..trainer import _checkpoint
+from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
+from .models import MODEL_CONFIGS
 
 
 def train_and_save(trainer) -> None:
@@ -22,6 +29,20 @@ def train_and_save(trainer) -> None:
     trainer.save_state()
     trainer.accelerator.print(f"Training completed; model saved to {output_dir}.")
     trainer.end()  # release ODC, finish the trackers, destroy the process group
+
+
+def make_trainer(trainer_class: type, **kwargs: Any) -> Any:
+    """``trainer_class(**kwargs)``, its refusals (a ``ValueError``: data it cannot train on, a setting it does not
+    support) ending the run in one line from the first process, as a bad flag does, rather than a traceback per
+    process."""
+    try:
+        return trainer_class(**kwargs)
+    except ValueError as error:
+        fail(str(error))
+
+
+def _any_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
+    """:class:`ExampleParser`'s default ``check_dataset``: the trainer checks the columns itself."""
 
 
 _UNSET = object()
@@ -64,10 +85,28 @@ class ExampleParser(TrlParser):
       the ODC configs take either name without a warning).
     * LoRA's dropout defaults to 0 (TRL: 0.05): each process draws its own dropout masks, so with dropout one
       process and several would not train alike.
+    * A flag is spelt in full: argparse's prefix matching is off, so ``--max_step 3`` is an unknown flag, not
+      ``--max_steps 3``.
+    * The inputs the flags name are checked before the configs are built (the training config joins the process
+      group) and before any model is (:meth:`check_inputs`): a bad one ends the run with one line from the first
+      process (:func:`fail`).
+
+    Args:
+        dataclass_types: The script's argument dataclasses.
+        check_dataset: Raises ``ValueError`` for a ``--dataset_name`` dataset (its training split, loaded, with rows)
+            that the script cannot train on; by default any is accepted. ``None``: the script trains on its built-in
+            data only, and refuses the flag.
     """
 
-    def __init__(self, dataclass_types: Iterable[type]):
-        super().__init__(dataclass_types, usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)")
+    def __init__(
+        self,
+        dataclass_types: Iterable[type],
+        check_dataset: Callable[[Dataset, argparse.Namespace], None] | None = _any_dataset,
+    ):
+        super().__init__(
+            dataclass_types, usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)", allow_abbrev=False
+        )
+        self._check_dataset = check_dataset
         self.set_defaults(
             logging_steps=1, save_strategy="no", report_to="none", gradient_checkpointing=None, lora_dropout=0.0
         )
@@ -96,7 +135,41 @@ class ExampleParser(TrlParser):
         unset = argparse.Namespace(**{action.dest: _UNSET for action in self._actions})
         given = {name for name, value in vars(super().parse_known_args(args, unset)[0]).items() if value is not _UNSET}
         self.complete(parsed, given | self._from_config)
+        if not remaining:  # else the flags are refused first (parse_args_and_config)
+            try:
+                self.check_inputs(parsed)
+            except ValueError as error:
+                fail(str(error))
         return parsed, remaining
+
+    def check_inputs(self, namespace: argparse.Namespace) -> None:
+        """Raise ``ValueError``, in one line, for an input that the flags name and the run could not use: the model
+        (``--model_name_or_path``, else a ``--model_config`` path), the checkpoint to resume from (the trainer's own
+        checks, :func:`hf_odc.trainer._checkpoint.check_resumable`) and the dataset (``--dataset_name``: it loads, its
+        split has rows, and ``check_dataset`` accepts it)."""
+        config = getattr(namespace, "model_config", None)
+        if getattr(namespace, "model_name_or_path", None):
+            check_model(namespace.model_name_or_path)
+        elif config not in (None, *MODEL_CONFIGS) and not os.path.exists(config):
+            raise ValueError(f"--model_config {config}: no such file or directory; name one of "
+                             f"{', '.join(MODEL_CONFIGS)} or a config.json")  # fmt: skip
+        resume = getattr(namespace, "resume_from_checkpoint", None)
+        if isinstance(resume, str) and resume:
+            if resume.lower() == "true" and not os.path.isdir(resume):
+                with warnings.catch_warnings():  # the newer incomplete ones it passes over: the trainer says it once
+                    warnings.simplefilter("ignore")
+                    resume = _checkpoint.last_complete_checkpoint(namespace.output_dir)
+            _checkpoint.check_resumable(resume)
+        name = getattr(namespace, "dataset_name", None)
+        if name:
+            if self._check_dataset is None:
+                raise ValueError(f"--dataset_name {name}: {self.prog} trains on its built-in data only")
+            quiet_datasets_on_other_ranks()
+            dataset = load_dataset_input(name, namespace.dataset_config, namespace.dataset_train_split)
+            try:
+                self._check_dataset(dataset, namespace)
+            except ValueError as error:
+                raise ValueError(f"--dataset_name {name}: {error}") from None
 
     def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
         """Complete ``namespace`` from the names of the flags ``given``."""

@@ -44,14 +44,37 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""Either of them marks a directory that holds a tokenizer (``save_pretrained`` writes both)."""
+
+
+def missing_tokenizer(path: str) -> str | None:
+    """What the model directory ``path`` lacks to hold its tokenizer, in words, or ``None``."""
+    if any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    return (
+        f"the directory holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the model's own tokenizer there "
+        "(tokenizer.save_pretrained): a model is never trained with another one"
+    )
+
+
 def load_tokenizer(model_args: ModelConfig) -> PreTrainedTokenizerFast:
-    """The model directory's tokenizer if it has one, else the built-in word-level one."""
+    """The tokenizer of ``model_name_or_path`` (a directory, or a Hub name), else, with no model given, the built-in
+    word-level one. A model directory without a tokenizer is refused (``ValueError``): its token ids mean nothing to
+    another tokenizer."""
     path = model_args.model_name_or_path
-    config_file = os.path.join(path or "", "tokenizer_config.json")
-    if not path or not os.path.exists(config_file):
+    if not path:
         return build_tokenizer()
-    with open(config_file) as f:
-        generic = json.load(f).get("tokenizer_class") == "TokenizersBackend"
+    if not os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    missing = missing_tokenizer(path)
+    if missing is not None:
+        raise ValueError(f"{path}: {missing}")
+    config_file = os.path.join(path, "tokenizer_config.json")
+    generic = False
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            generic = json.load(f).get("tokenizer_class") == "TokenizersBackend"
     # transformers 5 may rebuild a generic tokenizer.json as the model type's tokenizer class (Qwen2's byte-level BPE
     # for the outputs of this example's Qwen2-shaped models), which breaks a word-level vocabulary; load it as it is.
     return PreTrainedTokenizerFast.from_pretrained(path) if generic else AutoTokenizer.from_pretrained(path)

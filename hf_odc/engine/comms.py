@@ -19,6 +19,13 @@ from ._fsdp_internals import AllGather, ReduceScatter
 from .buffers import GroupSlots
 
 
+def _collective(name: str, before_torch_2_13: str) -> Callable[..., dist.Work | None]:
+    """The ``torch.distributed`` collective ``name``, or its name before torch 2.13 (which renamed the tensor-in,
+    tensor-out collectives; the old names stay as aliases that raise a deprecation warning at every call). Looked up
+    at each call."""
+    return getattr(dist, name, None) or getattr(dist, before_torch_2_13)
+
+
 class ODCAllGather(AllGather):
     """Fills FSDP's all-gather output with every rank's mirror slot of one group; the owners do nothing."""
 
@@ -55,7 +62,8 @@ class ODCAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not self._in_minibatch():
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            gather = _collective("all_gather_single", "all_gather_into_tensor")
+            return gather(output_tensor, input_tensor, group=group, async_op=async_op)
         if not self._layout_checked:
             self._check_layout(input_tensor)
         slots = self.slots
@@ -106,7 +114,8 @@ class ODCReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not self._in_minibatch():
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            reduce_scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+            return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         slots = self.slots
         numel = slots.spec.grad_numel
         if input_tensor.numel() != numel * self.transport.world_size:

@@ -7,11 +7,14 @@ fields before TRL's own checks run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .. import packing
+from .._env import parse_bool
 from ..accelerate_plugin import ODCPlugin
 from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
 from ..packing import COSTS, PLANNERS
@@ -105,6 +108,27 @@ _ODC_PARAMETERS = """
 """
 
 
+def _refuse_cpu_offload(config: Any) -> None:
+    """Refuse FSDP's CPU offload, which hf_odc's sharding does not apply (ODC reads and pushes device shards): asked
+    for by the Accelerate config (``fsdp_offload_params: true``, exported to the processes as ``FSDP_OFFLOAD_PARAMS``)
+    or by the config's own ``fsdp`` options (``"offload"``) or ``fsdp_config`` (``offload_params``)."""
+    fsdp = config.fsdp if isinstance(config.fsdp, str) else " ".join(map(str, config.fsdp or ()))
+    fsdp_config = config.fsdp_config if isinstance(config.fsdp_config, dict) else {}
+    asked = {
+        "fsdp_offload_params: true in the Accelerate config (FSDP_OFFLOAD_PARAMS)": parse_bool(
+            os.environ.get("FSDP_OFFLOAD_PARAMS", "false"), "FSDP_OFFLOAD_PARAMS"
+        ),
+        f"fsdp={config.fsdp!r}": "offload" in fsdp.split(),
+        "fsdp_config's offload_params": bool(fsdp_config.get("offload_params", fsdp_config.get("fsdp_offload_params"))),
+    }
+    for source, on in asked.items():
+        if on:
+            raise ValueError(
+                f"{source} asks for FSDP's CPU offload, which hf_odc's trainers do not apply (ODC reads and pushes "
+                "shards on the training device): set it to false, or train with a stock TRL trainer to offload."
+            )
+
+
 def _document_odc_fields(config_class: type) -> type:
     """Put the shared ODC fields' documentation where ``config_class``'s docstring says ``{odc_parameters}``, so that
     every ODC config documents every field and the text exists once."""
@@ -189,6 +213,7 @@ class _ODCConfig:
     )
 
     def __post_init__(self):
+        _refuse_cpu_offload(self)
         if not torch.cuda.is_available():
             self.use_cpu = True
             if self.bf16 is None:
@@ -213,6 +238,11 @@ class _ODCConfig:
             raise ValueError(f"cost_model must be one of {_COST_MODELS}, got {self.cost_model!r}.")
         if self.calibration_file is not None and self.cost_model != "calibrated":
             raise ValueError("calibration_file is the starting point of cost_model='calibrated'; set that too.")
+        if self.calibration_file is not None and not os.path.isfile(self.calibration_file):
+            raise ValueError(
+                f"calibration_file {self.calibration_file}: no such file; pass the odc_calibration.json an earlier run "
+                "saved beside its model, or leave it unset to calibrate from the attention cost."
+            )
         if self.freeze_calibration and self.calibration_file is None:
             raise ValueError(
                 "freeze_calibration keeps a calibration as it is: pass calibration_file (an earlier run's "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import warnings
@@ -235,9 +236,27 @@ def check_resumable(checkpoint_dir: str) -> None:
             f"hf_odc does not read (optimizer.pt). To train on from its weights with a new optimizer and LR schedule, "
             f"load it as the model (from_pretrained({checkpoint_dir!r})) instead of resuming from it."
         )
-    damaged = _damaged(os.path.join(checkpoint_dir, STATE_DIR), read_items=False)
+    damaged = _damaged_trainer_file(checkpoint_dir) or _damaged(
+        os.path.join(checkpoint_dir, STATE_DIR), read_items=False
+    )
     if damaged is not None:
         raise ValueError(_damaged_message(checkpoint_dir, damaged))
+
+
+def _damaged_trainer_file(checkpoint_dir: str) -> str | None:
+    """What is wrong with a small file the Trainer saved beside the DCP state, or ``None``: ``trainer_state.json``
+    that is not JSON, or a ``torch.save`` file (``scheduler.pt``, the RNG states) that is not a sound archive (the
+    Trainer would fail on it with a zip error naming no file, after the model is loaded)."""
+    try:
+        with open(os.path.join(checkpoint_dir, TRAINER_STATE_NAME)) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return f"{TRAINER_STATE_NAME} is not readable JSON (truncated or corrupted)"
+    for name in sorted(os.listdir(checkpoint_dir)):
+        path = os.path.join(checkpoint_dir, name)
+        if name.endswith((".pt", ".pth")) and _broken_item(path, [(0, os.path.getsize(path))]) is not None:
+            return f"{name} is not a sound torch.save archive (truncated or corrupted)"
+    return None
 
 
 def last_complete_checkpoint(output_dir: str) -> str:

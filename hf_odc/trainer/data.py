@@ -8,6 +8,7 @@ the minibatch's target tokens itself.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ __all__ = [
     "GlobalMinibatchSampler",
     "MinibatchDataLoader",
     "PlannedMinibatchCollator",
+    "check_sft_truncation",
+    "check_truncation",
     "count_target_tokens",
     "global_minibatch",
     "minibatch_loader",
@@ -45,6 +48,40 @@ def require_sft_columns(dataset: Any, text_field: str = "text") -> None:
             f"{dataset.column_names}. Rename the one that holds your data (dataset.rename_column(old, new); a list of "
             "role/content messages goes in 'messages')."
         )
+
+
+def check_truncation(damaged: int, total: int, message: str, warn: bool, nothing_left: bool) -> None:
+    """Refuse (``ValueError``) a training dataset that truncation left with ``nothing_left`` to learn from, and warn
+    (when ``warn``: on one process) where it damaged most of it (``damaged`` of its ``total`` samples), with ``message``
+    saying what happened to those samples and what to change: a run on such data would train on nothing, or on
+    fragments, and still exit 0."""
+    if nothing_left:
+        raise ValueError(f"{message} Nothing is left to train on, so the run is refused.")
+    if warn and damaged > total / 2:
+        warnings.warn(message, stacklevel=3)
+
+
+def check_sft_truncation(given: Any, prepared: Any, max_length: int | None, warn: bool) -> None:
+    """:func:`check_truncation` for SFT: TRL truncates the ``given`` dataset to ``max_length`` tokens and keeps, as
+    ``prepared``, the samples left with a token that carries a loss. Refused when none is left; a warning when most
+    were cut (a pre-tokenized sample longer than ``max_length``; one TRL tokenized, when it now has ``max_length``
+    tokens) or dropped."""
+    if max_length is None:
+        return
+    dropped = len(given) - len(prepared)
+    if "input_ids" in given.column_names:  # the lengths before truncation are known: every dropped one was cut
+        damaged = sum(1 for ids in given["input_ids"] if len(ids) > max_length)
+    else:
+        damaged = dropped + sum(1 for ids in prepared["input_ids"] if len(ids) >= max_length)
+    check_truncation(
+        damaged,
+        len(given),
+        f"max_length={max_length} cuts {damaged} of the {len(given)} training samples, {dropped} of them so short "
+        "that no token carrying a loss (their completion) is left and TRL drops them; the others train on their "
+        f"first {max_length} tokens only. Raise --max_length to fit most samples whole.",
+        warn,
+        nothing_left=len(prepared) == 0,
+    )
 
 
 class GlobalMinibatchSampler(Sampler[list[int]]):

@@ -29,7 +29,7 @@ from trl import DPOTrainer
 from ..accelerate_plugin import ODCRuntime
 from ._base_trainer import _ODCTrainer
 from ._step import StepMetrics
-from .data import MinibatchDataLoader, minibatch_loader
+from .data import MinibatchDataLoader, check_truncation, minibatch_loader
 from .dpo_config import ODCDPOConfig
 from .dpo_losses import TOKEN_LOSSES, PairLogps, pair_losses
 from .pairs import (
@@ -38,6 +38,7 @@ from .pairs import (
     PairPacker,
     PairStep,
     check_pair_capacity,
+    indistinct_pairs,
     item_sums,
 )
 from .reference import _ReferencePasses, check_peft_reference, trl_loads_a_model
@@ -110,6 +111,7 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
         self._reference_ready = True
         if self.train_dataset is not None:
             self._check_max_tokens(self.train_dataset)
+            self._check_truncation(self.train_dataset, len(train_dataset))
         if args.precompute_ref_log_probs:
             self._precompute_datasets()
 
@@ -132,6 +134,23 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
         columns = self.train_dataset.column_names
         dataset = self.train_dataset.select_columns([c for c in PAIR_COLUMNS + REFERENCE_COLUMNS if c in columns])
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
+
+    def _check_truncation(self, dataset: datasets.Dataset, given: int) -> None:
+        """Refuse pairs that truncation to ``max_length`` left with nothing to prefer, all of them; warn once where it
+        left most so: of the ``given`` pairs, TRL drops those that lost a whole reply, and a kept one may keep the
+        same tokens in both sequences (:func:`~hf_odc.trainer.pairs.indistinct_pairs`)."""
+        args = self.args
+        dropped, same = given - len(dataset), indistinct_pairs(dataset, args.max_length, args.truncation_mode)
+        check_truncation(
+            dropped + same,
+            given,
+            f"max_length={args.max_length} leaves {dropped + same} of the {given} preference pairs with nothing to "
+            f"prefer: {dropped} lost a whole reply (TRL drops them) and {same} keep the same tokens in their chosen "
+            "and rejected sequences (their loss is log 2 whatever the policy). Raise --max_length to keep each pair's "
+            "prompt and replies up to where they differ.",
+            self.accelerator.is_main_process,
+            nothing_left=dropped + same == given,
+        )
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
         """Refuse, at construction, a microbatch size (``max_tokens_for_pairs``) that the dataset's longest pair does

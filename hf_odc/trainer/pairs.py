@@ -29,6 +29,7 @@ __all__ = [
     "PairStep",
     "check_pair_capacity",
     "document_sums",
+    "indistinct_pairs",
     "item_sums",
     "pack_pairs",
     "pair_documents",
@@ -87,6 +88,18 @@ def refuse_prompt_learning(policy: Any, trainer: str) -> None:
             f"{trainer} does not support prompt-learning PEFT (prefix, prompt or P-tuning): its virtual tokens "
             "belong to a row, and a packed row holds several pairs. Use LoRA (or another adapter method)."
         )
+
+
+def indistinct_pairs(dataset: Any, max_length: int | None, truncation_mode: str = "keep_start") -> int:
+    """How many pairs of a tokenized preference dataset (:data:`PAIR_COLUMNS`) have the same tokens in their chosen and
+    rejected sequences once truncated (:func:`pair_documents`): the prompt fills ``max_length``, or the two replies
+    agree up to it. Such a pair's margin is 0 whatever the policy: its loss is log 2 and its gradient nothing."""
+    count = 0
+    for values in zip(*(dataset[column] for column in PAIR_COLUMNS), strict=True):
+        example = dict(zip(PAIR_COLUMNS, values, strict=True))
+        (chosen, _), (rejected, _) = pair_documents(example, max_length, truncation_mode)
+        count += chosen == rejected
+    return count
 
 
 def document_sums(values: torch.Tensor, document: torch.Tensor, num_documents: int) -> torch.Tensor:

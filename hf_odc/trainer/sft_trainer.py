@@ -26,7 +26,13 @@ from trl import SFTTrainer
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep, StepMetrics
 from .config import ODCSFTConfig
-from .data import MinibatchDataLoader, PlannedMinibatchCollator, minibatch_loader, require_sft_columns
+from .data import (
+    MinibatchDataLoader,
+    PlannedMinibatchCollator,
+    check_sft_truncation,
+    minibatch_loader,
+    require_sft_columns,
+)
 
 __all__ = ["ODCSFTTrainer"]
 
@@ -75,6 +81,8 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         if train_dataset is not None:
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
+        if train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
+            check_sft_truncation(train_dataset, self.train_dataset, args.max_length, self.accelerator.is_main_process)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
         self._setup_odc(StepMetrics(args.device, means=("entropy", "mean_token_accuracy")))
