@@ -42,6 +42,10 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     step's metrics are reduced).
     """
 
+    _weighs_moe_aux_loss = True
+    """Whether the router's load-balancing loss (:mod:`hf_odc.trainer._moe`) is checked against TRL's for this
+    trainer; ``False`` refuses a MoE model with the loss on, at construction."""
+
     # -- the hooks a trainer supplies ---------------------------------------------------------------------------------
 
     @abstractmethod
@@ -109,9 +113,15 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     def _moe_load_balancing(self) -> ExpertLoad | None:
         """The router's load-balancing loss over each step's global minibatch (:mod:`hf_odc.trainer._moe`), when TRL
-        enabled it for this model (a MoE model with ``router_aux_loss_coef != 0``); ``None`` otherwise."""
+        enabled it for this model (a MoE model with ``router_aux_loss_coef != 0``); ``None`` otherwise. Refused by a
+        trainer whose parity with TRL's loss has not been checked (:attr:`_weighs_moe_aux_loss`)."""
         if not getattr(self, "aux_loss_enabled", False):
             return None
+        if not self._weighs_moe_aux_loss:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0 (SFT, "
+                "DPO and GRPO train MoE models with it)."
+            )
         config = self.model.config.get_text_config()
         return ExpertLoad(self.model, config.num_experts, config.num_experts_per_tok, self.router_aux_loss_coef)
 

@@ -60,10 +60,6 @@ class _ODCRolloutTrainer(_ODCTrainer):
                 quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
         with quiet:
             super().__init__(model=model, args=args, **kwargs)
-        if getattr(self, "aux_loss_enabled", False):
-            raise NotImplementedError(
-                f"{type(self).__name__} does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
-            )
 
     def _loads_a_model(self, model: Any, args: Any, kwargs: dict[str, Any]) -> bool:
         """Whether TRL will load a model by name with ``model_init_kwargs``: the policy, the reference model

@@ -52,6 +52,8 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
     ```
     """
 
+    _weighs_moe_aux_loss = False  # the router's loss not yet checked against TRL's here
+
     _tag_names: ClassVar[list[str]] = ["trl", "distillation", "hf-odc"]
     _name = "ODC Distillation"
 

@@ -84,6 +84,8 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
     ```
     """
 
+    _weighs_moe_aux_loss = False  # the router's loss not yet checked against TRL's here
+
     _tag_names: ClassVar[list[str]] = ["trl", "kto", "hf-odc"]
     _name = "ODC KTO"
 
@@ -104,10 +106,6 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
             args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}
         self._reference_ready = False  # TRL's __init__ asks for precomputed log-probabilities before sharding
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                "ODCKTOTrainer does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0."
-            )
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCKTOTrainer")
         self._setup_odc(StepMetrics(args.device, means=_MEANS))
         self._ref_odc: ODCRuntime | None = None

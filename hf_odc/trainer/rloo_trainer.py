@@ -53,6 +53,8 @@ class ODCRLOOTrainer(_ODCRolloutTrainer, RLOOTrainer):
     ```
     """
 
+    _weighs_moe_aux_loss = False  # the router's loss not yet checked against TRL's here
+
     _tag_names: ClassVar[list[str]] = ["trl", "rloo", "hf-odc"]
     _name = "ODC RLOO"
 
