@@ -7,6 +7,7 @@ checks are measured with. Each trial prints one line; a table closes each mode.
     python benchmarks/fault_trials.py launcher --at 1 3 5 10            # SIGKILL of the launcher alone
     python benchmarks/fault_trials.py exits --repeats 20                # clean exits, each example, ODC and FSDP2
     python benchmarks/fault_trials.py hybrid --runs 200 --busy-every 2  # hybrid runs (2 replicas x 2) back to back
+    python benchmarks/fault_trials.py chaos --trials 60 --hybrid-trials 20  # SIGKILL/SIGSTOP anywhere, then resume
 
 ``stall``: ``examples/sft.py`` (or ``grpo.py``) with ``--odc_timeout T``; after step 20 (``--after``), at a random
 moment (uniform over the next second and a half; for GRPO over the span one step took), rank 1 is stopped; the trial
@@ -16,13 +17,20 @@ after the launch (imports, process-group creation, dataset preparation).
 alive. ``exits``: the exit status of repeated runs, and how many printed gloo's "terminate called". ``hybrid``:
 ``examples/sft.py`` on 4 processes presented as 2 hosts x 2 (``--odc_shard_size 2``), run after run, every
 ``--busy-every``-th beside two CPU-bound loops (a shared CI machine); a run that has not ended ``--limit`` s after its
-start is a hang (killed), and each run's exit status, duration and last error line are recorded.
+start is a hang (killed), and each run's exit status, duration and last error line are recorded. ``chaos``: SFT, GRPO
+and DPO on 2 processes (and SFT as 2 replicas x 2 on 4), each trial sending SIGKILL or SIGSTOP to a random rank at a
+random moment between the launch and the end of an uninterrupted run of the same command (timed once per script,
+which also gives the reference parameters); measured: how long after the fault each survivor lived and whether the run
+named the rank, the processes and ``/dev/shm`` entries left 10 s after the run ended (everything still alive is then
+killed), and, when a checkpoint was saved before the fault, the largest parameter difference between the run resumed
+from the last one and the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import random
 import re
@@ -280,6 +288,112 @@ def hybrid(args: argparse.Namespace) -> None:
         print(f"| {label} | {len(mine)} | {ok} | {hung} | {len(mine) - ok - hung} | {span} |")
 
 
+CHAOS_RUNS = {  # name: (script, processes, arguments)
+    "sft": ("examples/sft.py", 2, [*SFT_FAST, "--max_steps", "8"]),
+    "grpo": ("examples/grpo.py", 2, ["--num_prompts", "64", "--rollouts", "synthetic", "--max_steps", "6",
+                                     "--disable_tqdm", "true", "--logging_steps", "1"]),
+    "dpo": ("examples/dpo.py", 2, ["--num_pairs", "128", "--max_steps", "8", "--disable_tqdm", "true",
+                                   "--logging_steps", "1"]),
+    "sft-hybrid": ("examples/sft.py", 4, [*SFT_FAST, "--max_steps", "8", "--odc_shard_size", "2",
+                                          "--cost_model", "tokens"]),
+}  # fmt: skip
+
+
+def _params(output_dir: Path) -> dict | None:
+    from safetensors.torch import load_file
+
+    path = output_dir / "model.safetensors"
+    return load_file(path) if path.exists() else None
+
+
+def _largest_difference(ours: dict | None, reference: dict | None) -> float | None:
+    if ours is None or reference is None or ours.keys() != reference.keys():
+        return None
+    return max(float((ours[name].double() - reference[name].double()).abs().max()) for name in reference)
+
+
+def _chaos_run(name: str, output_dir: Path, timeout: float, extra: list[str] = ()) -> tuple[subprocess.Popen, Path]:
+    script, processes, script_args = CHAOS_RUNS[name]
+    run_args = [*script_args, "--odc_timeout", str(timeout), "--save_strategy", "steps", "--save_steps", "2"]
+    log = output_dir.with_suffix(".log")
+    return _launch(script, [*run_args, "--output_dir", str(output_dir), *extra], log, processes=processes), log
+
+
+def chaos(args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed)
+    references: dict[str, tuple[float, dict | None]] = {}
+    rows = []
+    names = [n for n in ("sft", "grpo", "dpo") for _ in range(args.trials // 3)] + ["sft-hybrid"] * args.hybrid_trials
+    with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+        for name in sorted(set(names), key=names.index):  # an uninterrupted run of each: its span and its parameters
+            started = time.monotonic()
+            process, _ = _chaos_run(name, Path(tmp) / f"reference-{name}", args.timeout)
+            process.wait(timeout=args.limit)
+            references[name] = (time.monotonic() - started, _params(Path(tmp) / f"reference-{name}"))
+            print(f"reference {name}: {references[name][0]:.1f} s", flush=True)
+        for trial, name in enumerate(names):
+            span, reference = references[name]
+            processes = CHAOS_RUNS[name][1]
+            signal_name, rank = rng.choice(("SIGKILL", "SIGSTOP")), rng.randrange(processes)
+            at = rng.uniform(0.0, span)
+            shm_before = set(glob.glob("/dev/shm/hf_odc_*"))
+            output_dir = Path(tmp) / f"trial-{trial}"
+            started = time.monotonic()
+            process, log = _chaos_run(name, output_dir, args.timeout)
+            ranks: dict[int, int] = {}
+            # Until the moment, and on until the rank exists (a moment before its start faults it as it starts).
+            while (time.monotonic() - started < at or rank not in ranks) and process.poll() is None:
+                ranks.update(_ranks(process.pid))
+                time.sleep(0.02)
+            row = {"name": name, "signal": signal_name, "rank": rank, "at_s": time.monotonic() - started}
+            if process.poll() is not None:
+                row["outcome"] = "finished before the fault" if process.poll() == 0 else f"exit {process.poll()}"
+                _end(process, list(ranks.values()))
+            else:
+                os.kill(ranks[rank], getattr(signal, signal_name))
+                faulted = time.monotonic()
+                survivors = [pid for r, pid in ranks.items() if r != rank]
+                _wait_until(lambda survivors=survivors: not any(map(_alive, survivors)), args.timeout + args.slack + 60)
+                row["survivors_s"] = time.monotonic() - faulted if not any(map(_alive, survivors)) else None
+                # hf_odc's own words, or the launcher's report of the dead rank ("rank      : 3 (local_rank: 3)")
+                said = rf"rank {rank}\b|ranks \[{rank}\]|rank\s+: {rank} \(local_rank"
+                row["named"] = bool(re.search(said, log.read_text()))
+                _wait_until(lambda launcher=process: launcher.poll() is not None, 30)  # the launcher's own ending
+                time.sleep(10)
+                row["left_processes"] = len(_marked(str(output_dir)))  # before anything is killed here
+                row["left_shm"] = len(set(glob.glob("/dev/shm/hf_odc_*")) - shm_before)
+                row["outcome"] = "fault"
+                _end(process, list(ranks.values()))
+            checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+            if checkpoints and row["outcome"] == "fault":
+                resumed = Path(tmp) / f"resumed-{trial}"
+                process, _ = _chaos_run(name, resumed, args.timeout, ["--resume_from_checkpoint", str(checkpoints[-1])])
+                process.wait(timeout=args.limit)
+                row["resumed_from"] = checkpoints[-1].name
+                row["resume_difference"] = _largest_difference(_params(resumed), reference)
+            rows.append(row)
+            print(f"chaos trial {trial + 1}: {row}", flush=True)
+    _chaos_table(rows, args)
+
+
+def _chaos_table(rows: list[dict], args: argparse.Namespace) -> None:
+    print("\n| runs | trials | faults | survivors ended within timeout + slack | rank named | processes left | "
+          "/dev/shm left | resumed | resumed = uninterrupted (atol 1e-6) | largest difference |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in CHAOS_RUNS:
+        mine = [row for row in rows if row["name"] == name]
+        faults = [row for row in mine if row["outcome"] == "fault"]
+        if not mine:
+            continue
+        within = sum(r["survivors_s"] is not None and r["survivors_s"] <= args.timeout + args.slack for r in faults)
+        resumed = [r for r in faults if "resume_difference" in r]
+        differences = [r["resume_difference"] for r in resumed if r["resume_difference"] is not None]
+        equal = sum(d <= 1e-6 for d in differences)
+        print(f"| {name} | {len(mine)} | {len(faults)} | {within} | {sum(r['named'] for r in faults)} | "
+              f"{sum(r['left_processes'] for r in faults)} | {sum(r['left_shm'] for r in faults)} | {len(resumed)} | "
+              f"{equal} | {max(differences, default=float('nan')):.2g} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -300,8 +414,16 @@ def main() -> None:
     sub.add_argument("--steps", type=int, default=5)
     sub.add_argument("--timeout", type=float, default=30.0, help="the runs' --odc_timeout")
     sub.add_argument("--limit", type=float, default=300.0, help="seconds after which a run counts as hung")
+    sub = modes.add_parser("chaos")
+    sub.add_argument("--trials", type=int, default=60, help="2-process trials, split over SFT, GRPO and DPO")
+    sub.add_argument("--hybrid-trials", type=int, default=20, help="4-process trials (2 replicas x 2)")
+    sub.add_argument("--timeout", type=float, default=5.0, help="the runs' --odc_timeout")
+    sub.add_argument("--slack", type=float, default=10.0)
+    sub.add_argument("--limit", type=float, default=600.0, help="seconds an uninterrupted or resumed run may take")
+    sub.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     modes_by_name = {"stall": stall, "startup": startup, "launcher": launcher, "exits": exits, "hybrid": hybrid}
+    modes_by_name["chaos"] = chaos
     modes_by_name[args.mode](args)
 
 
