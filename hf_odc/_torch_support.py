@@ -58,3 +58,12 @@ def require(obj: object, names: Iterable[str], what: str) -> None:
                 f"a private layout hf_odc reads (supported: torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to "
                 f"{'.'.join(map(str, max(CHECKED_TORCH)))})."
             )
+
+
+def default_store():  # -> torch.distributed.Store
+    """The default process group's store (torch's private ``distributed_c10d._get_default_store``), checked: a torch
+    that renamed it fails here, naming it, rather than leaving whoever reads it without the store."""
+    import torch.distributed as dist
+
+    require(dist.distributed_c10d, ("_get_default_store",), "torch.distributed.distributed_c10d")
+    return dist.distributed_c10d._get_default_store()

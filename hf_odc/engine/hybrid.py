@@ -23,17 +23,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._torch_support import require
+from .._torch_support import default_store
 from ..kernels import PeerFailureError
 
 __all__ = ["ReplicaGroup"]
 
 _ABORT = "abort"
-
-
-def _default_store() -> dist.Store:
-    require(dist.distributed_c10d, ("_get_default_store",), "torch.distributed.distributed_c10d")
-    return dist.distributed_c10d._get_default_store()
 
 
 class ReplicaGroup:
@@ -59,7 +54,7 @@ class ReplicaGroup:
         dist.all_gather_object(every, (mine, uuid.uuid4().hex))
         groups = sorted({tuple(ranks) for ranks, _ in every})
         group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], timeout=timedelta(seconds=timeout))
-        store = dist.PrefixStore(f"hf_odc/{every[0][1][:16]}/", _default_store())
+        store = dist.PrefixStore(f"hf_odc/{every[0][1][:16]}/", default_store())
         return cls(group, mine, store, timeout)
 
     def abort(self, reason: str) -> None:

@@ -41,6 +41,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .._env import timeout_seconds
+from .._torch_support import default_store
 from .transports.hosts import host_id
 from .transports.transport import DEFAULT_TIMEOUT_S
 
@@ -358,9 +359,9 @@ def start_in_default_group() -> Heartbeat | None:
     if _heartbeat is not None or not (dist.is_available() and dist.is_initialized()):
         return _heartbeat
     try:
-        store = dist.distributed_c10d._get_default_store().clone()  # private: torch.distributed._get_default_store
+        store = default_store().clone()
         store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
-    except (RuntimeError, NotImplementedError, AttributeError):
+    except (RuntimeError, NotImplementedError):
         return None  # a store that cannot open a second client (a file store): no beats
     return start(dist.PrefixStore("hf_odc/heartbeat/", store), dist.get_rank(), dist.get_world_size())
 
