@@ -64,6 +64,27 @@ def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(tmp_path):
     assert all(row["tokens_per_second"] > 0 for row in schemes.values())
 
 
+def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(tmp_path):
+    """benchmarks/vs_trl.py's three rows, each its own 2-process accelerate launch: every row trains the same
+    samples in each timed step, and only the ODC row logs a bubble."""
+    out = tmp_path / "vs_trl.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--length-scale", "0.004",
+        "--samples-per-device", "2", "--steps", "2", "--warmup", "1", "--no-checkpointing", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["trl-default", "trl-best", "odc"], done.stdout[-4000:]
+    for name, row in rows.items():
+        assert "error" not in row, (name, row)
+        assert row["tokens_per_second"] > 0 and row["mfu"] > 0 and len(row["step_s"]) == 2
+        assert row["tokens"] == rows["odc"]["tokens"]  # the same samples in each timed step
+    assert rows["odc"]["bubble"] is not None and rows["trl-best"]["bubble"] is None
+    assert rows["trl-best"]["x_trl-best"] == pytest.approx(1.0)
+
+
 def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):
     out = tmp_path / "calibrated.json"
     command = [
