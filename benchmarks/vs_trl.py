@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -257,8 +258,10 @@ def launch_row(args, row: str, argv: list[str], workdir: Path) -> dict:
     print(f"== {row}: {ROWS[row]}", flush=True)
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
-        lines = [line for line in (done.stderr + done.stdout).splitlines() if "Error" in line or "error" in line]
-        error = (lines or (done.stderr or done.stdout).splitlines() or ["no output"])[-1][-300:]
+        output = (done.stderr + done.stdout).splitlines()
+        # The rank's own exception, not the launcher's report that follows it.
+        raised = [line for line in output if re.match(r"(\[rank\d+\]: )?\w+(Error|Exception): ", line)]
+        error = (raised or output or ["no output"])[0][-300:]
         print(f"   failed (exit {done.returncode}): {error}", flush=True)
         return {"row": row, "error": error}
     return json.loads(out.read_text())
