@@ -34,8 +34,9 @@ class DemoScriptArguments(ScriptArguments):
     Args:
         model_config (`str`, *optional*, defaults to `"tiny"`):
             Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"` (Llama),
-            `"tiny-moe"` (Qwen3-MoE), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a
-            directory holding one).
+            `"tiny-moe"` (Qwen3-MoE; the trainers whose router loss is not checked against TRL's refuse it with that
+            loss on), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a directory holding
+            one).
         length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
             Shape of the built-in data's lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its longest
             is `max_length` tokens (a script that generates: the asked reply lengths, and its synthetic completions',
