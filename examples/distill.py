@@ -30,47 +30,37 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from hf_odc.demo import (
     ExampleParser,
+    PromptScriptArguments,
     SyntheticRollouts,
     build_model,
+    built_in_prompts,
     load_tokenizer,
-    prompt_dataset,
+    make_trainer,
     train_and_save,
 )
-from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCDistillationConfig, ODCDistillationTrainer
 
 
 @dataclass
-class DistillationScriptArguments(ScriptArguments):
-    """TRL's script arguments, plus the built-in models and prompts of this example.
+class DistillationScriptArguments(PromptScriptArguments):
+    """The generating examples' script arguments (`hf_odc.demo.PromptScriptArguments`: TRL's, plus `model_config`,
+    here the student's, `length_distribution` and `num_prompts`), plus this example's teacher and where its
+    completions come from.
 
     Args:
-        num_prompts (`int`, *optional*, defaults to `256`):
-            Number of prompts of the built-in prompt set.
-        model_config (`str`, *optional*, defaults to `"tiny"`):
-            Student built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
-            `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`.
         teacher_config (`str`, *optional*, defaults to `"tiny"`):
             Teacher built from a config (other random weights than the student's) when `teacher_model_name_or_path`
-            is not set; the same choices.
+            is not set; the same choices as `model_config`.
         rollouts (`str`, *optional*, defaults to `"generate"`):
             `"generate"` (transformers `generate`, or vLLM) or `"synthetic"`: completions drawn reproducibly (lengths
             from `length_distribution` scaled to `max_completion_length`) in place of the decoding
             (`hf_odc.demo.SyntheticRollouts.replace_decoding`), for benchmarks of the updates alone.
-        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the asked reply lengths (and of synthetic completions): one of `hf_odc.packing.DISTRIBUTIONS`,
-            rescaled so that its longest is `max_completion_length`.
     """
 
-    num_prompts: int = field(default=256, metadata={"help": "Number of prompts of the built-in prompt set."})
-    model_config: str = field(
-        default="tiny",
-        metadata={"help": "Student config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b'."},
-    )
     teacher_config: str = field(
         default="tiny",
         metadata={"help": "Teacher config when teacher_model_name_or_path is unset (the same choices)."},
@@ -78,10 +68,6 @@ class DistillationScriptArguments(ScriptArguments):
     rollouts: str = field(
         default="generate",
         metadata={"help": "Where completions come from.", "choices": ["generate", "synthetic"]},
-    )
-    length_distribution: str = field(
-        default="swe-smith",
-        metadata={"help": "Length shape of the asked completions.", "choices": sorted(DISTRIBUTIONS)},
     )
 
 
@@ -94,17 +80,12 @@ def main(
     if teacher is None:
         built = dataclasses.replace(model_args, model_name_or_path=None)
         teacher = build_model(script_args.teacher_config, built, tokenizer, seed=training_args.seed + 1)
-    dataset = prompt_dataset(
-        script_args.num_prompts,
-        training_args.max_completion_length,
-        script_args.length_distribution,
-        training_args.seed,
-    )
-    trainer = ODCDistillationTrainer(
+    trainer = make_trainer(
+        ODCDistillationTrainer,
         model=model,
         teacher_model=teacher,
         args=training_args,
-        train_dataset=dataset,
+        train_dataset=built_in_prompts(script_args, training_args),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
@@ -114,7 +95,7 @@ def main(
 
 
 def make_parser() -> ExampleParser:
-    parser = ExampleParser((DistillationScriptArguments, ODCDistillationConfig, ModelConfig))
+    parser = ExampleParser((DistillationScriptArguments, ODCDistillationConfig, ModelConfig), check_dataset=None)
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(
         output_dir="odc-distill-output",
@@ -122,7 +103,6 @@ def make_parser() -> ExampleParser:
         max_completion_length=48,
         max_steps=10,
         learning_rate=1e-3,
-        logging_steps=1,
     )
     return parser
 

@@ -33,81 +33,58 @@ accelerate launch --config_file examples/odc.yaml examples/dpo.py \
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 from datasets import Dataset
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from hf_odc.demo import (
     GlobalBatchParser,
+    GlobalBatchScriptArguments,
     build_model,
-    load_dataset_input,
+    initial_reference,
+    load_script_dataset,
     load_tokenizer,
     make_trainer,
     preference_dataset,
     quiet_datasets_on_other_ranks,
-    save_initial_model,
+    require_columns,
     train_and_save,
 )
-from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCDPOConfig, ODCDPOTrainer
 
 
 @dataclass
-class DPOScriptArguments(ScriptArguments):
-    """TRL's script arguments, plus the built-in model and preference pairs of this example.
+class DPOScriptArguments(GlobalBatchScriptArguments):
+    """The examples' script arguments (`hf_odc.demo.GlobalBatchScriptArguments`: TRL's, plus `model_config`,
+    `length_distribution` and `global_batch_size`, here in pairs), plus the built-in preference pairs of this example.
 
     Args:
         num_pairs (`int`, *optional*, defaults to `512`):
-            Number of preference pairs of the built-in dataset (used when `dataset_name` is not set).
-        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the built-in replies' lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its
-            longest sequence is `max_length` tokens; a pair's chosen and rejected lengths are drawn independently.
-        model_config (`str`, *optional*, defaults to `"tiny"`):
-            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
-            `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`.
-        global_batch_size (`int`, *optional*, defaults to `16`):
-            Pairs per optimizer step over all processes (`per_device_train_batch_size = global_batch_size /
-            processes`). Set this or `--per_device_train_batch_size`, not both.
+            Number of preference pairs of the built-in dataset (used when `dataset_name` is not set); a pair's chosen
+            and rejected lengths are drawn independently.
     """
 
     num_pairs: int = field(default=512, metadata={"help": "Number of pairs of the built-in dataset."})
-    length_distribution: str = field(
-        default="swe-smith",
-        metadata={"help": "Length shape of the built-in replies.", "choices": sorted(DISTRIBUTIONS)},
-    )
-    model_config: str = field(
-        default="tiny",
-        metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
-        },
-    )
-    global_batch_size: int = field(
-        default=16,
-        metadata={
-            "help": "Pairs per optimizer step over all processes (per_device_train_batch_size = this / processes). "
-            "Exclusive with per_device_train_batch_size."
-        },
-    )
 
 
 def load_pairs(script_args: DPOScriptArguments, training_args: ODCDPOConfig) -> Dataset:
     """``--dataset_name``'s ``--dataset_train_split`` (checked as the command line was parsed), else the built-in
     pairs."""
     if script_args.dataset_name:
-        return load_dataset_input(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+        return load_script_dataset(script_args)
     max_length = training_args.max_length or 1024
     return preference_dataset(script_args.num_pairs, max_length, script_args.length_distribution, training_args.seed)
 
 
 def check_pairs(dataset: Dataset, namespace: argparse.Namespace) -> None:
     """A ``--dataset_name`` dataset without preference pairs ends the run with one line naming the columns."""
-    if not {"chosen", "rejected"} <= set(dataset.column_names):
-        raise ValueError(
-            f"DPO needs preference pairs: 'chosen' and 'rejected' columns (and 'prompt', unless the conversations "
-            f"hold it); its columns are {dataset.column_names}. Rename the ones that hold your pairs"
-        )
+    require_columns(
+        dataset,
+        ("chosen", "rejected"),
+        needs="DPO needs preference pairs: 'chosen' and 'rejected' columns (and 'prompt', unless the conversations "
+        "hold it)",
+    )
 
 
 def main(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_args: ModelConfig) -> None:
@@ -115,13 +92,7 @@ def main(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_arg
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
-    ref_model = None
-    if peft_config is not None:
-        if not model_args.model_name_or_path:
-            save_initial_model(model, os.path.join(training_args.output_dir, "base_model"), training_args)
-    elif not training_args.precompute_ref_log_probs:
-        # The reference is the initial policy: built again from the same seed (or loaded again from the same path).
-        ref_model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
+    ref_model = initial_reference(model, script_args, training_args, model_args, tokenizer, peft_config)
     trainer = make_trainer(
         ODCDPOTrainer,
         model=model,

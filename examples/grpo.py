@@ -37,60 +37,41 @@ equal split.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from hf_odc.demo import (
     ExampleParser,
+    PromptScriptArguments,
     SyntheticRollouts,
     build_model,
+    built_in_prompts,
     echo_reward,
     length_reward,
     load_tokenizer,
     make_trainer,
-    prompt_dataset,
-    save_initial_model,
+    save_policy_for_reference,
     train_and_save,
 )
-from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
 
 
 @dataclass
-class GRPOScriptArguments(ScriptArguments):
-    """TRL's script arguments, plus the built-in model, prompts and rollouts of this example.
+class GRPOScriptArguments(PromptScriptArguments):
+    """The generating examples' script arguments (`hf_odc.demo.PromptScriptArguments`: TRL's, plus `model_config`,
+    `length_distribution` and `num_prompts`), plus where this example's completions come from.
 
     Args:
-        num_prompts (`int`, *optional*, defaults to `256`):
-            Number of prompts of the built-in prompt set.
-        model_config (`str`, *optional*, defaults to `"tiny"`):
-            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
-            `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`.
         rollouts (`str`, *optional*, defaults to `"generate"`):
             `"generate"` (transformers `generate`), `"synthetic"` (completions injected through `rollout_func`,
             lengths from `length_distribution` scaled to `max_completion_length`) or `"skewed"` (injected: long on
             rank 0, short elsewhere).
-        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the asked reply lengths and of synthetic completion lengths: one of
-            `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its longest is `max_completion_length`.
     """
 
-    num_prompts: int = field(default=256, metadata={"help": "Number of prompts of the built-in prompt set."})
-    model_config: str = field(
-        default="tiny",
-        metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
-        },
-    )
     rollouts: str = field(
         default="generate",
         metadata={"help": "Where completions come from.", "choices": ["generate", "synthetic", "skewed"]},
-    )
-    length_distribution: str = field(
-        default="swe-smith",
-        metadata={"help": "Length shape of asked and synthetic completions.", "choices": sorted(DISTRIBUTIONS)},
     )
 
 
@@ -100,15 +81,8 @@ def build_trainer(
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
-    if (training_args.beta != 0.0 or peft_config is not None) and not model_args.model_name_or_path:
-        # TRL loads the reference model from the policy's name; a LoRA adapter records its base model's name.
-        save_initial_model(model, os.path.join(training_args.output_dir, "initial-policy"), training_args)
-    dataset = prompt_dataset(
-        script_args.num_prompts,
-        training_args.max_completion_length,
-        script_args.length_distribution,
-        training_args.seed,
-    )
+    save_policy_for_reference(model, training_args, model_args, peft_config)
+    dataset = built_in_prompts(script_args, training_args)
     rollout_func = None
     if script_args.rollouts != "generate":
         rollout_func = SyntheticRollouts(script_args.rollouts, script_args.length_distribution, training_args.seed)

@@ -33,88 +33,71 @@ accelerate launch --config_file examples/odc.yaml examples/kto.py \
 
 from __future__ import annotations
 
-import os
+import argparse
 from dataclasses import dataclass, field
 
-import datasets
 from datasets import Dataset
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from hf_odc.demo import (
     GlobalBatchParser,
+    GlobalBatchScriptArguments,
     build_model,
+    initial_reference,
+    load_script_dataset,
     load_tokenizer,
-    save_initial_model,
+    make_trainer,
+    quiet_datasets_on_other_ranks,
+    require_columns,
     train_and_save,
     unpaired_dataset,
 )
-from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCKTOConfig, ODCKTOTrainer
 
 
 @dataclass
-class KTOScriptArguments(ScriptArguments):
-    """TRL's script arguments, plus the built-in model and unpaired examples of this example.
+class KTOScriptArguments(GlobalBatchScriptArguments):
+    """The examples' script arguments (`hf_odc.demo.GlobalBatchScriptArguments`: TRL's, plus `model_config`,
+    `length_distribution` and `global_batch_size`, here in examples), plus the built-in unpaired examples of this
+    example.
 
     Args:
         num_examples (`int`, *optional*, defaults to `512`):
             Number of examples of the built-in dataset (used when `dataset_name` is not set).
-        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the built-in sequences' lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its
-            longest sequence is `max_length` tokens.
-        model_config (`str`, *optional*, defaults to `"tiny"`):
-            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"`,
-            `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`.
-        global_batch_size (`int`, *optional*, defaults to `16`):
-            Examples per optimizer step over all processes (`per_device_train_batch_size = global_batch_size /
-            processes`). Set this or `--per_device_train_batch_size`, not both.
     """
 
     num_examples: int = field(default=512, metadata={"help": "Number of examples of the built-in dataset."})
-    length_distribution: str = field(
-        default="swe-smith",
-        metadata={"help": "Length shape of the built-in sequences.", "choices": sorted(DISTRIBUTIONS)},
-    )
-    model_config: str = field(
-        default="tiny",
-        metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
-        },
-    )
-    global_batch_size: int = field(
-        default=16,
-        metadata={
-            "help": "Examples per optimizer step over all processes (per_device_train_batch_size = this / "
-            "processes). Exclusive with per_device_train_batch_size."
-        },
-    )
 
 
 def load_examples(script_args: KTOScriptArguments, training_args: ODCKTOConfig) -> Dataset:
+    """``--dataset_name``'s ``--dataset_train_split`` (checked as the command line was parsed), else the built-in
+    examples."""
     if script_args.dataset_name:
-        name = script_args.dataset_name
-        dataset = datasets.load_from_disk(name) if os.path.isdir(name) else datasets.load_dataset(name)
-        return dataset[script_args.dataset_train_split] if hasattr(dataset, "keys") else dataset
+        return load_script_dataset(script_args)
     max_length = training_args.max_length or 1024
     return unpaired_dataset(script_args.num_examples, max_length, script_args.length_distribution, training_args.seed)
 
 
+def check_examples(dataset: Dataset, namespace: argparse.Namespace) -> None:
+    """A ``--dataset_name`` dataset without KTO's examples ends the run with one line naming the columns."""
+    require_columns(
+        dataset,
+        ("completion", "label"),
+        ("chosen", "rejected"),
+        needs="KTO needs unpaired examples ('prompt', 'completion' and a boolean 'label' columns) or preference pairs "
+        "('prompt', 'chosen' and 'rejected')",
+    )
+
+
 def main(script_args: KTOScriptArguments, training_args: ODCKTOConfig, model_args: ModelConfig) -> None:
-    if training_args.process_index != 0:
-        datasets.disable_progress_bars()  # every process prepares the dataset alike: the first one shows it
+    quiet_datasets_on_other_ranks()
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
-    ref_model = None
-    if peft_config is not None:
-        if not model_args.model_name_or_path:
-            save_initial_model(model, os.path.join(training_args.output_dir, "base_model"), training_args)
-    elif not training_args.precompute_ref_log_probs:
-        # The reference is the initial policy: built again from the same seed (or loaded again from the same path).
-        ref_model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
-    trainer = ODCKTOTrainer(
+    trainer = make_trainer(
+        ODCKTOTrainer,
         model=model,
-        ref_model=ref_model,
+        ref_model=initial_reference(model, script_args, training_args, model_args, tokenizer, peft_config),
         args=training_args,
         train_dataset=load_examples(script_args, training_args),
         processing_class=tokenizer,
@@ -124,7 +107,7 @@ def main(script_args: KTOScriptArguments, training_args: ODCKTOConfig, model_arg
 
 
 def make_parser() -> GlobalBatchParser:
-    parser = GlobalBatchParser((KTOScriptArguments, ODCKTOConfig, ModelConfig))
+    parser = GlobalBatchParser((KTOScriptArguments, ODCKTOConfig, ModelConfig), check_dataset=check_examples)
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(output_dir="odc-kto-output", max_length=128, max_steps=20, learning_rate=2e-3)
     return parser

@@ -31,71 +31,67 @@ accelerate launch --config_file examples/odc.yaml examples/reward.py \
 
 from __future__ import annotations
 
-import os
+import argparse
 from dataclasses import dataclass, field
 
-import datasets
 from datasets import Dataset
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
-from hf_odc.demo import GlobalBatchParser, build_model, load_tokenizer, preference_dataset, train_and_save
-from hf_odc.packing import DISTRIBUTIONS
+from hf_odc.demo import (
+    GlobalBatchParser,
+    GlobalBatchScriptArguments,
+    build_model,
+    load_script_dataset,
+    load_tokenizer,
+    make_trainer,
+    preference_dataset,
+    quiet_datasets_on_other_ranks,
+    require_columns,
+    train_and_save,
+)
 from hf_odc.trainer import ODCRewardConfig, ODCRewardTrainer
 
 
 @dataclass
-class RewardScriptArguments(ScriptArguments):
-    """TRL's script arguments, plus the built-in model and preference pairs of this example.
+class RewardScriptArguments(GlobalBatchScriptArguments):
+    """The examples' script arguments (`hf_odc.demo.GlobalBatchScriptArguments`: TRL's, plus `model_config` (here
+    with a one-output score head), `length_distribution` and `global_batch_size`, here in pairs), plus the built-in
+    preference pairs of this example.
 
     Args:
         num_pairs (`int`, *optional*, defaults to `512`):
-            Number of preference pairs of the built-in dataset (used when `dataset_name` is not set).
-        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the built-in sequences' lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its
-            longest sequence is `max_length` tokens; a pair's chosen and rejected lengths are drawn independently.
-        model_config (`str`, *optional*, defaults to `"tiny"`):
-            Model built from a config, with random weights and a one-output score head, when `model_name_or_path` is
-            not set: `"tiny"`, `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`.
-        global_batch_size (`int`, *optional*, defaults to `16`):
-            Pairs per optimizer step over all processes (`per_device_train_batch_size = global_batch_size /
-            processes`). Set this or `--per_device_train_batch_size`, not both.
+            Number of preference pairs of the built-in dataset (used when `dataset_name` is not set); a pair's chosen
+            and rejected lengths are drawn independently.
     """
 
     num_pairs: int = field(default=512, metadata={"help": "Number of pairs of the built-in dataset."})
-    length_distribution: str = field(
-        default="swe-smith",
-        metadata={"help": "Length shape of the built-in sequences.", "choices": sorted(DISTRIBUTIONS)},
-    )
-    model_config: str = field(
-        default="tiny",
-        metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'qwen2-0.5b', 'qwen2.5-1.5b' or a path."
-        },
-    )
-    global_batch_size: int = field(
-        default=16,
-        metadata={
-            "help": "Pairs per optimizer step over all processes (per_device_train_batch_size = this / processes). "
-            "Exclusive with per_device_train_batch_size."
-        },
-    )
 
 
 def load_pairs(script_args: RewardScriptArguments, training_args: ODCRewardConfig) -> Dataset:
+    """``--dataset_name``'s ``--dataset_train_split`` (checked as the command line was parsed), else the built-in
+    pairs."""
     if script_args.dataset_name:
-        name = script_args.dataset_name
-        dataset = datasets.load_from_disk(name) if os.path.isdir(name) else datasets.load_dataset(name)
-        return dataset[script_args.dataset_train_split] if hasattr(dataset, "keys") else dataset
+        return load_script_dataset(script_args)
     max_length = training_args.max_length or 1024
     return preference_dataset(script_args.num_pairs, max_length, script_args.length_distribution, training_args.seed)
 
 
+def check_pairs(dataset: Dataset, namespace: argparse.Namespace) -> None:
+    """A ``--dataset_name`` dataset without preference pairs ends the run with one line naming the columns."""
+    require_columns(
+        dataset,
+        ("chosen", "rejected"),
+        needs="a reward model trains on preference pairs: 'chosen' and 'rejected' columns (optionally 'prompt' and "
+        "'margin')",
+    )
+
+
 def main(script_args: RewardScriptArguments, training_args: ODCRewardConfig, model_args: ModelConfig) -> None:
-    if training_args.process_index != 0:
-        datasets.disable_progress_bars()  # every process prepares the dataset alike: the first one shows it
+    quiet_datasets_on_other_ranks()
     tokenizer = load_tokenizer(model_args)
     model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed, num_labels=1)
-    trainer = ODCRewardTrainer(
+    trainer = make_trainer(
+        ODCRewardTrainer,
         model=model,
         args=training_args,
         train_dataset=load_pairs(script_args, training_args),
@@ -106,7 +102,7 @@ def main(script_args: RewardScriptArguments, training_args: ODCRewardConfig, mod
 
 
 def make_parser() -> GlobalBatchParser:
-    parser = GlobalBatchParser((RewardScriptArguments, ODCRewardConfig, ModelConfig))
+    parser = GlobalBatchParser((RewardScriptArguments, ODCRewardConfig, ModelConfig), check_dataset=check_pairs)
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line. With
     # --use_peft, PEFT trains a copy of the score head beside the adapter (task type SEQ_CLS).
     parser.set_defaults(

@@ -36,13 +36,14 @@ import os
 from dataclasses import dataclass, field
 
 from datasets import Dataset
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from hf_odc.demo import (
     GlobalBatchParser,
+    GlobalBatchScriptArguments,
     build_model,
     chat_dataset,
-    load_dataset_input,
+    load_script_dataset,
     load_tokenizer,
     make_trainer,
     quiet_datasets_on_other_ranks,
@@ -50,14 +51,14 @@ from hf_odc.demo import (
     synthetic_dataset,
     train_and_save,
 )
-from hf_odc.packing import DISTRIBUTIONS
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
 from hf_odc.trainer.data import require_sft_columns
 
 
 @dataclass
-class ODCScriptArguments(ScriptArguments):
-    """TRL's script arguments, plus the built-in model and datasets of this example.
+class ODCScriptArguments(GlobalBatchScriptArguments):
+    """The examples' script arguments (`hf_odc.demo.GlobalBatchScriptArguments`: TRL's, plus `model_config`,
+    `length_distribution` and `global_batch_size`), plus the built-in datasets of this example.
 
     Args:
         dataset (`str`, *optional*, defaults to `"chat-longtail"`):
@@ -66,17 +67,6 @@ class ODCScriptArguments(ScriptArguments):
             `length_distribution` scaled to `max_length`; fast to build at any length).
         num_samples (`int`, *optional*, defaults to `512`):
             Number of samples of the built-in dataset.
-        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
-            Shape of the built-in datasets' lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its
-            longest sample is `max_length` tokens.
-        model_config (`str`, *optional*, defaults to `"tiny"`):
-            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"` (Llama),
-            `"tiny-moe"` (Qwen3-MoE), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a
-            directory holding one).
-        global_batch_size (`int`, *optional*, defaults to `16`):
-            Samples per optimizer step over all processes: each process gets `global_batch_size / processes`
-            (`per_device_train_batch_size`), so that one process and several train on the same minibatches. Set
-            this or `--per_device_train_batch_size`, not both.
     """
 
     dataset: str = field(
@@ -87,32 +77,13 @@ class ODCScriptArguments(ScriptArguments):
         },
     )
     num_samples: int = field(default=512, metadata={"help": "Number of samples of the built-in dataset."})
-    length_distribution: str = field(
-        default="swe-smith",
-        metadata={"help": "Length shape of the built-in datasets.", "choices": sorted(DISTRIBUTIONS)},
-    )
-    model_config: str = field(
-        default="tiny",
-        metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'tiny-moe', 'qwen2-0.5b', "
-            "'qwen2.5-1.5b' or a path."
-        },
-    )
-    global_batch_size: int = field(
-        default=16,
-        metadata={
-            "help": "Samples per optimizer step over all processes (per_device_train_batch_size = this / processes). "
-            "Exclusive with per_device_train_batch_size."
-        },
-    )
 
 
 def load_train_dataset(script_args: ODCScriptArguments, training_args: ODCSFTConfig, vocab_size: int) -> Dataset:
-    """``--dataset_name``'s ``--dataset_train_split`` (a directory saved with ``save_to_disk``, a data file, or a
-    dataset ``load_dataset`` finds: :func:`hf_odc.demo.load_dataset_input`, checked as the command line was parsed);
-    else the built-in ``--dataset``."""
+    """``--dataset_name``'s ``--dataset_train_split`` (checked as the command line was parsed), else the built-in
+    ``--dataset``."""
     if script_args.dataset_name:
-        return load_dataset_input(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+        return load_script_dataset(script_args)
     max_length = training_args.max_length or 1024
     if script_args.dataset == "synthetic-longtail":
         return synthetic_dataset(

@@ -9,12 +9,9 @@ step entries and the full parameters."""
 
 from __future__ import annotations
 
-import os
+from _parity import policy_and_reference, run_cases, train_with
 
-from _parity import run_cases, trained_state
-from transformers import AutoModelForCausalLM
-
-from hf_odc.demo import build_tokenizer, preference_dataset
+from hf_odc.demo import preference_dataset
 
 MINIBATCH, MAX_LENGTH = 8, 48
 COMMON = dict(
@@ -53,39 +50,27 @@ ODC_MAX_TOKENS = {"accumulation": 112}  # each case's microbatch size gives the 
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
-    from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
     from hf_odc.trainer import ODCDPOConfig, ODCDPOTrainer
 
     settings = COMMON | (CASES | MOE_CASES)[name]
     accumulation = settings.get("gradient_accumulation_steps", 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    peft_config, ref_model = None, None
-    if name == "peft":
-        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    elif not settings.get("precompute_ref_log_probs"):
-        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    if kind == "trl":
-        args = DPOConfig(output_dir, per_device_train_batch_size=MINIBATCH, **settings)
-        trainer_class = DPOTrainer
-    else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        args = ODCDPOConfig(
-            output_dir, per_device_train_batch_size=MINIBATCH // world_size, cost_model="tokens",
-            max_tokens_per_microbatch=ODC_MAX_TOKENS.get(name, 2 * MAX_LENGTH), **settings,
-        )  # fmt: skip
-        trainer_class = ODCDPOTrainer
-    trainer = trainer_class(
+    model, ref_model, peft_config = policy_and_reference(
+        model_dir, peft=name == "peft", precompute=settings.get("precompute_ref_log_probs", False)
+    )
+    return train_with(
+        kind,
+        {"trl": (DPOConfig, DPOTrainer), "odc": (ODCDPOConfig, ODCDPOTrainer)},
+        output_dir,
+        settings,
+        minibatch=MINIBATCH,
+        max_tokens=ODC_MAX_TOKENS.get(name, 2 * MAX_LENGTH),
         model=model,
         ref_model=ref_model,
-        args=args,
         train_dataset=preference_dataset(MINIBATCH * accumulation * settings["max_steps"], 96, "swe-smith", seed=2),
-        processing_class=build_tokenizer(),
         peft_config=peft_config,
     )
-    trainer.train()
-    return trained_state(trainer)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``, ``_dpo_parity.py``) save after training, and
-how their tests launch them: a stock TRL trainer on one process against an ODC trainer on several, compared step by
-step and parameter by parameter."""
+"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``, ``_dpo_parity.py``, ...) share (a case trained by
+stock TRL or by ODC, :func:`train_with`; the policy and its reference, :func:`policy_and_reference`) and save after
+training, and how their tests launch them (:func:`parity_runs`): a stock TRL trainer on one process against an ODC
+trainer on several, compared step by step and parameter by parameter (:func:`assert_same_case`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from _machine import run_process, scaled
+from _models import tiny_qwen2_config
 from _slow import require_slow
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT
+from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
+from transformers import Qwen2ForCausalLM
 
 
 def trained_state(trainer) -> dict | None:
@@ -46,6 +51,104 @@ def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = 
         command, scaled(timeout, processes), cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     assert returncode == 0, out[-4000:] + err[-8000:]
+
+
+def policy_and_reference(model_dir: str, peft: bool, precompute: bool) -> tuple[Any, Any, Any]:
+    """DPO's and KTO's cases: the policy from ``model_dir``, its reference (loaded again; none with ``peft``, the policy
+    with its LoRA adapter disabled, nor with ``precompute``, reference log-probabilities computed before training)
+    and the LoRA config (``peft``)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    if peft:
+        return model, None, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    if precompute:
+        return model, None, None
+    return model, AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa"), None
+
+
+def train_with(
+    kind: str,
+    classes: dict[str, tuple[type, type]],
+    output_dir: str,
+    settings: dict,
+    *,
+    minibatch: int,
+    max_tokens: int,
+    **trainer_kwargs: Any,
+) -> dict | None:
+    """Train one case and return its :func:`trained_state`: ``classes[kind]``'s (config, trainer) pair, ``"trl"`` on
+    one process with the whole ``minibatch`` per accumulation step, ``"odc"`` with ``minibatch / world_size`` per
+    process and accumulation step, token-costed microbatches of at most ``max_tokens``; the demo tokenizer."""
+    from hf_odc.demo import build_tokenizer
+
+    config_class, trainer_class = classes[kind]
+    if kind == "trl":
+        args = config_class(output_dir, per_device_train_batch_size=minibatch, **settings)
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        args = config_class(output_dir, per_device_train_batch_size=minibatch // world_size, cost_model="tokens",
+                            max_tokens_per_microbatch=max_tokens, **settings)  # fmt: skip
+    trainer = trainer_class(args=args, processing_class=build_tokenizer(), **trainer_kwargs)
+    trainer.train()
+    return trained_state(trainer)
+
+
+def parity_runs(
+    directory: Path,
+    script: str,
+    cases: Iterable[str],
+    *,
+    model_class: type = Qwen2ForCausalLM,
+    env: dict | None = None,
+    **config: Any,
+) -> tuple[dict, dict]:
+    """A parity test's launches: a tiny Qwen2 (seed 0; ``config`` added to it) saved in ``directory``, the ``cases``
+    of ``tests/<script>`` trained on it by stock TRL on one process and by ODC on two; their saved states, by case."""
+    torch.manual_seed(0)
+    model_config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                                     pad_token_id=0, eos_token_id=3, **config)  # fmt: skip
+    model_class(model_config).save_pretrained(directory / "model")
+    model, names = str(directory / "model"), list(cases)
+    run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
+    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env)
+    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+
+
+def assert_same_case(
+    runs: tuple[dict, dict],
+    cases: dict[str, dict],
+    case: str,
+    *,
+    skip: Iterable[str] = (),
+    per_slice: Iterable[str] = (),
+    absolute: dict[str, float] | None = None,
+) -> tuple[dict, dict]:
+    """Case ``case`` of :func:`parity_runs` trained alike (:func:`assert_same_training`, skipping ``skip`` and, when
+    the case accumulates gradients, the metrics TRL logs per accumulation slice, ``per_slice``): stock TRL's and ODC's
+    states, for the case's own asserts."""
+    reference, ours = runs[0][case], runs[1][case]
+    accumulating = cases[case].get("gradient_accumulation_steps", 1) > 1
+    assert_same_training(reference, ours, skip=(*skip, *(per_slice if accumulating else ())), absolute=absolute)
+    return reference, ours
+
+
+def assert_unequal_microbatches(results: Iterable[dict]) -> None:
+    """Some step of the ODC ``results`` (:func:`trained_state`) gave the two ranks different microbatch counts: the
+    case tested what ODC is for."""
+    entries = [entry for result in results for entry in result["logs"]]
+    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in entries)
+
+
+def example_steps(script: str, output_dir: Path, *flags: str, steps: int = 2, env: dict | None = None) -> dict:
+    """``examples/<script>`` run on two processes for ``steps`` steps with ``flags`` (no progress bar): its logged
+    steps, by step, once they are checked to be all of them."""
+    run(script, *flags, "--max_steps", str(steps), "--disable_tqdm", "true", "--output_dir", str(output_dir),
+        processes=2, env=env)  # fmt: skip
+    logs = logged_steps(output_dir)
+    assert sorted(logs) == list(range(1, steps + 1))
+    return logs
 
 
 def finish() -> None:

@@ -9,12 +9,10 @@ sequence-classification head. Rank 0 saves, per case, the logged step entries an
 
 from __future__ import annotations
 
-import os
-
-from _parity import run_cases, trained_state
+from _parity import run_cases, train_with
 from transformers import AutoModelForSequenceClassification
 
-from hf_odc.demo import build_tokenizer, preference_dataset
+from hf_odc.demo import preference_dataset
 
 MINIBATCH, MAX_LENGTH = 8, 64
 COMMON = dict(
@@ -50,30 +48,21 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     settings = COMMON | CASES[name]
     accumulation = settings.get("gradient_accumulation_steps", 1)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, attn_implementation="sdpa")
     peft_config = None
     if name == "peft":
         peft_config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
                                  target_modules=["q_proj", "v_proj"])  # fmt: skip
-    if kind == "trl":
-        args = RewardConfig(output_dir, per_device_train_batch_size=MINIBATCH, **settings)
-        trainer_class = RewardTrainer
-    else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        args = ODCRewardConfig(
-            output_dir, per_device_train_batch_size=MINIBATCH // world_size, cost_model="tokens",
-            max_tokens_per_microbatch=ACCUMULATION_MAX_TOKENS if accumulation > 1 else ODC_MAX_TOKENS, **settings,
-        )  # fmt: skip
-        trainer_class = ODCRewardTrainer
-    trainer = trainer_class(
-        model=model,
-        args=args,
+    return train_with(
+        kind,
+        {"trl": (RewardConfig, RewardTrainer), "odc": (ODCRewardConfig, ODCRewardTrainer)},
+        output_dir,
+        settings,
+        minibatch=MINIBATCH,
+        max_tokens=ACCUMULATION_MAX_TOKENS if accumulation > 1 else ODC_MAX_TOKENS,
+        model=AutoModelForSequenceClassification.from_pretrained(model_dir, attn_implementation="sdpa"),
         train_dataset=pairs(name, MINIBATCH * accumulation * settings["max_steps"]),
-        processing_class=build_tokenizer(),
         peft_config=peft_config,
     )
-    trainer.train()
-    return trained_state(trainer)
 
 
 if __name__ == "__main__":

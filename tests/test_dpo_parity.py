@@ -7,12 +7,8 @@ after each of two steps must agree (fp32), in steps where the ranks run differen
 from __future__ import annotations
 
 import pytest
-import torch
 from _dpo_parity import CASES
-from _models import tiny_qwen2_config
-from _parity import assert_same_training, run_checked
-from _trainer_launch import logged_steps, run
-from transformers import Qwen2ForCausalLM
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
@@ -25,34 +21,22 @@ DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("dpo_parity")
-    torch.manual_seed(0)
-    config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
-                               pad_token_id=0, eos_token_id=3)  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(directory / "model")
-    model, names = str(directory / "model"), list(CASES)
-    run_checked("_dpo_parity.py", "trl", model, str(directory / "trl.pt"), *names, env=QUIET)
-    run_checked("_dpo_parity.py", "odc", model, str(directory / "odc.pt"), *names, processes=2, env=QUIET)
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+    return parity_runs(tmp_path_factory.mktemp("dpo_parity"), "_dpo_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_odc_dpo_matches_stock_trl_on_one_process(runs, case):
-    reference, ours = runs[0][case], runs[1][case]
-    assert len(ours["logs"]) == len(reference["logs"]) == 2
     # With accumulation TRL averages per-slice token means; ODC's mean is over the whole minibatch (ODCDPOConfig).
-    accumulating = CASES[case].get("gradient_accumulation_steps", 1) > 1
-    skip = TIMINGS + (PER_SLICE if accumulating else ())
-    assert_same_training(reference, ours, skip=skip, absolute=dict.fromkeys(DIFFERENCES, 2e-5))
+    absolute = dict.fromkeys(DIFFERENCES, 2e-5)
+    reference, ours = assert_same_case(runs, CASES, case, skip=TIMINGS, per_slice=PER_SLICE, absolute=absolute)
+    assert len(ours["logs"]) == 2
     # The policy left the reference in the first step: the second step's rewards are not the trivial zeros.
     assert reference["logs"][1]["rewards/margins"] != 0.0
-    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in ours["logs"])
+    assert_unequal_microbatches([ours])
 
 
 def test_the_default_example_trains_on_two_processes(tmp_path):
     """No argument but the output: the built-in pairs, a reference model built from the same seed; ODC + LB-Mini."""
-    run("dpo.py", "--max_steps", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)
-    logs = logged_steps(tmp_path)
-    assert sorted(logs) == [1, 2]
+    logs = example_steps("dpo.py", tmp_path)
     assert all(entry["reference_s"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert logs[2]["rewards/margins"] != 0.0

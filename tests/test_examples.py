@@ -262,3 +262,42 @@ def test_a_model_directory_without_its_tokenizer_is_refused_not_given_the_demo_o
     build_tokenizer().save_pretrained(tmp_path)
     assert load_tokenizer(ModelConfig(model_name_or_path=str(tmp_path))).get_vocab() == build_tokenizer().get_vocab()
     assert len(load_tokenizer(ModelConfig())) == len(build_tokenizer())
+
+
+PAIR = {"prompt": "w1 w2", "chosen": "w2 w1", "rejected": "w5 w7"}
+UNPAIRED = {"prompt": "w1 w2", "completion": "w2 w1", "label": True}
+
+
+@pytest.mark.parametrize(
+    ("script", "rows", "says"),
+    [
+        ("reward.py", [PAIR] * 4, None),
+        ("reward.py", [UNPAIRED] * 4, "a reward model trains on preference pairs: 'chosen' and 'rejected' columns"),
+        ("kto.py", [UNPAIRED] * 4, None),
+        ("kto.py", [PAIR] * 4, None),
+        ("kto.py", [{"prompt": "w1", "completion": "w2"}] * 4, "KTO needs unpaired examples ('prompt', 'completion'"),
+        ("dpo.py", [UNPAIRED] * 4, "DPO needs preference pairs: 'chosen' and 'rejected' columns"),
+        ("rloo.py", [UNPAIRED] * 4, "trains on its built-in data only"),
+        ("distill.py", [UNPAIRED] * 4, "trains on its built-in data only"),
+    ],
+)
+def test_each_example_checks_its_dataset_as_the_command_line_is_parsed(tmp_path, monkeypatch, capsys, script, rows,
+                                                                        says):  # fmt: skip
+    """``--dataset_name`` loads as SFT's does, and data the script cannot train on (or any, for a script that trains on
+    its built-in prompts) ends the run with one line naming the file and the columns found, before a model is built."""
+    monkeypatch.delenv("RANK", raising=False)
+    example = load_example(script)
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    flags = ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out")]
+    if says is None:
+        script_args, training_args, _ = example.make_parser().parse_args_and_config(flags)
+        load = example.load_pairs if script == "reward.py" else example.load_examples
+        assert load(script_args, training_args).to_list() == rows
+        return
+    with pytest.raises(SystemExit) as failure:
+        example.make_parser().parse_args_and_config(flags)
+    lines = capsys.readouterr().err.splitlines()
+    (error,) = [line for line in lines if "error" in line]
+    assert failure.value.code == 2 and error == lines[-1]
+    assert error.startswith(f"{example.make_parser().prog}: error: --dataset_name {path}: ") and says in error

@@ -7,12 +7,9 @@ two ranks different numbers of microbatches in some of these steps, which the te
 from __future__ import annotations
 
 import pytest
-import torch
 from _grpo_parity import CASES
-from _models import tiny_qwen2_config
-from _parity import assert_same_training, run_checked
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
 from _trainer_launch import logged_steps, run
-from transformers import Qwen2ForCausalLM
 
 from hf_odc.trainer import PACKED_ATTENTION
 
@@ -24,24 +21,14 @@ QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in T
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("grpo_parity")
-    torch.manual_seed(0)
-    config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
-                               pad_token_id=0, eos_token_id=3)  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(directory / "model")
-    model, names = str(directory / "model"), list(CASES)
-    run_checked("_grpo_parity.py", "trl", model, str(directory / "trl.pt"), *names, env=QUIET)
-    run_checked("_grpo_parity.py", "odc", model, str(directory / "odc.pt"), *names, processes=2, env=QUIET)
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+    return parity_runs(tmp_path_factory.mktemp("grpo_parity"), "_grpo_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_odc_grpo_matches_stock_trl_on_one_process(runs, case):
-    reference, ours = runs[0][case], runs[1][case]
-    assert len(reference["logs"]) == CASES[case].get("max_steps", 1)
     # With accumulation TRL averages per-slice token means; ODC's mean is over the whole minibatch (ODCGRPOConfig).
-    accumulating = CASES[case].get("gradient_accumulation_steps", 1) > 1
-    assert_same_training(reference, ours, skip=TIMINGS + (PER_SLICE if accumulating else ()))
+    reference, _ = assert_same_case(runs, CASES, case, skip=TIMINGS, per_slice=PER_SLICE)
+    assert len(reference["logs"]) == CASES[case].get("max_steps", 1)
 
 
 def test_the_reference_model_runs_packed_attention(runs):
@@ -54,8 +41,7 @@ def test_the_reference_model_runs_packed_attention(runs):
 
 
 def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
-    entries = [entry for result in runs[1].values() for entry in result["logs"]]
-    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in entries)
+    assert_unequal_microbatches(runs[1].values())
 
 
 def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
@@ -81,11 +67,7 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
 def test_the_default_example_generates_and_trains_on_two_processes(tmp_path, peft):
     """No argument but the output (and ``--use_peft``): transformers generation (each rank decoding alone, the
     default; a LoRA policy's generate enters below the FSDP root), then ODC updates; a LoRA run saves its adapter."""
-    flags = ["--use_peft", "--max_steps", "1"] if peft else ["--max_steps", "2"]
-    run("grpo.py", *flags, "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
-        env=QUIET)  # fmt: skip
-    logs = logged_steps(tmp_path)
-    assert sorted(logs) == ([1] if peft else [1, 2])
+    logs = example_steps("grpo.py", tmp_path, *(["--use_peft"] if peft else []), steps=1 if peft else 2, env=QUIET)
     assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert (tmp_path / "adapter_config.json").is_file() == peft
     assert (tmp_path / "model.safetensors").is_file() != peft

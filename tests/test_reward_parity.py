@@ -7,11 +7,8 @@ argument, on two processes."""
 from __future__ import annotations
 
 import pytest
-import torch
-from _models import tiny_qwen2_config
-from _parity import assert_same_training, run_checked
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
 from _reward_parity import CASES
-from _trainer_launch import logged_steps, run
 from transformers import Qwen2ForSequenceClassification
 
 pytestmark = pytest.mark.slow  # every test starts processes
@@ -24,30 +21,20 @@ PER_SLICE = ("min_reward", "max_reward")  # with accumulation TRL averages each 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("reward_parity")
-    torch.manual_seed(0)
-    config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
-                               pad_token_id=0, eos_token_id=3, num_labels=1)  # fmt: skip
-    Qwen2ForSequenceClassification(config).save_pretrained(directory / "model")
-    model, names = str(directory / "model"), list(CASES)
-    run_checked("_reward_parity.py", "trl", model, str(directory / "trl.pt"), *names, env=QUIET)
-    run_checked("_reward_parity.py", "odc", model, str(directory / "odc.pt"), *names, processes=2, env=QUIET)
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+    return parity_runs(directory, "_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET,
+                       num_labels=1)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_odc_reward_matches_stock_trl_on_one_process(runs, case):
-    reference, ours = runs[0][case], runs[1][case]
-    assert len(ours["logs"]) == len(reference["logs"]) == 2
-    accumulating = CASES[case].get("gradient_accumulation_steps", 1) > 1
-    assert_same_training(reference, ours, skip=TIMINGS + (PER_SLICE if accumulating else ()))
+    reference, ours = assert_same_case(runs, CASES, case, skip=TIMINGS, per_slice=PER_SLICE)
+    assert len(ours["logs"]) == 2
     assert reference["logs"][1]["margin"] != reference["logs"][0]["margin"]  # the first step moved the rewards
-    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in ours["logs"])
+    assert_unequal_microbatches([ours])
 
 
 def test_the_default_example_trains_on_two_processes(tmp_path):
     """No argument but the output: the built-in pairs and a tiny reward model built from a config; ODC + LB-Mini."""
-    run("reward.py", "--max_steps", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)
-    logs = logged_steps(tmp_path)
-    assert sorted(logs) == [1, 2]
+    logs = example_steps("reward.py", tmp_path)
     assert all(entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert logs[2]["margin"] != logs[1]["margin"]

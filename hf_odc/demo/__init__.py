@@ -16,11 +16,25 @@ from .data import (
     synthetic_dataset,
     unpaired_dataset,
 )
-from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
+from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks, require_columns
 from .models import MODEL_CONFIGS, build_model, save_initial_model
 from .rewards import echo_reward, length_reward
 from .rollouts import SyntheticRollouts
-from .script import CHECKPOINT_FLAGS, ExampleParser, GlobalBatchParser, fail, make_trainer, train_and_save
+from .script import (
+    CHECKPOINT_FLAGS,
+    DemoScriptArguments,
+    ExampleParser,
+    GlobalBatchParser,
+    GlobalBatchScriptArguments,
+    PromptScriptArguments,
+    built_in_prompts,
+    fail,
+    initial_reference,
+    load_script_dataset,
+    make_trainer,
+    save_policy_for_reference,
+    train_and_save,
+)
 from .tokenizer import CHAT_TEMPLATE, NUM_WORDS, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 
 __all__ = [
@@ -29,24 +43,32 @@ __all__ = [
     "MODEL_CONFIGS",
     "NUM_WORDS",
     "SPECIAL_TOKENS",
+    "DemoScriptArguments",
     "ExampleParser",
     "GlobalBatchParser",
+    "GlobalBatchScriptArguments",
+    "PromptScriptArguments",
     "SyntheticRollouts",
     "build_model",
     "build_tokenizer",
+    "built_in_prompts",
     "chat_dataset",
     "check_model",
     "echo_reward",
     "fail",
+    "initial_reference",
     "length_reward",
     "load_dataset_input",
+    "load_script_dataset",
     "load_tokenizer",
     "longtail_lengths",
     "make_trainer",
     "preference_dataset",
     "prompt_dataset",
     "quiet_datasets_on_other_ranks",
+    "require_columns",
     "save_initial_model",
+    "save_policy_for_reference",
     "synthetic_dataset",
     "train_and_save",
     "unpaired_dataset",

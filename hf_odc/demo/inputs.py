@@ -81,6 +81,13 @@ def check_model(name: str) -> None:
         )
 
 
+def require_columns(dataset: Dataset, *alternatives: tuple[str, ...], needs: str) -> None:
+    """Raise ``ValueError`` unless ``dataset`` has every column of one of ``alternatives``: one line saying what the
+    trainer ``needs`` (in words), the columns found, and what to do."""
+    if not any(set(columns) <= set(dataset.column_names) for columns in alternatives):
+        raise ValueError(f"{needs}; its columns are {dataset.column_names}. Rename the ones that hold them")
+
+
 def load_dataset_input(name: str, config: str | None, split: str) -> Dataset:
     """``--dataset_name``'s split ``split`` (``--dataset_train_split``): a directory saved with ``save_to_disk``, a
     data file (by its extension, :data:`DATA_FILE_BUILDERS`), a directory of data files, or a Hub dataset (in the

@@ -1,7 +1,10 @@
-"""What the example scripts share around their trainer: TRL's parser with the demos' command-line conventions
+"""What the example scripts share around their trainer: the script arguments of the built-in model and data
+(:class:`DemoScriptArguments` and its subclasses), TRL's parser with the demos' command-line conventions
 (:class:`ExampleParser`, which also checks the inputs the flags name, and :class:`GlobalBatchParser` for a global
-minibatch that does not depend on the number of processes), the trainer built with its refusals in one line
-(:func:`make_trainer`) and the end of a run (:func:`train_and_save`)."""
+minibatch that does not depend on the number of processes), the training data (:func:`load_script_dataset`,
+:func:`built_in_prompts`), the reference model of the initial policy (:func:`initial_reference`,
+:func:`save_policy_for_reference`), the trainer built with its refusals in one line (:func:`make_trainer`) and the end
+of a run (:func:`train_and_save`)."""
 
 from __future__ import annotations
 
@@ -11,14 +14,126 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from datasets import Dataset
-from trl import TrlParser
+from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ..packing import DISTRIBUTIONS
 from ..trainer import _checkpoint
+from .data import prompt_dataset
 from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
-from .models import MODEL_CONFIGS
+from .models import MODEL_CONFIGS, build_model, save_initial_model
+
+
+@dataclass
+class DemoScriptArguments(ScriptArguments):
+    """TRL's script arguments, plus the built-in model and the shape of the built-in data that every example takes.
+
+    Args:
+        model_config (`str`, *optional*, defaults to `"tiny"`):
+            Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"` (Llama),
+            `"tiny-moe"` (Qwen3-MoE; the trainers whose router loss is not checked against TRL's refuse it with that
+            loss on), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a directory holding
+            one).
+        length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
+            Shape of the built-in data's lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its longest
+            is `max_length` tokens (a script that generates: the asked reply lengths, and its synthetic completions',
+            rescaled to `max_completion_length`).
+    """
+
+    model_config: str = field(
+        default="tiny",
+        metadata={
+            "help": "Model config when model_name_or_path is unset: 'tiny', 'tiny-moe', 'qwen2-0.5b', "
+            "'qwen2.5-1.5b' or a path."
+        },
+    )
+    length_distribution: str = field(
+        default="swe-smith",
+        metadata={"help": "Length shape of the built-in data.", "choices": sorted(DISTRIBUTIONS)},
+    )
+
+
+@dataclass
+class GlobalBatchScriptArguments(DemoScriptArguments):
+    """:class:`DemoScriptArguments`, plus the global minibatch of :class:`GlobalBatchParser`.
+
+    Args:
+        global_batch_size (`int`, *optional*, defaults to `16`):
+            Samples (pairs, examples) per optimizer step over all processes: each process gets `global_batch_size /
+            processes` (`per_device_train_batch_size`), so that one process and several train on the same
+            minibatches. Set this or `--per_device_train_batch_size`, not both.
+    """
+
+    global_batch_size: int = field(
+        default=16,
+        metadata={
+            "help": "Samples per optimizer step over all processes (per_device_train_batch_size = this / processes). "
+            "Exclusive with per_device_train_batch_size."
+        },
+    )
+
+
+@dataclass
+class PromptScriptArguments(DemoScriptArguments):
+    """:class:`DemoScriptArguments`, plus the size of the built-in prompt set of the scripts that generate.
+
+    Args:
+        num_prompts (`int`, *optional*, defaults to `256`):
+            Number of prompts of the built-in prompt set.
+    """
+
+    num_prompts: int = field(default=256, metadata={"help": "Number of prompts of the built-in prompt set."})
+
+
+def load_script_dataset(script_args: ScriptArguments) -> Dataset:
+    """``--dataset_name``'s ``--dataset_train_split``: a directory saved with ``save_to_disk``, a data file, or a
+    dataset ``load_dataset`` finds (:func:`~hf_odc.demo.load_dataset_input`, checked as the command line was
+    parsed)."""
+    return load_dataset_input(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+
+
+def built_in_prompts(script_args: PromptScriptArguments, training_args: Any) -> Dataset:
+    """The built-in prompts (:func:`~hf_odc.demo.prompt_dataset`), asking for reply lengths up to
+    ``max_completion_length``."""
+    return prompt_dataset(
+        script_args.num_prompts,
+        training_args.max_completion_length,
+        script_args.length_distribution,
+        training_args.seed,
+    )
+
+
+def initial_reference(
+    model: Any,
+    script_args: DemoScriptArguments,
+    training_args: Any,
+    model_args: ModelConfig,
+    tokenizer: Any,
+    peft_config: Any,
+) -> Any:
+    """DPO's and KTO's reference model for the policy ``model``: the initial policy, built again from the same seed
+    (or loaded again from the same path). ``None`` with a LoRA adapter (the trainer uses the policy with its adapter
+    disabled; a policy built from a config is saved under the output directory first, for the adapter to name its
+    base) or with precomputed reference log-probabilities (the trainer computes them before training, and keeps no
+    copy)."""
+    if peft_config is not None:
+        if not model_args.model_name_or_path:
+            save_initial_model(model, os.path.join(training_args.output_dir, "base_model"), training_args)
+        return None
+    if training_args.precompute_ref_log_probs:
+        return None
+    return build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
+
+
+def save_policy_for_reference(model: Any, training_args: Any, model_args: ModelConfig, peft_config: Any) -> None:
+    """For GRPO and RLOO, which load their KL reference model from the policy's name (``beta != 0``), and for a LoRA
+    adapter, which records its base model's name: a policy built from a config is saved under the output directory
+    (``initial-policy``) and named by that path."""
+    if (training_args.beta != 0.0 or peft_config is not None) and not model_args.model_name_or_path:
+        save_initial_model(model, os.path.join(training_args.output_dir, "initial-policy"), training_args)
 
 
 def train_and_save(trainer) -> None:

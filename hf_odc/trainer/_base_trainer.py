@@ -14,8 +14,9 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
+import datasets
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -45,6 +46,36 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     _weighs_moe_aux_loss = True
     """Whether the router's load-balancing loss (:mod:`hf_odc.trainer._moe`) is checked against TRL's for this
     trainer; ``False`` refuses a MoE model with the loss on, at construction."""
+
+    _config_class: ClassVar[type]
+    """The trainer's config, ``ODCXConfig``: the only ``args`` it takes (:meth:`_odc_args`)."""
+
+    # -- construction -------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def _odc_args(cls, args: Any) -> Any:
+        """``args``, or when ``None`` the config's defaults (output directory ``odc-x``, as TRL names its default
+        one after the trainer); another config is refused (``TypeError``): TRL's own lacks the ODC fields."""
+        config_class = cls._config_class
+        if args is None:
+            return config_class(f"odc-{config_class.__name__.removeprefix('ODC').removesuffix('Config').lower()}")
+        if not isinstance(args, config_class):
+            raise TypeError(f"{cls.__name__} needs an {config_class.__name__}, got {type(args).__name__}.")
+        return args
+
+    @classmethod
+    def _check_train_data(cls, kwargs: dict[str, Any], packs: str | None, text: str | None) -> None:
+        """Refuse, before TRL builds anything, what the planner cannot train on: a ``data_collator`` (the planner packs
+        the ``packs`` itself; ``None``: the trainer refuses it itself), a ``train_dataset`` that is not a map-style
+        ``datasets.Dataset`` (it samples global minibatches) and, when the trainer trains on ``text`` only, a vision
+        dataset (``NotImplementedError``)."""
+        if packs is not None and kwargs.get("data_collator") is not None:
+            raise ValueError(f"{cls.__name__} does not accept `data_collator`: the planner packs the {packs}.")
+        train_dataset = kwargs.get("train_dataset")
+        if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
+            raise TypeError(f"{cls.__name__} needs a map-style `datasets.Dataset`: it samples global minibatches.")
+        if text is not None and train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
+            raise NotImplementedError(f"{cls.__name__} trains on text {text}; vision datasets are not supported.")
 
     # -- the hooks a trainer supplies ---------------------------------------------------------------------------------
 

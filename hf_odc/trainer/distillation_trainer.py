@@ -56,12 +56,10 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "distillation", "hf-odc"]
     _name = "ODC Distillation"
+    _config_class = ODCDistillationConfig
 
     def __init__(self, model: Any, teacher_model: Any = None, args: ODCDistillationConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCDistillationConfig("odc-distillation")
-        elif not isinstance(args, ODCDistillationConfig):
-            raise TypeError(f"ODCDistillationTrainer needs an ODCDistillationConfig, got {type(args).__name__}.")
+        args = self._odc_args(args)
         if teacher_model is None:
             raise ValueError(
                 "ODCDistillationTrainer shards and runs a local teacher: pass teacher_model (a model or its name); a "

@@ -75,19 +75,12 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "dpo", "hf-odc"]
     _name = "ODC DPO"
+    _config_class = ODCDPOConfig
 
     def __init__(self, model: Any, ref_model: nn.Module | None = None, args: ODCDPOConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCDPOConfig("odc-dpo")
-        elif not isinstance(args, ODCDPOConfig):
-            raise TypeError(f"ODCDPOTrainer needs an ODCDPOConfig, got {type(args).__name__}.")
-        if kwargs.get("data_collator") is not None:
-            raise ValueError("ODCDPOTrainer does not accept `data_collator`: the planner packs the pairs.")
+        args = self._odc_args(args)
+        self._check_train_data(kwargs, packs="pairs", text="pairs")
         train_dataset = kwargs.get("train_dataset")
-        if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
-            raise TypeError("ODCDPOTrainer needs a map-style `datasets.Dataset`: it samples global minibatches.")
-        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
-            raise NotImplementedError("ODCDPOTrainer trains on text pairs; vision datasets are not supported.")
         if trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
             # Every rank loads the whole model and hf_odc shards it: TRL's default device_map="auto" would spread it
             # over all of this host's GPUs instead.

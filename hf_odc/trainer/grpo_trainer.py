@@ -56,12 +56,10 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "hf-odc"]
     _name = "ODC GRPO"
+    _config_class = ODCGRPOConfig
 
     def __init__(self, model: Any, reward_funcs: Any, args: ODCGRPOConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCGRPOConfig("odc-grpo")
-        elif not isinstance(args, ODCGRPOConfig):
-            raise TypeError(f"ODCGRPOTrainer needs an ODCGRPOConfig, got {type(args).__name__}.")
+        args = self._odc_args(args)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if self.beta != 0.0 and self.ref_model is None:
             raise NotImplementedError(

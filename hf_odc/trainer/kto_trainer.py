@@ -88,19 +88,11 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "kto", "hf-odc"]
     _name = "ODC KTO"
+    _config_class = ODCKTOConfig
 
     def __init__(self, model: Any, ref_model: nn.Module | None = None, args: ODCKTOConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCKTOConfig("odc-kto")
-        elif not isinstance(args, ODCKTOConfig):
-            raise TypeError(f"ODCKTOTrainer needs an ODCKTOConfig, got {type(args).__name__}.")
-        if kwargs.get("data_collator") is not None:
-            raise ValueError("ODCKTOTrainer does not accept `data_collator`: the planner packs the examples.")
-        train_dataset = kwargs.get("train_dataset")
-        if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
-            raise TypeError("ODCKTOTrainer needs a map-style `datasets.Dataset`: it samples global minibatches.")
-        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
-            raise NotImplementedError("ODCKTOTrainer trains on text examples; vision datasets are not supported.")
+        args = self._odc_args(args)
+        self._check_train_data(kwargs, packs="examples", text="examples")
         if trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
             # Every rank loads the whole model and hf_odc shards it: not spread over this host's GPUs by a device map.
             args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}

@@ -21,7 +21,6 @@ import itertools
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-import datasets
 import torch
 from accelerate.utils import is_peft_model
 from torch import nn
@@ -59,17 +58,11 @@ class ODCRewardTrainer(_ODCTrainer, RewardTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "reward-trainer", "hf-odc"]
     _name = "ODC Reward"
+    _config_class = ODCRewardConfig
 
     def __init__(self, model: Any, args: ODCRewardConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCRewardConfig("odc-reward")
-        elif not isinstance(args, ODCRewardConfig):
-            raise TypeError(f"ODCRewardTrainer needs an ODCRewardConfig, got {type(args).__name__}.")
-        if kwargs.get("data_collator") is not None:
-            raise ValueError("ODCRewardTrainer does not accept `data_collator`: the planner packs the pairs.")
-        train_dataset = kwargs.get("train_dataset")
-        if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
-            raise TypeError("ODCRewardTrainer needs a map-style `datasets.Dataset`: it samples global minibatches.")
+        args = self._odc_args(args)
+        self._check_train_data(kwargs, packs="pairs", text=None)
         if isinstance(model, str):
             # Every rank loads the whole model and hf_odc shards it: not spread over this host's GPUs by a device map.
             args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}

@@ -57,12 +57,10 @@ class ODCRLOOTrainer(_ODCRolloutTrainer, RLOOTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "rloo", "hf-odc"]
     _name = "ODC RLOO"
+    _config_class = ODCRLOOConfig
 
     def __init__(self, model: Any, reward_funcs: Any, args: ODCRLOOConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCRLOOConfig("odc-rloo")
-        elif not isinstance(args, ODCRLOOConfig):
-            raise TypeError(f"ODCRLOOTrainer needs an ODCRLOOConfig, got {type(args).__name__}.")
+        args = self._odc_args(args)
         self._rewards_per_func: torch.Tensor | None = None
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if self.beta != 0.0 and self.ref_model is None:

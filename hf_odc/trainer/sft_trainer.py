@@ -66,18 +66,15 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
 
     _tag_names: ClassVar[list[str]] = ["trl", "sft", "hf-odc"]
     _name = "ODC SFT"
+    _config_class = ODCSFTConfig
 
     def __init__(self, model: Any, args: ODCSFTConfig | None = None, **kwargs: Any):
-        if args is None:
-            args = ODCSFTConfig("odc-sft")
-        elif not isinstance(args, ODCSFTConfig):
-            raise TypeError(f"ODCSFTTrainer needs an ODCSFTConfig, got {type(args).__name__}.")
+        args = self._odc_args(args)
         for unsupported in ("data_collator", "compute_loss_func"):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"ODCSFTTrainer does not accept `{unsupported}`: the planner packs and scales.")
+        self._check_train_data(kwargs, packs=None, text=None)
         train_dataset = kwargs.get("train_dataset")
-        if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
-            raise TypeError("ODCSFTTrainer needs a map-style `datasets.Dataset`: it samples global minibatches.")
         if train_dataset is not None:
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
