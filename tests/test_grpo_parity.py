@@ -1,8 +1,9 @@
 """ODCGRPOTrainer on 2 CPU processes against stock TRL GRPOTrainer on one process holding the whole minibatch, on
-fixed rollouts (``examples/grpo.py``'s synthetic ones), for every loss type TRL 1.16 offers, the KL term, the entropy
-bonus (static and adaptive), a second iteration on old log-probabilities and the off-policy mask: the loss, the
-gradient norm, TRL's metrics and the parameters after each step must agree (fp32). The re-planned minibatch gives the
-two ranks different numbers of microbatches in some of these steps, which the test requires."""
+fixed rollouts (``examples/grpo.py``'s synthetic ones), for every loss type TRL 1.16 offers, the KL term (a LoRA
+policy's too: its reference is the same model with the adapter disabled), the entropy bonus (static and adaptive),
+``top_entropy_quantile``'s high-entropy token mask, a second iteration on old log-probabilities and the off-policy
+mask: the loss, the gradient norm, TRL's metrics and the parameters after each step must agree (fp32). The re-planned
+minibatch gives the two ranks different numbers of microbatches in some of these steps, which the test requires."""
 
 from __future__ import annotations
 
@@ -79,9 +80,10 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_the_default_example_generates_and_trains_on_two_processes(tmp_path, peft):
-    """No argument but the output (and ``--use_peft``): transformers generation (each rank decoding alone, the
-    default; a LoRA policy's generate enters below the FSDP root), then ODC updates; a LoRA run saves its adapter."""
-    flags = ["--use_peft", "--max_steps", "1"] if peft else ["--max_steps", "2"]
+    """No argument but the output (and ``--use_peft --beta 0.04``): transformers generation (each rank decoding
+    alone, the default; a LoRA policy's generate enters below the FSDP root), then ODC updates (a LoRA policy's KL
+    reference: the same model, adapter disabled); a LoRA run saves its adapter."""
+    flags = ["--use_peft", "--beta", "0.04", "--max_steps", "1"] if peft else ["--max_steps", "2"]
     run("grpo.py", *flags, "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
         env=QUIET)  # fmt: skip
     logs = logged_steps(tmp_path)
