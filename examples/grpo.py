@@ -36,7 +36,6 @@ equal split.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, get_peft_config
@@ -102,21 +101,8 @@ def main(script_args: GRPOScriptArguments, training_args: ODCGRPOConfig, model_a
     train_and_save(build_trainer(script_args, training_args, model_args))
 
 
-class GRPOParser(ExampleParser):
-    """:class:`ExampleParser` for this script: PEFT trains with ``--beta 0`` only (ODCGRPOTrainer has no reference
-    model for an adapter yet), refused here in one line rather than by the trainer on every process."""
-
-    def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
-        super().complete(namespace, given)
-        if namespace.use_peft and namespace.beta != 0.0:
-            self.error(
-                f"--use_peft trains with --beta 0 only (got --beta {namespace.beta:g}): ODCGRPOTrainer has no KL "
-                "reference for a LoRA adapter yet. Drop --beta, or train the full model without --use_peft"
-            )
-
-
 def make_parser() -> ExampleParser:
-    parser = GRPOParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig), check_dataset=None)  # built-in prompts
+    parser = ExampleParser((GRPOScriptArguments, ODCGRPOConfig, ModelConfig), check_dataset=None)  # built-in prompts
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(
         output_dir="odc-grpo-output",

@@ -6,8 +6,8 @@ With no argument it runs on CPU in a couple of minutes, on the GRPO example's pa
 Llama-style model built from a config, the word-level tokenizer, the built-in prompts asking for long-tailed reply
 lengths and two rule-based rewards. Each rank decodes its prompts with transformers (`--odc_generation`); TRL's RLOO
 then scores them, and hf_odc plans the policy updates. TRL's default `--beta 0.05` keeps a reference model (the initial
-policy, saved under the output directory) for the KL penalty in the rewards; `--use_peft` trains a LoRA adapter with
-`--beta 0`.
+policy, saved under the output directory) for the KL penalty in the rewards; `--use_peft` trains a LoRA adapter, whose
+KL reference is the same model with the adapter disabled.
 
 ```bash
 # one process

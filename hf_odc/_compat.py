@@ -53,6 +53,7 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
     "trl:GRPOTrainer": (
         "_generate",
         "_generate_single_turn",
+        "_tool_call_loop",
         "_generate_and_score_completions",
         "_get_per_token_logps_and_entropies",
         "_prepare_inputs",

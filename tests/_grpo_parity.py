@@ -36,7 +36,19 @@ CASES = {
     **{loss: {"loss_type": loss} for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")},
     "luspo-sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
     "kl": {"loss_type": "grpo", "beta": 0.2, "max_steps": 2},  # step 2: the policy has left the reference
+    # A LoRA policy: the reference is the same model with its adapter disabled (step 2: the adapter has moved).
+    "lora-kl": {"lora": True, "loss_type": "grpo", "beta": 0.04, "max_steps": 2, "learning_rate": 8.0},
     "entropy": {"loss_type": "dapo", "entropy_coef": 0.05},
+    # The policy loss and the entropy bonus on the minibatch's top 20% entropy tokens; step 2's coefficient follows
+    # their mean entropy.
+    "entropy-mask": {
+        "loss_type": "grpo",
+        "top_entropy_quantile": 0.2,
+        "use_adaptive_entropy": True,
+        "entropy_coef": 0.05,
+        "entropy_target": 6.2225,
+        "max_steps": 2,
+    },
     "adaptive-entropy": {"loss_type": "bnpo", "use_adaptive_entropy": True, "entropy_coef": 0.05, "max_steps": 2},
     # Two steps on one generation batch: the second scores against the old policy's log-probabilities.
     "iterations": {"loss_type": "dapo", "num_iterations": 2, "epsilon": 0.02, "max_steps": 2},
@@ -59,6 +71,8 @@ RLOO_CASES = {  # TRL's beta defaults to 0.05: the KL penalty is in the rewards 
     "rloo-iterations": {"beta": 0.0, "num_iterations": 2, "epsilon": 0.3, "max_steps": 2},
     "rloo-accumulation": {"gradient_accumulation_steps": 2, "max_steps": 2},
     "rloo-lora": {"lora": True, "beta": 0.0, "max_steps": 2},
+    # A LoRA policy with the KL penalty: the reference is the same model with its adapter disabled.
+    "rloo-lora-kl": {"lora": True, "beta": 0.2, "max_steps": 2, "learning_rate": 8.0},
 }  # fmt: skip
 DISTILLATION_CASES = {  # TRL's beta defaults to 1.0: the reverse KL
     "distill": {},
@@ -135,7 +149,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
             (DistillationConfig, DistillationTrainer) if distill else (RLOOConfig, RLOOTrainer) if rloo
             else (GRPOConfig, GRPOTrainer)
         )  # fmt: skip
-        args = config_class(output_dir, per_device_train_batch_size=MINIBATCH, **common, **overrides)
+        args = config_class(output_dir, per_device_train_batch_size=MINIBATCH, **(common | overrides))
     else:
         config_class, trainer_class = (
             (odc.ODCDistillationConfig, odc.ODCDistillationTrainer) if distill
@@ -143,7 +157,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         )  # fmt: skip
         args = config_class(
             output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **common, **overrides,
+            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **(common | overrides),
         )  # fmt: skip
     if distill:  # the teacher: the student's shape, other weights (the same on every process)
         torch.manual_seed(1)

@@ -194,16 +194,6 @@ def test_a_bad_flag_fails_with_one_error_line_from_the_first_process_only(monkey
     assert failure.value.code == 2 and capsys.readouterr().err == ""
 
 
-def test_grpo_refuses_a_lora_policy_with_a_kl_term_in_one_line(monkeypatch, capsys):
-    """``--use_peft`` trains an adapter (``test_grpo_parity``); with ``--beta`` > 0 it is refused before anything
-    runs: the trainer has no reference for an adapter yet."""
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as failure:
-        grpo.make_parser().parse_args_and_config(["--use_peft", "--beta", "0.04"])
-    error = capsys.readouterr().err.splitlines()[-1]
-    assert failure.value.code == 2 and "--use_peft trains with --beta 0 only (got --beta 0.04)" in error
-
-
 def test_grpo_refuses_a_dataset_it_would_not_read_in_one_line(tmp_path, monkeypatch, capsys):
     """``examples/grpo.py`` trains on its built-in prompts: ``--dataset_name`` is refused, not silently ignored."""
     monkeypatch.delenv("RANK", raising=False)

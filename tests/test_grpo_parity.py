@@ -1,8 +1,9 @@
 """ODCGRPOTrainer on 2 CPU processes against stock TRL GRPOTrainer on one process holding the whole minibatch, on
-fixed rollouts (``examples/grpo.py``'s synthetic ones), for every loss type TRL 1.16 offers, the KL term, the entropy
-bonus (static and adaptive), a second iteration on old log-probabilities and the off-policy mask: the loss, the
-gradient norm, TRL's metrics and the parameters after each step must agree (fp32). The re-planned minibatch gives the
-two ranks different numbers of microbatches in some of these steps, which the test requires."""
+fixed rollouts (``examples/grpo.py``'s synthetic ones), for every loss type TRL 1.16 offers, the KL term (a LoRA
+policy's too: its reference is the same model with the adapter disabled), the entropy bonus (static and adaptive),
+``top_entropy_quantile``'s high-entropy token mask, a second iteration on old log-probabilities and the off-policy
+mask: the loss, the gradient norm, TRL's metrics and the parameters after each step must agree (fp32). The re-planned
+minibatch gives the two ranks different numbers of microbatches in some of these steps, which the test requires."""
 
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_the_default_example_generates_and_trains_on_two_processes(tmp_path, peft):
-    """No argument but the output (and ``--use_peft``): transformers generation (each rank decoding alone, the
-    default; a LoRA policy's generate enters below the FSDP root), then ODC updates; a LoRA run saves its adapter."""
-    logs = example_steps("grpo.py", tmp_path, *(["--use_peft"] if peft else []), steps=1 if peft else 2, env=QUIET)
+    """No argument but the output (and ``--use_peft --beta 0.04``): transformers generation (each rank decoding
+    alone, the default; a LoRA policy's generate enters below the FSDP root), then ODC updates (a LoRA policy's KL
+    reference: the same model, adapter disabled); a LoRA run saves its adapter."""
+    flags = ["--use_peft", "--beta", "0.04"] if peft else []
+    logs = example_steps("grpo.py", tmp_path, *flags, steps=1 if peft else 2, env=QUIET)
     assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert (tmp_path / "adapter_config.json").is_file() == peft
     assert (tmp_path / "model.safetensors").is_file() != peft

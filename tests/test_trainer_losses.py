@@ -51,25 +51,18 @@ def test_generalized_jsd_equals_trls_chunked_kernel(beta):
     torch.testing.assert_close(our_grad, their_grad, rtol=1e-4, atol=1e-5)
 
 
-def test_what_rloo_and_distillation_refuse_is_named_in_one_line(tmp_path):
-    """A LoRA policy with RLOO's KL term (its reference would be the policy with the adapter off), and a
-    distillation without a local teacher (TRL's served teachers stay TRL's): one line saying what to set."""
-    from peft import LoraConfig
+def test_what_distillation_refuses_is_named_in_one_line(tmp_path):
+    """A distillation without a local teacher (TRL's served teachers stay TRL's): one line saying what to set (RLOO's
+    PEFT refusals: ``tests/test_trainer_rollouts.py``)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_odc.demo import build_tokenizer, prompt_dataset
+    from hf_odc.demo import build_tokenizer
     from hf_odc.demo.models import MODEL_CONFIGS
-    from hf_odc.trainer import ODCDistillationConfig, ODCDistillationTrainer, ODCRLOOConfig, ODCRLOOTrainer
+    from hf_odc.trainer import ODCDistillationConfig, ODCDistillationTrainer
 
     tokenizer = build_tokenizer()
     config = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id} | MODEL_CONFIGS["tiny"]
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     common = {"report_to": "none", "use_cpu": True, "per_device_train_batch_size": 4}
-    with pytest.raises(NotImplementedError, match=r"beta > 0 with a PEFT model.*set beta=0\.0"):
-        ODCRLOOTrainer(
-            model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-            args=ODCRLOOConfig(str(tmp_path), num_generations=2, **common), processing_class=tokenizer,
-            train_dataset=prompt_dataset(8, 8, "swe-smith", 0), peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
-        )  # fmt: skip
     with pytest.raises(ValueError, match="pass teacher_model"):
         ODCDistillationTrainer(model=model, args=ODCDistillationConfig(str(tmp_path), **common))

@@ -78,7 +78,6 @@ def test_a_generation_batch_that_does_not_split_is_refused():
     [
         ({"use_vllm": True, "odc_generation": "gathered"}, "Leave odc_generation unset"),
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
-        ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=1.0"),
         ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
         ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
     ],
@@ -98,3 +97,33 @@ def test_vllm_generation_is_accepted_in_both_modes(tmp_path):
 def test_models_are_loaded_whole_for_sharding(tmp_path):
     args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, model_init_kwargs={})
     assert args.model_init_kwargs["device_map"] is None and args.steps_per_generation == 1
+
+
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+@pytest.mark.parametrize(
+    "peft, message",
+    [
+        ("adapter", "Pass the base model with peft_config"),  # TRL would copy the adapter as the reference
+        ("prompt-tuning", "does not support prompt-learning PEFT"),
+    ],
+)
+def test_peft_setups_without_a_packed_reference_are_refused_in_one_line(tmp_path, trainer, peft, message):
+    """A LoRA policy with ``beta > 0`` given as the base model and ``peft_config`` trains (``tests/test_grpo_parity``,
+    ``tests/test_rloo_parity``); a PeftModel whose adapter TRL would keep a copy of as the reference, and
+    prompt-learning PEFT, are refused."""
+    from _models import tiny_model
+    from peft import PromptTuningConfig
+
+    from hf_odc import trainer as odc
+    from hf_odc.demo import build_tokenizer, length_reward, prompt_dataset
+
+    model, peft_config = tiny_model(lora=True), None
+    if peft == "prompt-tuning":
+        model, peft_config = tiny_model(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    config_class, trainer_class = getattr(odc, f"ODC{trainer}Config"), getattr(odc, f"ODC{trainer}Trainer")
+    args = config_class(str(tmp_path), per_device_train_batch_size=4, num_generations=4, beta=0.04, use_cpu=True,
+                        report_to="none")  # fmt: skip
+    with pytest.raises(NotImplementedError, match=message) as refusal:
+        trainer_class(model=model, reward_funcs=length_reward, args=args, processing_class=build_tokenizer(),
+                      train_dataset=prompt_dataset(8, 16, "swe-smith", seed=0), peft_config=peft_config)  # fmt: skip
+    assert "\n" not in str(refusal.value)

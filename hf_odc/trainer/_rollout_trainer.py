@@ -5,10 +5,13 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
 :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 
 * ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy
-  (:meth:`_setup_generation`, after :meth:`_setup_odc`).
+  (:meth:`_setup_generation`, after :meth:`_setup_odc`); a PEFT policy's reference is the same sharded model with its
+  adapter disabled (:func:`hf_odc.trainer.reference.reference_of`).
 * ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`);
-  with vLLM, TRL's as it is, the weights pushed by hf_odc's sync (:mod:`hf_odc.trainer.vllm_sync`).
-* ``_generate``: TRL's, recording each completion's true length (TRL pads them).
+  with tools, every turn of a generation batch in one decoding context, held through ``_tool_call_loop``; with vLLM,
+  TRL's as it is, the weights pushed by hf_odc's sync (:mod:`hf_odc.trainer.vllm_sync`).
+* ``_generate``: TRL's, its tool loop included (GRPO's ``tools``, ``environment_factory``: each turn is a call of
+  ``_generate_single_turn``), recording each completion's true length, tool results included (TRL pads them).
 * ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
   passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
 * ``_plan_step``: once per ``steps_per_generation * num_iterations`` calls of ``training_step``, TRL generates and
@@ -42,6 +45,8 @@ from .generation import StaticDecoder, choose_generation_mode, decoding
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 from .vllm_sync import ODCWeightSync
 
+# A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.
+Pass = tuple[nn.Module, ODCRuntime, contextlib.AbstractContextManager, str]
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids", "mm_token_type_ids")
 
 
@@ -84,12 +89,15 @@ class _ODCRolloutTrainer(_ODCTrainer):
         )
         self._generation_dtype = dtype
         self._static_decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
+        self._decoding: contextlib.ExitStack | None = None  # held from a generation's first turn to its last
 
     # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
 
-    def _deferred_passes(self, scored: dict[str, Any]) -> list[tuple[nn.Module, ODCRuntime, str]]:
-        """The deferred log-probability passes the loss needs, given TRL's scored output: ``(model, runtime, key)``
-        each, run on every packed microbatch of the generation batch and stored under ``key`` in its loss inputs."""
+    def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
+        """The deferred log-probability passes the loss needs, given TRL's scored output: ``(model, runtime, context,
+        key)`` each (``context`` the one to run ``model`` in: :func:`~hf_odc.trainer.reference.reference_of`'s for
+        a reference), run on every packed microbatch of the generation batch and stored under ``key`` in its loss
+        inputs."""
         raise NotImplementedError
 
     def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
@@ -126,11 +134,35 @@ class _ODCRolloutTrainer(_ODCTrainer):
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
         """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`), or by
-        vLLM."""
+        vLLM. With tools, the decoding context (one forward-only ODC minibatch, or the gathered weights) is entered at
+        the first turn and held through TRL's tool loop (:meth:`_tool_call_loop`), so that each rank decodes as many
+        turns as its own completions need, alone, and meets the others once per generation batch."""
         if self.use_vllm:
             return super()._generate_single_turn(*args, **kwargs)
-        with decoding(self.model, self.odc, self._generation_mode):
+        if self._decoding is None:
+            self._decoding = contextlib.ExitStack()
+            self._decoding.enter_context(decoding(self.model, self.odc, self._generation_mode))
+        try:
             return super()._generate_single_turn(*args, **kwargs)
+        except BaseException:
+            self._leave_decoding()
+            raise
+        finally:
+            if not getattr(self, "tools", None):
+                self._leave_decoding()
+
+    def _tool_call_loop(self, *args: Any, **kwargs: Any) -> tuple:
+        """TRL's tool loop (run the tools, decode the next turn of the completions that called one), inside the
+        decoding context its first turn entered; left at its end."""
+        try:
+            return super()._tool_call_loop(*args, **kwargs)
+        finally:
+            self._leave_decoding()
+
+    def _leave_decoding(self) -> None:
+        if self._decoding is not None:
+            decoding_context, self._decoding = self._decoding, None
+            decoding_context.close()
 
     def _get_per_token_logps_and_entropies(self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
         """TRL's, except while a training generation batch is scored: then the old/reference passes are deferred to
@@ -172,7 +204,8 @@ class _ODCRolloutTrainer(_ODCTrainer):
         metrics["generation_s"].append(time.perf_counter() - started)
         if any(key in scored for key in _MULTIMODAL_KEYS):
             raise NotImplementedError(
-                f"{type(self).__name__} trains text-only policies; multimodal prompts are not supported."
+                f"{type(self).__name__} trains text-only policies; multimodal prompts are not supported. Train a "
+                f"vision-language policy with TRL's {type(self).__name__.removeprefix('ODC')}."
             )
         rollouts = gather_rollouts(Rollouts.from_scored(scored, self._completion_lengths))
         planned = plan_generation_batch(
@@ -187,20 +220,27 @@ class _ODCRolloutTrainer(_ODCTrainer):
         microbatches = [microbatch for step in planned for microbatch in step.microbatches]
         passes = self._deferred_passes(scored)
         if passes:
-            metrics["scoring_s"].append(sum(self._score_rollouts(*p[:2], microbatches, p[2]) for p in passes))
+            metrics["scoring_s"].append(sum(self._score_rollouts(*p[:3], microbatches, p[3]) for p in passes))
         self._after_scoring(rollouts, planned)
         return planned
 
     def _score_rollouts(
-        self, model: nn.Module, runtime: ODCRuntime, microbatches: list[dict[str, Any]], key: str
+        self,
+        model: nn.Module,
+        runtime: ODCRuntime,
+        context: contextlib.AbstractContextManager,
+        microbatches: list[dict[str, Any]],
+        key: str,
+        output: str = "log_probs",
     ) -> float:
-        """Per-token log-probabilities of ``model`` on this rank's packed microbatches, stored under ``key`` in each
-        one's loss inputs, in one forward-only minibatch; returns its device-timed span (seconds)."""
-        with runtime.minibatch(backward=False), self.accelerator.autocast():
+        """Per-token log-probabilities (or another per-position ``output`` of the forward, e.g. ``"entropy"``) of
+        ``model``, run in ``context``, at the completion tokens of this rank's packed microbatches, stored under
+        ``key`` in each one's loss inputs, in one forward-only minibatch; returns its device-timed span (seconds)."""
+        with runtime.minibatch(backward=False), context, self.accelerator.autocast():
             for microbatch in microbatches:
                 inputs = self._to_device(microbatch)
                 outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
-                microbatch["loss"][key] = outputs.log_probs[0][inputs["loss"]["token_index"]].float()
+                microbatch["loss"][key] = getattr(outputs, output)[0][inputs["loss"]["token_index"]].float()
         return runtime.last.step
 
 

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 from trl import DistillationTrainer
 
-from ..accelerate_plugin import ODCRuntime
-from ._rollout_trainer import _ODCRolloutTrainer
+from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from ._step import StepMetrics
 from .distillation_config import ODCDistillationConfig
 from .rollouts import Rollouts, RolloutStep
@@ -85,7 +84,7 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
     def _iterations_per_generation(self) -> int:
         return 1
 
-    def _deferred_passes(self, scored: dict[str, Any]) -> list[tuple[nn.Module, ODCRuntime, str]]:
+    def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
         """None: TRL's distillation scores nothing while generating (the teacher runs in :meth:`_after_scoring`)."""
         return []
 

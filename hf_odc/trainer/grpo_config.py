@@ -36,6 +36,25 @@ class ODCGRPOConfig(_ODCRolloutConfig, GRPOConfig):
     slices; hf_odc takes them over the whole minibatch (the same whatever the number of processes), which equals TRL's
     when the slices hold equal numbers of trained tokens. Every other loss equals TRL's with any accumulation.
 
+    With `top_entropy_quantile < 1`, before each optimizer step a forward-only pass of the current policy over each
+    rank's packed microbatches gives the entropy of every trained completion token; the ranks gather them once, and
+    the policy loss trains only the tokens at or above their `1 - top_entropy_quantile` quantile. The entropy bonus and
+    the adaptive controller's entropy are then means over those tokens, as in TRL. TRL takes the quantile over one
+    accumulation slice's tokens on every process, hf_odc over the whole minibatch's: the same tokens when
+    `gradient_accumulation_steps = 1`, and with accumulation a set that does not depend on the number of processes.
+    The pass costs one more forward of the minibatch per step (`entropy_scoring_s`).
+
+    With `beta > 0`, a PEFT policy (the base model with `peft_config`) takes as its reference the same sharded model
+    with its adapter disabled, scored in a forward-only minibatch of packed rows like a separate reference model.
+
+    With `tools` or `environment_factory`, TRL's multi-turn loop runs as it is (tool calls parsed, run, their results
+    appended to the completion, at most `max_tool_calling_iterations` rounds), each turn decoded as `odc_generation`
+    decodes: a multi-turn completion is packed and balanced whole, by its length with the tool results, whose tokens
+    carry no loss (TRL's tool mask). The `"static"`, `"gathered"` and `"sharded"` modes decode each rank's turns
+    alone, as many as its completions need, the weights assembled (or the ODC minibatch held) once per generation
+    batch; `"lockstep"` (TRL's FSDP path, whose forwards gather collectively) needs every rank to decode as many
+    turns.
+
     With `use_vllm=True`, TRL's vLLM generation runs (`vllm_mode="colocate"`: an engine on each rank, within
     `vllm_gpu_memory_utilization` of its device, sleep mode honoured; `"server"`: a vLLM server started as TRL
     documents, sent TRL's requests by rank 0) and only the weight sync is hf_odc's (`hf_odc.trainer.vllm_sync`): when
@@ -51,18 +70,9 @@ class ODCGRPOConfig(_ODCRolloutConfig, GRPOConfig):
     {generation_parameters}
 
     > [!NOTE]
-    > Not supported, refused at construction: `use_transformers_continuous_batching`, `top_entropy_quantile < 1` (its
-    > threshold is a quantile over the whole minibatch's entropies under the current policy, which an ODC minibatch
-    > has no collective to compute), PEFT with `beta > 0`, multimodal prompts, and with vLLM LoRA variants (DoRA),
-    > `lora_bias` and LoRA on other than linear layers (their merge).
+    > Not supported, refused at construction: `use_transformers_continuous_batching` (generate with `odc_generation`
+    > or vLLM), multimodal prompts (train a vision-language policy with TRL's `GRPOTrainer`), a PEFT model whose
+    > adapter TRL would copy as the reference (pass the base model with `peft_config`) and prompt-learning PEFT, and
+    > with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers (their merge).
     > `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole models and hf_odc shards them.
     """
-
-    def __post_init__(self):
-        if self.top_entropy_quantile < 1.0:
-            raise ValueError(
-                "ODCGRPOTrainer does not support top_entropy_quantile < 1: the threshold is a quantile over the whole "
-                "minibatch's entropies under the current policy, which ranks cannot gather inside an ODC minibatch. "
-                "Set top_entropy_quantile=1.0."
-            )
-        super().__post_init__()

@@ -6,7 +6,10 @@ What is GRPO-specific, hook by hook (generation, deferred scoring and the rollou
 collectives and checkpoints every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 
 * ``_deferred_passes``: the old-policy pass when TRL scores one (``steps_per_generation`` above the accumulation, or
-  ``num_iterations > 1``), the reference pass with ``beta > 0``.
+  ``num_iterations > 1``), the reference pass with ``beta > 0`` (a PEFT policy's reference: the same sharded model
+  with its adapter disabled, :func:`hf_odc.trainer.reference.reference_of`).
+* ``_plan_step``: with ``top_entropy_quantile < 1``, each step's high-entropy token mask from a forward-only pass of
+  the current policy and one gather (:meth:`_mask_low_entropy_tokens`).
 * ``_after_scoring``: vLLM's importance-sampling metrics over the whole generation batch.
 * ``_microbatch_loss``: TRL's per-token objective with the minibatch's global normaliser (see
   :class:`ODCGRPOConfig`), so no collective runs inside; TRL's metrics are accumulated on the device
@@ -15,17 +18,20 @@ collectives and checkpoints every ODC trainer's: :class:`hf_odc.trainer._base_tr
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any, ClassVar
 
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 from trl import GRPOTrainer
 
-from ..accelerate_plugin import ODCRuntime
 from . import _sampling_correction
-from ._rollout_trainer import _ODCRolloutTrainer
+from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from ._step import StepMetrics
 from .grpo_config import ODCGRPOConfig
+from .reference import check_peft_reference, reference_of
 from .rollouts import Rollouts, RolloutStep
 
 __all__ = ["ODCGRPOTrainer"]
@@ -60,23 +66,53 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
 
     def __init__(self, model: Any, reward_funcs: Any, args: ODCGRPOConfig | None = None, **kwargs: Any):
         args = self._odc_args(args)
+        self._high_entropy = (0, 0.0)  # this step's tokens above the entropy quantile: count and mean entropy
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        if self.beta != 0.0 and self.ref_model is None:
-            raise NotImplementedError(
-                "ODCGRPOTrainer does not support beta > 0 with a PEFT model yet (its reference is the model with the "
-                "adapter disabled); set beta=0.0, or train without PEFT."
-            )
+        check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCGRPOTrainer", alternative="")
         self._setup_odc(self._declare_step_metrics())
         self._setup_generation()
 
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
-    def _deferred_passes(self, scored: dict[str, Any]) -> list[tuple[nn.Module, ODCRuntime, str]]:
+    def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
         """The old-policy pass when TRL scored one, the reference pass when it scored one (``beta > 0``)."""
-        passes = [(self.model, self.odc, "old_logps")] if "old_per_token_logps" in scored else []
+        passes: list[Pass] = []
+        if "old_per_token_logps" in scored:
+            passes.append((self.model, self.odc, contextlib.nullcontext(), "old_logps"))
         if "ref_per_token_logps" in scored:
-            passes.append((self.ref_model, self._ref_odc, "ref_logps"))
+            passes.append((*reference_of(self), "ref_logps"))
         return passes
+
+    def _plan_step(self, window: list[Any]) -> RolloutStep:
+        """The rollout trainer's, then with ``top_entropy_quantile < 1`` the step's high-entropy token mask."""
+        step = super()._plan_step(window)
+        if self.top_entropy_quantile < 1.0:
+            self._mask_low_entropy_tokens(step)
+        return step
+
+    def _mask_low_entropy_tokens(self, step: RolloutStep) -> None:
+        """TRL's ``top_entropy_quantile``: the current policy's entropy at every trained token of the minibatch, from a
+        forward-only pass over this rank's packed microbatches, gathered once; each microbatch's loss inputs get
+        ``entropy_mask``, its trained tokens at or above the minibatch's ``1 - top_entropy_quantile`` quantile. Keeps
+        the selected tokens' count and mean entropy over the minibatch (``_high_entropy``): the entropy bonus's
+        normaliser and the adaptive controller's measure (see :class:`ODCGRPOConfig`)."""
+        microbatches = step.microbatches
+        seconds = self._score_rollouts(
+            self.model, self.odc, contextlib.nullcontext(), microbatches, "entropies", output="entropy"
+        )
+        self._metrics["train"]["entropy_scoring_s"].append(seconds)
+        values = [(mb["loss"].pop("entropies").cpu(), mb["loss"]["mask"].bool()) for mb in microbatches]
+        local = torch.cat([entropies[mask] for entropies, mask in values]) if values else torch.zeros(0)
+        with self.odc.bounded("the entropy quantile's gather"):
+            gathered = torch.cat(gather_object([local]))
+        if gathered.numel() == 0:
+            threshold, self._high_entropy = math.inf, (0, 0.0)
+        else:
+            threshold = torch.quantile(gathered, 1.0 - self.top_entropy_quantile)
+            selected = gathered[gathered >= threshold]
+            self._high_entropy = (selected.numel(), selected.mean().item())
+        for microbatch, (entropies, mask) in zip(microbatches, values, strict=True):
+            microbatch["loss"]["entropy_mask"] = ((entropies >= threshold) & mask).float()
 
     def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
         if self.use_vllm and self.vllm_importance_sampling_correction:
@@ -156,6 +192,9 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
             raise ValueError(f"Unknown loss_type {loss_type!r}.")
         if self.off_policy_mask_threshold is not None:
             per_token_loss = per_token_loss * off_policy_mask
+        entropy_mask = inputs.get("entropy_mask")
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
         if sampling_ratio is not None and loss_type != "vespo":
             per_token_loss = per_token_loss * sampling_ratio
         if self.beta != 0.0:
@@ -167,7 +206,11 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
             coef = self.entropy_coef
             if self.use_adaptive_entropy and self._last_world_entropy > args.entropy_target:
                 coef = 0.0
-            loss = loss - coef * (entropies * mask).sum() / max(step.num_loss_tokens, 1)
+            if entropy_mask is None:
+                bonus = (entropies * mask).sum() / max(step.num_loss_tokens, 1)
+            else:  # on the tokens the entropy mask trains
+                bonus = (entropies * mask * entropy_mask).sum() / max(self._high_entropy[0], 1)
+            loss = loss - coef * bonus
             self._step_metrics.add("policy_loss", policy_loss.detach())
 
         with torch.no_grad():
@@ -229,11 +272,13 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
             self._step_metrics.add_mean(name, (values * mask).sum(), mask.sum())
 
     def _end_step(self, step: RolloutStep, metrics: dict[str, float]) -> None:
-        """TRL's adaptive entropy controller, on the minibatch's entropy over every rank's trained tokens."""
+        """TRL's adaptive entropy controller, on the minibatch's entropy over every rank's trained tokens (those the
+        entropy mask keeps, with ``top_entropy_quantile < 1``)."""
         if not self._entropy_bonus_enabled:
             return
         if self.use_adaptive_entropy:
-            world_entropy, delta = metrics["entropy"], self.args.entropy_coef_delta
+            world_entropy = metrics["entropy"] if self.top_entropy_quantile == 1.0 else self._high_entropy[1]
+            delta = self.args.entropy_coef_delta
             if world_entropy <= self.args.entropy_target:
                 self.entropy_coef = min(self.entropy_coef + delta, self.args.entropy_coef_max)
             else:

@@ -1,7 +1,8 @@
-"""The reference policy of the preference trainers (``ODCDPOTrainer``, ``ODCKTOTrainer``): which model it is, how it
-runs, and the PEFT setups whose reference the packed path cannot reproduce.
+"""The reference policy of the preference trainers (``ODCDPOTrainer``, ``ODCKTOTrainer``) and of the online trainers
+with a KL term (``ODCGRPOTrainer``, ``ODCRLOOTrainer``): which model it is, how it runs, and the PEFT setups whose
+reference the packed path cannot reproduce.
 
-TRL's two trainers pick their reference alike: ``ref_model``; else, under PEFT, the policy with its adapter disabled;
+TRL's trainers pick their reference alike: ``ref_model``; else, under PEFT, the policy with its adapter disabled;
 else a copy of the policy loaded by name, or, with ``precompute_ref_log_probs``, the policy itself before training.
 """
 
@@ -39,16 +40,17 @@ def trl_loads_a_model(model: Any, ref_model: Any, peft_config: Any, args: Any) -
     return not args.precompute_ref_log_probs or args.distributed_state.distributed_type == DistributedType.FSDP
 
 
-def check_peft_reference(policy: nn.Module, trainer: str) -> None:
-    """Refuse the PEFT setups whose reference the packed path cannot reproduce (``trainer`` names the trainer)."""
+def check_peft_reference(policy: nn.Module, trainer: str, alternative: str = ", or a ref_model") -> None:
+    """Refuse the PEFT setups whose reference the packed path cannot reproduce (``trainer`` names the trainer;
+    ``alternative`` ends the message for the re-trained adapter, empty for a trainer that takes no ``ref_model``)."""
     if not is_peft_model(policy):
         return
     if "ref" in policy.peft_config:
         raise NotImplementedError(
-            f"{trainer} got a PEFT model with an adapter and no ref_model: TRL would keep a copy of the adapter as "
+            f"{trainer} got a PEFT model with an adapter to re-train: TRL would keep a copy of the adapter as "
             "the reference and switch adapters between passes, which changes the trainable parameters ODC laid out. "
-            "Pass the base model with peft_config (the reference is then the base model, adapter disabled), or a "
-            "ref_model."
+            f"Pass the base model with peft_config (the reference is then the base model, adapter disabled)"
+            f"{alternative}."
         )
     refuse_prompt_learning(policy, trainer)
 

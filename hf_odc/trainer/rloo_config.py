@@ -28,10 +28,11 @@ class ODCRLOOConfig(_ODCRolloutConfig, RLOOConfig):
     rank holds), so the update equals TRL's on one process holding the whole minibatch, with any accumulation. The
     old policy's log-probabilities are a packed forward-only pass after generation, run when the update can differ
     from the policy that generated (`steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1`) or
-    when `beta > 0`. With `beta > 0` the reference's log-probabilities are a second such pass, and the KL penalty
-    enters the rewards as TRL's does (each rollout's summed `log pi_old - log pi_ref`, times `beta`): every rank sums
-    it over its packed rollouts, the per-rollout sums are reduced over the ranks once per generation batch (one
-    all-reduce of one value per rollout), and the leave-one-out advantages are recomputed from TRL's rewards with it.
+    when `beta > 0`. With `beta > 0` the reference's log-probabilities (a PEFT policy's reference: the same sharded
+    model with its adapter disabled) are a second such pass, and the KL penalty enters the rewards as TRL's does (each
+    rollout's summed `log pi_old - log pi_ref`, times `beta`): every rank sums it over its packed rollouts, the
+    per-rollout sums are reduced over the ranks once per generation batch (one all-reduce of one value per rollout),
+    and the leave-one-out advantages are recomputed from TRL's rewards with it.
     TRL's `entropy` is the mean over the minibatch's trained tokens; with `gradient_accumulation_steps > 1` TRL takes
     it, and the clip ratios' extremes, per accumulation slice and averages the slices, while hf_odc takes them over
     the whole minibatch.
@@ -42,8 +43,9 @@ class ODCRLOOConfig(_ODCRolloutConfig, RLOOConfig):
     {generation_parameters}
 
     > [!NOTE]
-    > Not supported, refused at construction: `use_transformers_continuous_batching`, PEFT with `beta > 0` (set
-    > `beta=0.0`), multimodal prompts, Mixture-of-Experts auxiliary losses, and with vLLM LoRA variants (DoRA),
-    > `lora_bias` and LoRA on other than linear layers (their merge). `model_init_kwargs` defaults `device_map` to
-    > `None`: every rank loads whole models and hf_odc shards them.
+    > Not supported, refused at construction: `use_transformers_continuous_batching`, a PEFT model whose adapter TRL
+    > would copy as the reference (pass the base model with `peft_config`) and prompt-learning PEFT, multimodal
+    > prompts, Mixture-of-Experts auxiliary losses, and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other
+    > than linear layers (their merge). `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole
+    > models and hf_odc shards them.
     """

@@ -5,7 +5,8 @@ Generation, deferred scoring and the rollouts' plan are GRPO's (:class:`hf_odc.t
 _ODCRolloutTrainer`); what is RLOO's, hook by hook:
 
 * ``_deferred_passes``: the old policy's pass when the update can differ from the generating policy or when the KL
-  penalty needs it (``beta > 0``), and then the reference's.
+  penalty needs it (``beta > 0``), and then the reference's (a PEFT policy's: the same sharded model with its adapter
+  disabled, :func:`hf_odc.trainer.reference.reference_of`).
 * ``_after_scoring``: with ``beta > 0``, the KL penalty enters the rewards, so the leave-one-out advantages are
   recomputed from TRL's rewards once the packed passes have run (:func:`leave_one_out_advantages`; one all-reduce of
   the per-rollout KL sums per generation batch), and TRL's ``kl`` and ``frac_reward_zero_std`` metrics are replaced
@@ -16,6 +17,7 @@ _ODCRolloutTrainer`); what is RLOO's, hook by hook:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -23,9 +25,9 @@ from torch import nn
 from trl import RLOOTrainer
 from trl.trainer.utils import nanstd
 
-from ..accelerate_plugin import ODCRuntime
-from ._rollout_trainer import _ODCRolloutTrainer
+from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from ._step import StepMetrics
+from .reference import check_peft_reference, reference_of
 from .rloo_config import ODCRLOOConfig
 from .rollouts import Rollouts, RolloutStep
 
@@ -63,11 +65,7 @@ class ODCRLOOTrainer(_ODCRolloutTrainer, RLOOTrainer):
         args = self._odc_args(args)
         self._rewards_per_func: torch.Tensor | None = None
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        if self.beta != 0.0 and self.ref_model is None:
-            raise NotImplementedError(
-                "ODCRLOOTrainer does not support beta > 0 with a PEFT model yet (its reference is the model with the "
-                "adapter disabled); set beta=0.0, or train without PEFT."
-            )
+        check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCRLOOTrainer", alternative="")
         metrics = ["entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
         self._setup_odc(
             StepMetrics(args.device, means=metrics, minima=["clip_ratio/low_min"], maxima=["clip_ratio/high_max"])
@@ -81,15 +79,15 @@ class ODCRLOOTrainer(_ODCRolloutTrainer, RLOOTrainer):
         self._rewards_per_func = super()._calculate_rewards(*args, **kwargs)
         return self._rewards_per_func
 
-    def _deferred_passes(self, scored: dict[str, Any]) -> list[tuple[nn.Module, ODCRuntime, str]]:
+    def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
         """The old policy's pass when TRL's differs from the updated policy's detached log-probabilities (a later
         minibatch or iteration of the generation batch) or the KL needs it; the reference's with ``beta > 0``."""
         args = self.args
         passes = []
         if self.beta != 0.0 or self.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps:
-            passes.append((self.model, self.odc, "old_logps"))
+            passes.append((self.model, self.odc, contextlib.nullcontext(), "old_logps"))
         if self.beta != 0.0:
-            passes.append((self.ref_model, self._ref_odc, "ref_logps"))
+            passes.append((*reference_of(self), "ref_logps"))
         return passes
 
     def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
