@@ -121,7 +121,6 @@ class ScoredRollouts(SyntheticRollouts):
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
-    from peft import LoraConfig
     from trl import DistillationConfig, DistillationTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from hf_odc import trainer as odc
@@ -129,7 +128,11 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     rloo, distill = name in RLOO_CASES, name in DISTILLATION_CASES
     overrides = {"max_steps": 1} | (CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES)[name]
     lora = overrides.pop("lora", False)
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
+    peft_config = None
+    if lora:  # peft is imported only here: vLLM's own environment (tests/test_vllm.py) has none
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     rollout_func = SyntheticRollouts("synthetic", "swe-smith", seed=0)
     if name in VLLM_CASES:
         from _vllm_workers import eager_float32_engine
