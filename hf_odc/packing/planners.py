@@ -100,8 +100,7 @@ def lb_mini(
         return candidates[0]
     fewest = max(1, math.ceil(sum(lengths) / max_tokens))
     for count in range(fewest, min(len(lengths), fewest + _PACK_FIRST_COUNTS) + 1):
-        everything = range(len(lengths))
-        microbatches = _lpt(everything, lengths, count, max_tokens) or _best_fit(lengths, count, max_tokens)
+        microbatches = _by_tokens(lengths, count, max_tokens)
         if microbatches is not None:
             candidates.append(_deal_whole(microbatches, costs, world_size, per_microbatch, speeds))
     if len(lengths) >= world_size and (in_steps := _in_steps(lengths, spread, world_size, max_tokens)) is not None:
@@ -161,6 +160,12 @@ def _split(lengths: list[int], costs: np.ndarray, count: int, max_tokens: int) -
     microbatches = karmarkar_karp(costs, count)
     if _fits(microbatches, lengths, max_tokens):
         return microbatches
+    return _by_tokens(lengths, count, max_tokens)
+
+
+def _by_tokens(lengths: list[int], count: int, max_tokens: int) -> list[list[int]] | None:
+    """The minibatch in ``count`` non-empty microbatches under the cap, balanced by tokens (LPT), else packed tight by
+    best-fit decreasing; ``None`` if neither fits."""
     return _lpt(range(len(lengths)), lengths, count, max_tokens) or _best_fit(lengths, count, max_tokens)
 
 
