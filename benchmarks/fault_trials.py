@@ -341,8 +341,9 @@ def chaos(args: argparse.Namespace) -> None:
             started = time.monotonic()
             process, log = _chaos_run(name, output_dir, args.timeout)
             ranks: dict[int, int] = {}
-            # Until the moment, and on until the rank exists (a moment before its start faults it as it starts).
-            while (time.monotonic() - started < at or rank not in ranks) and process.poll() is None:
+            # Until the moment, and on until every rank exists (a moment before its start faults it as it starts; the
+            # survivors are the other ranks' processes, so they must be known when the fault is sent).
+            while (time.monotonic() - started < at or len(ranks) < processes) and process.poll() is None:
                 ranks.update(_ranks(process.pid))
                 time.sleep(0.02)
             row = {"name": name, "signal": signal_name, "rank": rank, "at_s": time.monotonic() - started}

@@ -10,7 +10,9 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-env,tests,comm,e2e}
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # A folder whose path holds "site-packages": dill (under datasets' fingerprints) pickles a module found elsewhere by
+  # value, and pyarrow's module then fails to pickle ("Can't pickle <class 'MonthDayNano'>").
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-packages .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site-packages"
 fi
 nproc=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [[ $STEPS == *env* ]]; then

@@ -108,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--logs", default=None, help="a folder for each row's full output (<row>.log)")
     parser.add_argument("--row", choices=sorted(ROWS), default=None, help=argparse.SUPPRESS)  # a launched row
     parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -257,6 +258,9 @@ def launch_row(args, row: str, argv: list[str], workdir: Path) -> dict:
     env.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     print(f"== {row}: {ROWS[row]}", flush=True)
     done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        (Path(args.logs) / f"{row}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not out.exists():
         output = (done.stderr + done.stdout).splitlines()
         # The rank's own exception, not the launcher's report that follows it.
