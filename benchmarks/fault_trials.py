@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import itertools
 import os
 import random
 import re
@@ -358,7 +359,11 @@ def chaos(args: argparse.Namespace) -> None:
                 row["survivors_s"] = time.monotonic() - faulted if not any(map(_alive, survivors)) else None
                 # hf_odc's own words, or the launcher's report of the dead rank ("rank      : 3 (local_rank: 3)")
                 said = rf"rank {rank}\b|ranks \[{rank}\]|rank\s+: {rank} \(local_rank"
-                row["named"] = bool(re.search(said, log.read_text()))
+                said_all = log.read_text()
+                row["named"] = bool(re.search(said, said_all))
+                # A rank faulted before its first beat (during its imports) is noticed only once the survivors have
+                # started themselves: their own startup then counts in survivors_s.
+                row["phase"] = "startup" if "has not beaten yet" in said_all else "run"
                 _wait_until(lambda launcher=process: launcher.poll() is not None, 30)  # the launcher's own ending
                 time.sleep(10)
                 row["left_processes"] = len(_marked(str(output_dir)))  # before anything is killed here
@@ -378,21 +383,23 @@ def chaos(args: argparse.Namespace) -> None:
 
 
 def _chaos_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print("\n| runs | trials | faults | survivors ended within timeout + slack | rank named | processes left | "
-          "/dev/shm left | resumed | resumed = uninterrupted (atol 1e-6) | largest difference |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in CHAOS_RUNS:
-        mine = [row for row in rows if row["name"] == name]
+    header = ["runs", "phase of the fault", "trials", "faults", "survivors ended within timeout + slack",
+              "rank named", "processes left", "/dev/shm left", "resumed", "resumed = uninterrupted (atol 1e-6)",
+              "largest difference"]  # fmt: skip
+    print("\n| " + " | ".join(header) + " |")
+    print("| --- | --- |" + " ---: |" * (len(header) - 2))
+    for name, phase in itertools.product(CHAOS_RUNS, ("startup", "run", None)):
+        mine = [row for row in rows if row["name"] == name and row.get("phase") == phase]
         faults = [row for row in mine if row["outcome"] == "fault"]
         if not mine:
             continue
         within = sum(r["survivors_s"] is not None and r["survivors_s"] <= args.timeout + args.slack for r in faults)
         resumed = [r for r in faults if "resume_difference" in r]
         differences = [r["resume_difference"] for r in resumed if r["resume_difference"] is not None]
-        equal = sum(d <= 1e-6 for d in differences)
-        print(f"| {name} | {len(mine)} | {len(faults)} | {within} | {sum(r['named'] for r in faults)} | "
-              f"{sum(r['left_processes'] for r in faults)} | {sum(r['left_shm'] for r in faults)} | {len(resumed)} | "
-              f"{equal} | {max(differences, default=float('nan')):.2g} |")  # fmt: skip
+        cells = [name, phase or "no fault", len(mine), len(faults), within, sum(r["named"] for r in faults),
+                 sum(r["left_processes"] for r in faults), sum(r["left_shm"] for r in faults), len(resumed),
+                 sum(d <= 1e-6 for d in differences), f"{max(differences, default=float('nan')):.2g}"]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 def main() -> None:
