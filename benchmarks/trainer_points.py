@@ -219,7 +219,9 @@ def run_worker(args: argparse.Namespace) -> None:
             results[name] = {"skipped": "budget"}
             continue
         start = time.perf_counter()
-        record: dict = {}
+        # What the earlier schemes left allocated (0 when they released everything): their memory is not this one's.
+        allocated = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        record: dict = {"allocated_at_start_gib": allocated}
         example.train_and_save = lambda trainer, record=record: train_and_release(trainer, record)
         with tempfile.TemporaryDirectory() as out, built_on_device(example):
             flags = [*example_flags(args, args.worker, out), *SCHEMES[name]]
@@ -246,8 +248,11 @@ def run_worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, name: str, log: Path, deadline: float) -> dict:
     """One trainer's worker launch; its JSON (whatever schemes finished), with an ``error`` if the launch failed or
     ran past the deadline (its processes are then ended)."""
-    out = log.with_suffix(".json")
-    out.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as directory:
+        return _launch(args, name, log, deadline, Path(directory) / "worker.json")
+
+
+def _launch(args: argparse.Namespace, name: str, log: Path, deadline: float, out: Path) -> dict:
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
         "--num_processes", str(args.num_processes), str(Path(__file__).resolve()), "--worker", name,
@@ -279,7 +284,7 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
     entries = record["entries"][warmup:] or record["entries"]
     wall = record["wall_s"][warmup:] or record["wall_s"]
     mean = lambda key: statistics.fmean(e[key] for e in entries) if all(key in e for e in entries) else None  # noqa: E731
-    tokens = sum(e["tokens_per_second"] * e["step_s"] for e in entries)
+    tokens = sum(e[f"tokens/rank_{r}"] for e in entries for r in range(world_size))
     return {
         "steps": len(entries),
         "step_s_median": statistics.median(e["step_s"] for e in entries),
@@ -296,6 +301,7 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         "step_s": [e["step_s"] for e in entries],
         "wall_s": wall,
         "scheme_s": record["scheme_s"],
+        "allocated_at_start_gib": record["allocated_at_start_gib"],
     }
 
 
@@ -326,6 +332,10 @@ def print_table(trainers: dict) -> None:
                   f"{row['peak_memory_gib']:8.1f}  {mbs}")  # fmt: skip
         if "error" in result:
             print(f"{trainer:8s} error: {result['error'].splitlines()[0]}")
+    for trainer, result in trainers.items():
+        for scheme, row in result["schemes"].items():
+            if row.get("allocated_at_start_gib", 0.0) > 0.1:  # counted in its peak
+                print(f"note: {trainer} {scheme} started with {row['allocated_at_start_gib']:.1f} GiB still allocated")
 
 
 def run_driver(args: argparse.Namespace) -> None:
