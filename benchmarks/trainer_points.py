@@ -211,9 +211,10 @@ def run_worker(args: argparse.Namespace) -> None:
     results: dict[str, dict] = {}
     last_duration = 0.0
     for name in args.schemes.split(","):
-        # One decision for every rank (rank 0's clock): a scheme that would not end before the deadline is skipped.
-        go = [time.time() + last_duration < args.deadline]
-        if dist.is_initialized():
+        # The first scheme runs (the driver launched this with time enough). A later one that would not end before
+        # the deadline is skipped, on rank 0's clock for every rank (the training config joined the process group).
+        go = [not results or time.time() + last_duration < args.deadline]
+        if results and dist.is_initialized():
             dist.broadcast_object_list(go, src=0)
         if not go[0]:
             results[name] = {"skipped": "budget"}
@@ -261,7 +262,10 @@ def _launch(args: argparse.Namespace, name: str, log: Path, deadline: float, out
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1"}
     error = None
     with open(log, "w") as f:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        # A session of its own, so that an overrun ends the launcher and its ranks together.
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = process.wait(timeout=max(deadline - time.time(), 0) + args.grace)
             if code != 0:
@@ -340,7 +344,7 @@ def print_table(trainers: dict) -> None:
 
 def run_driver(args: argparse.Namespace) -> None:
     start = time.time()
-    deadline = start + args.budget
+    deadline = start + (args.budget if args.budget is not None else float("inf"))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="trainer_points_"))
     logs.mkdir(parents=True, exist_ok=True)
     trainers: dict[str, dict] = {}
@@ -372,7 +376,8 @@ def run_driver(args: argparse.Namespace) -> None:
 
 def write_json(args: argparse.Namespace, environment: dict | None, trainers: dict, total_s: float) -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": vars(args), "environment": environment, "total_s": total_s, "trainers": trainers}
+    config = {key: value for key, value in vars(args).items() if key not in ("worker", "worker_json", "deadline")}
+    payload = {"config": config, "environment": environment, "total_s": total_s, "trainers": trainers}
     Path(args.json).write_text(json.dumps(payload, indent=2))
 
 
@@ -391,7 +396,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="first steps not counted")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--extra", default="--gradient_checkpointing true", help="more arguments for every example")
-    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default: no limit)")
     parser.add_argument("--min-launch-s", type=float, default=60, help="no trainer starts with less budget left")
     parser.add_argument("--grace", type=float, default=60, help="seconds past the budget before a launch is ended")
     parser.add_argument("--logs", default=None, help="directory for the launches' logs (default: a temporary one)")
