@@ -279,7 +279,7 @@ def _launch(args: argparse.Namespace, name: str, log: Path, deadline: float, out
                     process.wait(timeout=10)
     result = json.loads(out.read_text()) if out.exists() else {"schemes": {}}
     if error is not None:
-        result["error"] = f"{error}; see {log}: " + log.read_text()[-1500:]
+        result["error"] = f"{error}; see {log}\n" + log.read_text()[-1500:]
     return result
 
 
@@ -326,7 +326,7 @@ def print_table(trainers: dict) -> None:
     for trainer, result in trainers.items():
         for scheme, row in result["schemes"].items():
             if "tokens_per_second" not in row:
-                print(f"{trainer:8s} {scheme:33s} {row.get('skipped', 'failed')}")
+                print(f"{trainer:8s} {scheme:33s} " + (f"skipped ({row['skipped']})" if "skipped" in row else "failed"))
                 continue
             mbs = "/".join("—" if m is None else f"{m:.1f}" for m in row["microbatches_per_rank"])
             print(f"{trainer:8s} {scheme:33s} {row['step_s_median']:7.2f} {row['wall_s_median']:7.2f} "
