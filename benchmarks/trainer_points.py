@@ -8,8 +8,8 @@ trainer; that worker runs the schemes one after the other in its process (one la
 GPU lease on starting processes): per scheme it parses the example's command line with the scheme's flags and calls
 the example's ``main``, whose ``train_and_save`` is replaced by :func:`train_and_release` (train, keep the log,
 release ODC and the model; no saving). On GPUs the example's randomly initialised models (the policy, KTO's
-reference, the distillation teacher) are built on the GPU, which takes a fraction of a second where the CPU takes
-tens of seconds per 1.5B model; they are then sharded as the example's would be.
+reference, the distillation teacher) are built on the GPU (a 1.5B model's random initialisation is slow on the CPU,
+and every scheme builds its own), then sharded as the example's would be.
 
 The data (``--max-length`` is the longest sequence; ``swe-smith``-shaped lengths, mean about a quarter of it):
 
@@ -26,9 +26,10 @@ The data (``--max-length`` is the longest sequence; ``swe-smith``-shaped lengths
 Per scheme, over the steps after ``--warmup``: the median device-timed step (``step_s``: the minibatch between its
 two meeting points, what the schemes change) and the median wall-clock step (``wall_s``: from one step's end to the
 next, after a device synchronize, so scoring, the teacher and the KL pass count), tokens/s (the steps' tokens over
-their summed ``step_s``), the largest rank's peak memory, the measured and predicted bubble, the MFU the trainer logs
-(``hf_odc.packing.flops``; none on CPU unless ``HF_ODC_PEAK_TFLOPS`` is set) and tokens/s over TRL's split's and over
-LB-Micro's. FSDP2's measured bubble is not comparable with ODC's: its waits happen inside the per-layer collectives.
+their summed ``step_s``; in the JSON also over their wall-clock time), the largest rank's peak memory, the measured
+and predicted bubble, the MFU the trainer logs (``hf_odc.packing.flops``; none on CPU unless ``HF_ODC_PEAK_TFLOPS``
+is set) and tokens/s over TRL's split's and over LB-Micro's. FSDP2's measured bubble is not comparable with ODC's:
+its waits happen inside the per-layer collectives.
 
 ``--budget`` bounds the whole run: a trainer, or a scheme within one, is not started once it would not end in time,
 so the table still prints before an outer time limit; a trainer that fails or overruns is reported and the others
@@ -295,6 +296,7 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         "wall_s_median": statistics.median(wall),
         "tokens_per_second": tokens / sum(e["step_s"] for e in entries),
         "tokens_per_step": tokens / len(entries),
+        "tokens_per_second_wall": tokens / sum(wall) if len(wall) == len(entries) else None,
         "peak_memory_gib": max((e.get("peak_memory_gib", 0.0) for e in entries), default=0.0),
         "bubble_rate": mean("bubble_rate"),
         "predicted_bubble_rate": mean("predicted_bubble_rate"),
@@ -360,6 +362,8 @@ def run_driver(args: argparse.Namespace) -> None:
             scheme: summarise(record, args.warmup, args.num_processes) if "entries" in record else record
             for scheme, record in raw["schemes"].items()
         }
+        for scheme in args.schemes.split(","):
+            schemes.setdefault(scheme, {"skipped": "its launch ended first"})
         add_ratios(schemes)
         trainers[name] = {"trainer": TRAINERS[name].trainer, "launch_s": time.time() - began, "schemes": schemes}
         if "error" in raw:
