@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
-# SFT-throughput, stock-TRL comparison, GRPO policy-update and generation, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# SFT-throughput, stock-TRL comparison, GRPO policy-update and generation, the other trainers' points, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
 # STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
@@ -65,6 +65,14 @@ if [[ $STEPS == *grpo* ]]; then
   TRL_EXPERIMENTAL_SILENCE=1 timeout 540 python3 benchmarks/grpo_policy_update.py --num-processes "$nproc" --steps 5 \
     --timeout 140 --generate-steps 2 --generate-length 256 --logs "$OUT/grpo_logs" \
     --json "$OUT/grpo_policy_update.json" ${GRPO_ARGS:-} 2>&1 | tail -14
+fi
+if [[ $STEPS == *trainers* ]]; then
+  # ODCRewardTrainer, ODCKTOTrainer, ODCRLOOTrainer and ODCDistillationTrainer (Qwen2.5-1.5B shape, long-tailed data)
+  # under FSDP2 on TRL's split, FSDP2 + LB-Micro and ODC + LB-Mini: one launch per trainer, its schemes in turn;
+  # TRAINERS_BUDGET seconds in all (trainers and schemes that would not end in time are skipped), TRAINERS_ARGS extra.
+  TRL_EXPERIMENTAL_SILENCE=1 timeout "${TRAINERS_TIMEOUT:-570}" python3 benchmarks/trainer_points.py --num-processes "$nproc" \
+    --budget "${TRAINERS_BUDGET:-450}" --logs "$OUT/trainer_logs" --json "$OUT/trainer_points.json" ${TRAINERS_ARGS:-} 2>&1 \
+    | tee "$OUT/trainer_points.log" | grep -v Warning | tail -20
 fi
 if [[ $STEPS == *generation* ]]; then
   # GRPO rollout generation in each mode (Qwen2.5-1.5B shape, 64 completions per rank of up to 1K long-tailed new

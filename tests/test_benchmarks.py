@@ -156,3 +156,32 @@ def test_packed_attention_whole_model_modes_run_on_cpu(tmp_path, mode):
     assert rows["4x16"]["lengths"] == [16] * 4 and sum(rows["grpo"]["lengths"]) == 64
     columns = {"model": ["sdpa", "auto"], "forward": ["policy", "reference", "reference-dense"]}[mode]
     assert all(list(row["ms"]) == columns and min(row["ms"].values()) > 0 for row in rows.values())
+
+
+def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(tmp_path):
+    """benchmarks/trainer_points.py's GPU command, shrunk: one 2-process launch per trainer, its three schemes in
+    turn in that process; every scheme trains the same minibatches (the same tokens and losses) with its own split."""
+    out = tmp_path / "points.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "trainer_points.py"), "--model-config", "tiny", "--max-length",
+        "64", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--extra", "",
+        "--accelerate-config", str(ROOT / "examples" / "odc_cpu.yaml"), "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    trainers = json.loads(out.read_text())["trainers"]
+    assert list(trainers) == ["reward", "kto", "rloo", "distill"]
+    for name, result in trainers.items():
+        assert "error" not in result, (name, result["error"])
+        schemes = result["schemes"]
+        assert list(schemes) == ["FSDP2 + TRL's split (local-sort)", "FSDP2 + LB-Micro", "ODC + LB-Mini"], name
+        split, micro = schemes["FSDP2 + TRL's split (local-sort)"], schemes["FSDP2 + LB-Micro"]
+        for row in schemes.values():
+            assert row["steps"] == 1 and row["tokens_per_second"] > 0 and row["mfu"] > 0, (name, row)
+            assert row["tokens_per_step"] == split["tokens_per_step"], name
+            assert row["loss"] == pytest.approx(split["loss"], rel=1e-3, abs=1e-6), name
+        assert split["x_trl_split"] == pytest.approx(1.0) and micro["x_lb_micro"] == pytest.approx(1.0)
+        assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
+        assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
+    assert done.stdout.rstrip().splitlines()[-1].startswith("distill ")  # the table comes last

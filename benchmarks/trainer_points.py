@@ -1,0 +1,427 @@
+"""ODCRewardTrainer, ODCKTOTrainer, ODCRLOOTrainer and ODCDistillationTrainer, each under three schemes side by side
+(FSDP2 on TRL's own split, FSDP2 + LB-Micro, ODC + LB-Mini: ``grpo_policy_update.SCHEMES``), with a table and JSON.
+
+Each trainer is trained by its example script's own setup (``examples/{reward,kto,rloo,distill}.py``: the built-in
+model shape, tokenizer and long-tailed data), the same seed in every scheme, so every scheme trains on the same
+minibatches. The driver (this script without ``--worker``) starts one ``accelerate launch`` of this script per
+trainer; that worker runs the schemes one after the other in its process (one launch per row would spend most of a
+GPU lease on starting processes): per scheme it parses the example's command line with the scheme's flags and calls
+the example's ``main``, whose ``train_and_save`` is replaced by :func:`train_and_release` (train, keep the log,
+release ODC and the model; no saving). On GPUs the example's randomly initialised models (the policy, KTO's
+reference, the distillation teacher) are built on the GPU (a 1.5B model's random initialisation is slow on the CPU,
+and every scheme builds its own), then sharded as the example's would be.
+
+The data (``--max-length`` is the longest sequence; ``swe-smith``-shaped lengths, mean about a quarter of it):
+
+* reward: ``--global-batch-size`` preference pairs per step, chosen and rejected up to ``--max-length`` tokens each;
+* KTO: ``--global-batch-size`` unpaired examples per step up to ``--max-length`` tokens, each with its mismatched
+  completion for TRL's KL estimate, and a reference model (the initial policy);
+* RLOO: ``--global-batch-size`` completions per step (groups of ``--num-generations``) up to ``--max-length`` tokens,
+  injected (``--rollouts synthetic``: drawn, not generated, so no time goes to generation), ``--beta 0`` (no KL
+  reference: the policy update is what the schemes change);
+* distillation: ``--global-batch-size`` completions per step up to ``--max-length / 2`` tokens (the teacher's
+  full-vocabulary log-probabilities of a rank's rows are kept until the update: ``4 x tokens x vocabulary`` bytes),
+  injected likewise, and a teacher of the same shape (other random weights), sharded, scoring forward-only.
+
+Per scheme, over the steps after ``--warmup``: the median device-timed step (``step_s``: the minibatch between its
+two meeting points, what the schemes change) and the median wall-clock step (``wall_s``: from one step's end to the
+next, after a device synchronize, so scoring, the teacher and the KL pass count), tokens/s (the steps' tokens over
+their summed ``step_s``; in the JSON also over their wall-clock time), the largest rank's peak memory, the measured
+and predicted bubble, the MFU the trainer logs (``hf_odc.packing.flops``; none on CPU unless ``HF_ODC_PEAK_TFLOPS``
+is set) and tokens/s over TRL's split's and over LB-Micro's. FSDP2's measured bubble is not comparable with ODC's:
+its waits happen inside the per-layer collectives.
+
+``--budget`` bounds the whole run: a trainer, or a scheme within one, is not started once it would not end in time,
+so the table still prints before an outer time limit; a trainer that fails or overruns is reported and the others
+still run. On 2 GPUs (``STEPS=trainers bash benchmarks/gpu_suite.sh``)::
+
+    python benchmarks/trainer_points.py --num-processes 2 --budget 450 --logs out/trainer_logs \\
+        --json out/trainer_points.json
+
+and on 2 CPU processes (the smoke test)::
+
+    python benchmarks/trainer_points.py --model-config tiny --max-length 64 --global-batch-size 8 --steps 2 \\
+        --warmup 1 --extra "" --accelerate-config examples/odc_cpu.yaml --json /tmp/points.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from grpo_policy_update import SCHEMES  # noqa: E402
+
+BASELINE, LB_MICRO = "FSDP2 + TRL's split (local-sort)", "FSDP2 + LB-Micro"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One trainer's example script and its data flags (``{length}``, ``{batch}``, ``{samples}``, ``{per_device}``,
+    ``{model}`` and ``{generations}`` filled from the command line)."""
+
+    script: str
+    trainer: str
+    flags: str
+
+
+TRAINERS = {
+    "reward": Point(
+        "reward.py", "ODCRewardTrainer", "--max_length {length} --num_pairs {samples} --global_batch_size {batch}"
+    ),
+    "kto": Point(
+        "kto.py", "ODCKTOTrainer", "--max_length {length} --num_examples {samples} --global_batch_size {batch}"
+    ),
+    "rloo": Point(
+        "rloo.py",
+        "ODCRLOOTrainer",
+        "--rollouts synthetic --max_completion_length {length} --per_device_train_batch_size {per_device} "
+        "--num_generations {generations} --beta 0",
+    ),
+    "distill": Point(
+        "distill.py",
+        "ODCDistillationTrainer",
+        "--rollouts synthetic --teacher_config {model} --max_completion_length {half_length} "
+        "--per_device_train_batch_size {per_device}",
+    ),
+}
+
+
+def example_flags(args: argparse.Namespace, name: str, output_dir: str) -> list[str]:
+    """The example script's command line for trainer ``name``, without the scheme's flags."""
+    fields = {
+        "length": args.max_length,
+        "half_length": args.max_length // 2,
+        "batch": args.global_batch_size,
+        "samples": args.global_batch_size * args.steps,
+        "per_device": args.global_batch_size // args.num_processes,
+        "model": args.model_config,
+        "generations": args.num_generations,
+    }
+    return [
+        "--model_config", args.model_config, *TRAINERS[name].flags.format(**fields).split(),
+        "--length_distribution", args.distribution, "--max_steps", str(args.steps), "--seed", str(args.seed),
+        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+        "--output_dir", output_dir, *args.extra.split(),
+    ]  # fmt: skip
+
+
+# -- the worker: one trainer, every scheme, in one process ------------------------------------------------------------
+
+
+def _wall_clock_callback() -> Any:
+    """A ``TrainerCallback`` recording each optimizer step's wall-clock time, from the previous step's end (or the
+    start of training) to its own, both after a device synchronize (transformers is imported by the worker only)."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Callback(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._last: float | None = None
+
+        def _now(self) -> float:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self._last = self._now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = self._now()
+            self.times.append(now - self._last)
+            self._last = now
+
+    return Callback()
+
+
+def train_and_release(trainer: Any, record: dict) -> None:
+    """The examples' ``train_and_save`` for one scheme of the worker: train, put the step log and the wall-clock
+    step times in ``record``, then release ODC and the accelerator's references (the process group stays for the
+    next scheme; nothing is saved)."""
+    import torch
+
+    clock = _wall_clock_callback()
+    trainer.add_callback(clock)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the trainer logs the peak since this: training's, not the build's
+    trainer.train()
+    record["entries"] = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    record["wall_s"] = clock.times
+    trainer.close_odc()
+    trainer.accelerator.free_memory()
+
+
+@contextlib.contextmanager
+def built_on_device(module: Any) -> Any:
+    """While open, the example ``module``'s ``build_model`` (and ``hf_odc.demo.script``'s, which builds DPO's and
+    KTO's reference) build on this rank's GPU when there is one; restored on exit."""
+    import torch
+
+    import hf_odc.demo.script as demo_script
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    original = demo_script.build_model
+    if getattr(module, "build_model", original) is not original:
+        raise RuntimeError(f"{module.__name__} builds its model with another build_model than hf_odc.demo's.")
+
+    def build_model(*args: Any, **kwargs: Any) -> Any:
+        with torch.device("cuda", torch.cuda.current_device()):
+            return original(*args, **kwargs)
+
+    module.build_model = demo_script.build_model = build_model
+    try:
+        yield
+    finally:
+        module.build_model = demo_script.build_model = original
+
+
+def load_example(script: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"odc_example_{Path(script).stem}", ROOT / "examples" / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Every scheme of ``--worker``'s trainer in this process; rank 0 rewrites ``--worker-json`` after each."""
+    import torch
+    import torch.distributed as dist
+
+    point = TRAINERS[args.worker]
+    example = load_example(point.script)
+    results: dict[str, dict] = {}
+    last_duration = 0.0
+    for name in args.schemes.split(","):
+        # The first scheme runs (the driver launched this with time enough). A later one that would not end before
+        # the deadline is skipped, on rank 0's clock for every rank (the training config joined the process group).
+        go = [not results or time.time() + last_duration < args.deadline]
+        if results and dist.is_initialized():
+            dist.broadcast_object_list(go, src=0)
+        if not go[0]:
+            results[name] = {"skipped": "budget"}
+            continue
+        start = time.perf_counter()
+        # What the earlier schemes left allocated (0 when they released everything): their memory is not this one's.
+        allocated = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        record: dict = {"allocated_at_start_gib": allocated}
+        example.train_and_save = lambda trainer, record=record: train_and_release(trainer, record)
+        with tempfile.TemporaryDirectory() as out, built_on_device(example):
+            flags = [*example_flags(args, args.worker, out), *SCHEMES[name]]
+            example.main(*example.make_parser().parse_args_and_config(flags))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        last_duration = time.perf_counter() - start
+        record["scheme_s"] = last_duration
+        results[name] = record
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            environment = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+            for package in ("torch", "transformers", "trl"):
+                environment[package] = sys.modules[package].__version__ if package in sys.modules else None
+            Path(args.worker_json).write_text(json.dumps({"environment": environment, "schemes": results}))
+            print(f"{args.worker}: {name} done in {last_duration:.0f} s", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the driver -------------------------------------------------------------------------------------------------------
+
+
+def launch(args: argparse.Namespace, name: str, log: Path, deadline: float) -> dict:
+    """One trainer's worker launch; its JSON (whatever schemes finished), with an ``error`` if the launch failed or
+    ran past the deadline (its processes are then ended)."""
+    with tempfile.TemporaryDirectory() as directory:
+        return _launch(args, name, log, deadline, Path(directory) / "worker.json")
+
+
+def _launch(args: argparse.Namespace, name: str, log: Path, deadline: float, out: Path) -> dict:
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+        "--num_processes", str(args.num_processes), str(Path(__file__).resolve()), "--worker", name,
+        "--worker-json", str(out), "--deadline", str(deadline), *sys.argv[1:],
+    ]  # fmt: skip
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1"}
+    error = None
+    with open(log, "w") as f:
+        # A session of its own, so that an overrun ends the launcher and its ranks together.
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = process.wait(timeout=max(deadline - time.time(), 0) + args.grace)
+            if code != 0:
+                error = f"exit status {code}"
+        except subprocess.TimeoutExpired:
+            error = "ran past the budget; ended"
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, sig)  # the launcher's session: the launcher and its ranks
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=10)
+    result = json.loads(out.read_text()) if out.exists() else {"schemes": {}}
+    if error is not None:
+        result["error"] = f"{error}; see {log}\n" + log.read_text()[-1500:]
+    return result
+
+
+def summarise(record: dict, warmup: int, world_size: int) -> dict:
+    """One scheme's numbers over its timed steps (those after ``warmup``)."""
+    entries = record["entries"][warmup:] or record["entries"]
+    wall = record["wall_s"][warmup:] or record["wall_s"]
+    mean = lambda key: statistics.fmean(e[key] for e in entries) if all(key in e for e in entries) else None  # noqa: E731
+    tokens = sum(e[f"tokens/rank_{r}"] for e in entries for r in range(world_size))
+    return {
+        "steps": len(entries),
+        "step_s_median": statistics.median(e["step_s"] for e in entries),
+        "wall_s_median": statistics.median(wall),
+        "tokens_per_second": tokens / sum(e["step_s"] for e in entries),
+        "tokens_per_step": tokens / len(entries),
+        "tokens_per_second_wall": tokens / sum(wall) if len(wall) == len(entries) else None,
+        "peak_memory_gib": max((e.get("peak_memory_gib", 0.0) for e in entries), default=0.0),
+        "bubble_rate": mean("bubble_rate"),
+        "predicted_bubble_rate": mean("predicted_bubble_rate"),
+        "mfu": mean("mfu"),
+        "scoring_s": mean("scoring_s"),
+        "microbatches_per_rank": [mean(f"microbatches/rank_{r}") for r in range(world_size)],
+        "loss": [e["loss"] for e in record["entries"]],
+        "step_s": [e["step_s"] for e in entries],
+        "wall_s": wall,
+        "scheme_s": record["scheme_s"],
+        "allocated_at_start_gib": record["allocated_at_start_gib"],
+    }
+
+
+def add_ratios(schemes: dict) -> None:
+    """Each scheme's tokens/s over TRL's split's and over LB-Micro's (when those ran)."""
+    for reference, key in ((BASELINE, "x_trl_split"), (LB_MICRO, "x_lb_micro")):
+        if "tokens_per_second" in schemes.get(reference, {}):
+            for row in schemes.values():
+                if "tokens_per_second" in row:
+                    row[key] = row["tokens_per_second"] / schemes[reference]["tokens_per_second"]
+
+
+def print_table(trainers: dict) -> None:
+    percent = lambda value: "—" if value is None else f"{value:.1%}"  # noqa: E731
+    ratio = lambda value: "—" if value is None else f"{value:.2f}x"  # noqa: E731
+    print(f"\n{'trainer':8s} {'scheme':33s} {'step s':>7s} {'wall s':>7s} {'tokens/s':>9s} {'x TRL':>6s} "
+          f"{'x LBmi':>6s} {'bubble':>7s} {'pred.':>6s} {'MFU':>6s} {'peak GiB':>8s}  microbatches/rank")  # fmt: skip
+    for trainer, result in trainers.items():
+        for scheme, row in result["schemes"].items():
+            if "tokens_per_second" not in row:
+                print(f"{trainer:8s} {scheme:33s} " + (f"skipped ({row['skipped']})" if "skipped" in row else "failed"))
+                continue
+            mbs = "/".join("—" if m is None else f"{m:.1f}" for m in row["microbatches_per_rank"])
+            print(f"{trainer:8s} {scheme:33s} {row['step_s_median']:7.2f} {row['wall_s_median']:7.2f} "
+                  f"{row['tokens_per_second']:9.0f} {ratio(row.get('x_trl_split')):>6s} "
+                  f"{ratio(row.get('x_lb_micro')):>6s} {percent(row['bubble_rate']):>7s} "
+                  f"{percent(row['predicted_bubble_rate']):>6s} {percent(row['mfu']):>6s} "
+                  f"{row['peak_memory_gib']:8.1f}  {mbs}")  # fmt: skip
+        if "error" in result:
+            print(f"{trainer:8s} error: {result['error'].splitlines()[0]}")
+    for trainer, result in trainers.items():
+        for scheme, row in result["schemes"].items():
+            if row.get("allocated_at_start_gib", 0.0) > 0.1:  # counted in its peak
+                print(f"note: {trainer} {scheme} started with {row['allocated_at_start_gib']:.1f} GiB still allocated")
+
+
+def run_driver(args: argparse.Namespace) -> None:
+    start = time.time()
+    deadline = start + (args.budget if args.budget is not None else float("inf"))
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="trainer_points_"))
+    logs.mkdir(parents=True, exist_ok=True)
+    trainers: dict[str, dict] = {}
+    environment = None
+    for name in args.trainers.split(","):
+        if time.time() + args.min_launch_s > deadline:
+            trainers[name] = {"schemes": {scheme: {"skipped": "budget"} for scheme in args.schemes.split(",")}}
+            continue
+        began = time.time()
+        raw = launch(args, name, logs / f"{name}.log", deadline)
+        environment = raw.get("environment", environment)
+        schemes = {
+            scheme: summarise(record, args.warmup, args.num_processes) if "entries" in record else record
+            for scheme, record in raw["schemes"].items()
+        }
+        for scheme in args.schemes.split(","):
+            schemes.setdefault(scheme, {"skipped": "its launch ended first"})
+        add_ratios(schemes)
+        trainers[name] = {"trainer": TRAINERS[name].trainer, "launch_s": time.time() - began, "schemes": schemes}
+        if "error" in raw:
+            trainers[name]["error"] = raw["error"]
+        print(f"{name}: {trainers[name]['launch_s']:.0f} s" + (" (failed)" if "error" in raw else ""), flush=True)
+        if args.json:  # after every trainer, so that an outer time limit leaves what finished
+            write_json(args, environment, trainers, time.time() - start)
+    if args.json:
+        write_json(args, environment, trainers, time.time() - start)
+    print(f"\n{args.model_config}, {environment and environment['device']}, {args.num_processes} processes, "
+          f"{args.steps - args.warmup} timed steps of {args.steps}; total {time.time() - start:.0f} s")  # fmt: skip
+    print_table(trainers)
+
+
+def write_json(args: argparse.Namespace, environment: dict | None, trainers: dict, total_s: float) -> None:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    config = {key: value for key, value in vars(args).items() if key not in ("worker", "worker_json", "deadline")}
+    payload = {"config": config, "environment": environment, "total_s": total_s, "trainers": trainers}
+    Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trainers", default=",".join(TRAINERS), help="comma list of " + ", ".join(TRAINERS))
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma list of scheme names")
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--accelerate-config", default=str(ROOT / "examples" / "odc.yaml"))
+    parser.add_argument("--model-config", default="qwen2.5-1.5b")
+    parser.add_argument("--distribution", default="swe-smith", help="length shape (hf_odc.packing.DISTRIBUTIONS)")
+    parser.add_argument("--max-length", type=int, default=8192, help="longest sequence (distillation: half)")
+    parser.add_argument("--global-batch-size", type=int, default=16, help="pairs / examples / completions per step")
+    parser.add_argument("--num-generations", type=int, default=8, help="RLOO's group size")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps not counted")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--extra", default="--gradient_checkpointing true", help="more arguments for every example")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default: no limit)")
+    parser.add_argument("--min-launch-s", type=float, default=60, help="no trainer starts with less budget left")
+    parser.add_argument("--grace", type=float, default=60, help="seconds past the budget before a launch is ended")
+    parser.add_argument("--logs", default=None, help="directory for the launches' logs (default: a temporary one)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in args.trainers.split(","):
+        if name not in TRAINERS:
+            parser.error(f"--trainers: unknown trainer {name!r}; choose from {', '.join(TRAINERS)}")
+    for name in args.schemes.split(","):
+        if name not in SCHEMES:
+            parser.error(f"--schemes: unknown scheme {name!r}; choose from {'; '.join(SCHEMES)}")
+    if args.global_batch_size % args.num_processes:
+        parser.error("--global-batch-size must be a multiple of --num-processes")
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and less than --steps")
+    return args
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run_worker(arguments) if arguments.worker else run_driver(arguments)
