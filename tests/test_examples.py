@@ -227,6 +227,34 @@ def test_the_tool_calling_example_runs_trls_tool_loop_and_packs_the_tool_results
     assert f"{calls:.2f} tool calls per rollout" in output and "decoded tokens/s" in output, output
 
 
+GPU_TOOL_FLAGS = ["--model_config", "qwen2.5-1.5b", "--max_completion_length", "512", "--num_generations", "8",
+                  "--per_device_train_batch_size", "16", "--max_steps", "20"]  # fmt: skip
+
+
+def test_the_tool_examples_gpu_command_builds_the_qwen25_15b_shape_and_fills_its_completions(tmp_path):
+    """The GPU command of ``examples/grpo_tools.py``'s docstring, on CPU as far as it can go: the flags parse (static
+    decoding), the Qwen2.5-1.5B shape builds (on the meta device, no weights) with the tool tokenizer's ids inside its
+    vocabulary, and the scripted policy's longest completion (2 calls, their results, the answer) fills 512 tokens."""
+    import torch
+    from trl import ModelConfig
+
+    from hf_odc.demo import build_model, build_tool_tokenizer
+
+    script_args, training_args, _ = grpo_tools.make_parser().parse_args_and_config(
+        [*GPU_TOOL_FLAGS, "--output_dir", str(tmp_path)]
+    )
+    assert training_args.odc_generation == "static" and training_args.max_completion_length == 512
+    script = grpo_tools.scripted_policy(script_args, training_args)
+    g, calls = 7, 2
+    longest = calls * 14 + script.words_per_turn * (1 + g + calls) + 1
+    assert 512 - (1 + g + calls) < longest <= 512, script
+    tokenizer = build_tool_tokenizer()
+    with torch.device("meta"):
+        model = build_model(script_args.model_config, ModelConfig(), tokenizer, seed=0)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_hidden_layers == 28
+    assert len(tokenizer) <= model.config.vocab_size == 151936
+
+
 DATA_ROW = {"messages": CHAT}
 
 
