@@ -17,6 +17,10 @@ accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py
 # the plain-FSDP2 baseline: every rank runs the same number of microbatches
 accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py --odc false --balance lb-micro
 
+# a tiny Mixture-of-Experts model (Qwen3-MoE: 4 experts, top-2), trained with its router's load-balancing loss, as TRL
+# does (logged as aux_loss: hf_odc takes it over each global minibatch)
+accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py --model_config tiny-moe
+
 # GPUs: a randomly initialised Qwen2-0.5B-shaped model on long-tailed synthetic data, bf16 (hf_odc's packed attention,
 # "odc_packed", by default; --attn_implementation flash_attention_2 where flash-attn is installed)
 accelerate launch --config_file examples/odc.yaml --num_processes 2 examples/sft.py \

@@ -4,12 +4,13 @@ rollouts: one optimizer step per case, saving what to compare.
 ``python tests/_grpo_tools.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` on one process with the
 whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_tools.py odc MODEL_DIR OUT CASE...`` trains
 ``ODCGRPOTrainer`` on each process with its share, generating with transformers in the case's ``odc_generation``
-mode. Every token is forced by :class:`ScriptedToolCalls` (a logits processor added to every ``generate``), so both
-sides decode the same multi-turn completions whatever the process count: the ``g``-th generation of a prompt calls
-the tool ``g`` times (``<tool_call> lookup word w{g} </tool_call>``; at most once for a short prompt), then answers;
-with ``max_tool_calling_iterations = 2`` the third call of ``g = 3`` is not run; the rank holding the short prompt
-decodes fewer turns. The tokenizer is the demo's word-level one with a tool role and a chat template that renders
-tool calls; its ``parse_response`` reads the scripted calls back.
+mode. Every token is forced by the demo's scripted policy (``hf_odc.demo.scripted_generation`` with
+:data:`SCRIPT`, a ``LookupScript``), so both sides decode the same multi-turn completions whatever the process count:
+the ``g``-th generation of a prompt calls the tool ``g`` times (``<tool_call> lookup word w{g} </tool_call>``; at
+most once for a short prompt), then answers; with ``max_tool_calling_iterations = 2`` the third call of ``g = 3`` is
+not run; the rank holding the short prompt decodes fewer turns. The tokenizer is the demo's tool tokenizer
+(``hf_odc.demo.build_tool_tokenizer``: a tool role and a chat template that renders tool calls; its
+``parse_response`` reads the scripted calls back).
 
 On the ODC side every microbatch's per-position log-probabilities keep their gradient: rank 0 saves, per case, the
 gradient at each completion token with its loss mask (``probes``), from which the test checks that tool-result tokens
@@ -18,31 +19,16 @@ get none.
 
 from __future__ import annotations
 
-import itertools
 import os
 
-import torch
 from _parity import run_cases, trained_state
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
-from transformers.generation.utils import GenerationMixin
+from transformers import AutoModelForCausalLM
 
-from hf_odc.demo.tokenizer import NUM_WORDS, ROLES, SPECIAL_TOKENS
+from hf_odc.demo.tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation
 
 MINIBATCH, GENERATIONS, MAX_ITERATIONS, SHORT_PROMPT = 8, 4, 2, 3
-TOOL_WORDS = ["tool", "<tool_call>", "</tool_call>", "lookup", "word"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
-    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
-    "{{ ' <tool_call> ' + call['function']['name'] }}"
-    "{% for key, value in call['function']['arguments'].items() %}{{ ' ' + key + ' ' + value }}{% endfor %}"
-    "{{ ' </tool_call>' }}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+SCRIPT = LookupScript(GENERATIONS, short_prompt=SHORT_PROMPT)
 COMMON = dict(
     num_generations=GENERATIONS, max_completion_length=48, learning_rate=0.5, optim="sgd", logging_steps=1,
     save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True, max_steps=1,
@@ -57,47 +43,8 @@ CASES = {
 }
 
 
-def build_tool_tokenizer() -> PreTrainedTokenizerFast:
-    """The demo's word-level tokenizer (``hf_odc.demo.build_tokenizer``) with a tool role, tool-call words and a chat
-    template that renders tool calls and tool messages; ``parse_response`` reads a completion's tool calls back."""
-    words = SPECIAL_TOKENS + ROLES + TOOL_WORDS + [f"w{i}" for i in range(NUM_WORDS)]
-    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(words)}, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    backend.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-    )  # fmt: skip
-    tokenizer.response_template = "scripted"  # TRL parses completions with parse_response when one is set
-    tokenizer.parse_response = lambda ids, prefix=None, tools=None: parse_scripted(tokenizer, ids)
-    return tokenizer
-
-
-def parse_scripted(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> dict:
-    """An assistant message: its ``<tool_call> NAME KEY VALUE ... </tool_call>`` calls, or its text."""
-    tokens = tokenizer.convert_ids_to_tokens(list(ids))
-    if "<tool_call>" not in tokens or "</tool_call>" not in tokens:
-        return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
-    start, end = tokens.index("<tool_call>"), tokens.index("</tool_call>")
-    name, *pairs = tokens[start + 1 : end]
-    arguments = dict(zip(pairs[::2], pairs[1::2], strict=True))
-    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name,
-            "arguments": arguments}}]}  # fmt: skip
-
-
-def lookup(word: str) -> str:
-    """Look a word up.
-
-    Args:
-        word: The word to look up.
-    """
-    g = int(word[1:])
-    return " ".join(f"w{200 + 3 * g + j}" for j in range(3))
-
-
 class LookupEnvironment:
-    """An environment whose tool is :func:`lookup`, counting its calls (its reward)."""
+    """An environment whose tool is :func:`~hf_odc.demo.lookup`, counting its calls (its reward)."""
 
     def reset(self, **kwargs) -> None:
         self.calls = 0
@@ -118,49 +65,6 @@ def environment_reward(environments, **kwargs) -> list[float]:
 
 def length_reward(completion_ids, **kwargs) -> list[float]:
     return [float(len(ids) % 7) for ids in completion_ids]
-
-
-class ScriptedToolCalls(LogitsProcessor):
-    """Forces every token: the ``g``-th generation of a prompt (``g`` its row modulo the group size in the first
-    turn; read back from its first tool call's argument later) makes ``g`` tool calls (at most one for a short
-    prompt, so that ranks run different numbers of turns), one per turn, then answers ``1 + g + turn`` words."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast):
-        self.tokenizer, self.id = tokenizer, tokenizer.convert_tokens_to_ids
-
-    def _turn(self, tokens: list[str], row: int) -> list[str]:
-        turn = len(headers(tokens, "tool"))
-        g = row % GENERATIONS if turn == 0 else int(tokens[tokens.index("<tool_call>") + 3][1:])
-        user = headers(tokens, "user")[0]
-        calls = g if tokens.index("<|im_end|>", user) - user - 2 > SHORT_PROMPT else min(g, 1)
-        if turn < calls:
-            return ["<tool_call>", "lookup", "word", f"w{g}", "</tool_call>", "<|im_end|>"]
-        return [f"w{100 + 10 * g + turn + j}" for j in range(1 + g + turn)] + ["<|im_end|>"]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        forced = torch.full_like(scores, -torch.inf)
-        for row, ids in enumerate(input_ids.tolist()):
-            tokens = self.tokenizer.convert_ids_to_tokens(ids)
-            last = headers(tokens, "assistant")[-1]
-            script, done = self._turn(tokens, row), len(tokens) - last - 2
-            forced[row, self.id(script[done] if done < len(script) else "<|im_end|>")] = 0.0
-        return forced
-
-
-def headers(tokens: list[str], role: str) -> list[int]:
-    """Where each ``<|im_start|> role`` header starts in ``tokens``."""
-    return [i for i, pair in enumerate(itertools.pairwise(tokens)) if pair == ("<|im_start|>", role)]
-
-
-def force_generation(tokenizer: PreTrainedTokenizerFast) -> None:
-    """Every ``generate`` (TRL's, hf_odc's static copy's) runs :class:`ScriptedToolCalls`."""
-    generate = getattr(GenerationMixin.generate, "unscripted", GenerationMixin.generate)
-
-    def scripted(self, *args, **kwargs):
-        return generate(self, *args, logits_processor=LogitsProcessorList([ScriptedToolCalls(tokenizer)]), **kwargs)
-
-    scripted.unscripted = generate
-    GenerationMixin.generate = scripted
 
 
 def prompts(count: int) -> Dataset:
@@ -199,7 +103,6 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
 
     tokenizer = build_tool_tokenizer()
-    force_generation(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     if kind == "trl":
         args = GRPOConfig(output_dir, per_device_train_batch_size=MINIBATCH, **COMMON)
@@ -215,7 +118,8 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     trainer = trainer_class(
         model=model, reward_funcs=rewards, args=args, train_dataset=prompts(16), processing_class=tokenizer, **tools
     )
-    trainer.train()
+    with scripted_generation(tokenizer, SCRIPT):
+        trainer.train()
     probes = [
         (log_probs.grad[0][index].cpu(), index, mask) for log_probs, index, mask in getattr(trainer, "probes", [])
     ]

@@ -22,6 +22,7 @@ from hf_odc.demo import build_tokenizer, script
 
 sft = load_example("sft.py")
 grpo = load_example("grpo.py")
+grpo_tools = load_example("grpo_tools.py")
 FAST = ("--max_steps", "2", "--num_samples", "32", "--global_batch_size", "4")
 CHAT = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": "w3 w2 w1"}]
 
@@ -202,6 +203,56 @@ def test_grpo_refuses_a_dataset_it_would_not_read_in_one_line(tmp_path, monkeypa
     error = capsys.readouterr().err.splitlines()[-1]
     says = f"--dataset_name {tmp_path}: {grpo.make_parser().prog} trains on its built-in data only"
     assert failure.value.code == 2 and error.endswith(says)
+
+
+@pytest.mark.slow
+def test_the_tool_calling_example_runs_trls_tool_loop_and_packs_the_tool_results(tmp_path):
+    """``examples/grpo_tools.py`` with its defaults on 2 processes: every step's rollouts (8 prompts of 4 generations
+    each, per process) run TRL's tool loop, the ``g``-th generation of a prompt calling the tool ``min(g, 2)`` times
+    (1.25 calls per rollout, none failing), and each minibatch is packed whole, tool results included: 8 tokens a
+    result beyond what TRL counts as the policy's tokens (``num_tokens``: prompts and generated tokens). That the
+    packed tool results get no gradient is ``tests/test_grpo_tools.py``'s."""
+    output = run("grpo_tools.py", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)
+    namespace, _ = grpo_tools.make_parser().parse_known_args([])
+    rollouts, groups = 2 * namespace.per_device_train_batch_size, namespace.num_generations
+    calls = sum(min(g, namespace.max_calls) for g in range(groups)) / groups
+    logs = logged_steps(tmp_path)
+    assert sorted(logs) == list(range(1, namespace.max_steps + 1))
+    counted = 0
+    for _, entry in sorted(logs.items()):
+        assert entry["tools/call_frequency"] == calls > 0 and entry["tools/failure_frequency"] == 0, entry
+        packed = entry["tokens/rank_0"] + entry["tokens/rank_1"]
+        assert packed - (entry["num_tokens"] - counted) == 8 * calls * rollouts, entry
+        counted = entry["num_tokens"]
+    assert f"{calls:.2f} tool calls per rollout" in output and "decoded tokens/s" in output, output
+
+
+GPU_TOOL_FLAGS = ["--model_config", "qwen2.5-1.5b", "--max_completion_length", "512", "--num_generations", "8",
+                  "--per_device_train_batch_size", "16", "--max_steps", "20"]  # fmt: skip
+
+
+def test_the_tool_examples_gpu_command_builds_the_qwen25_15b_shape_and_fills_its_completions(tmp_path):
+    """The GPU command of ``examples/grpo_tools.py``'s docstring, on CPU as far as it can go: the flags parse (static
+    decoding), the Qwen2.5-1.5B shape builds (on the meta device, no weights) with the tool tokenizer's ids inside its
+    vocabulary, and the scripted policy's longest completion (2 calls, their results, the answer) fills 512 tokens."""
+    import torch
+    from trl import ModelConfig
+
+    from hf_odc.demo import build_model, build_tool_tokenizer
+
+    script_args, training_args, _ = grpo_tools.make_parser().parse_args_and_config(
+        [*GPU_TOOL_FLAGS, "--output_dir", str(tmp_path)]
+    )
+    assert training_args.odc_generation == "static" and training_args.max_completion_length == 512
+    script = grpo_tools.scripted_policy(script_args, training_args)
+    g, calls = 7, 2
+    longest = calls * 14 + script.words_per_turn * (1 + g + calls) + 1
+    assert 512 - (1 + g + calls) < longest <= 512, script
+    tokenizer = build_tool_tokenizer()
+    with torch.device("meta"):
+        model = build_model(script_args.model_config, ModelConfig(), tokenizer, seed=0)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_hidden_layers == 28
+    assert len(tokenizer) <= model.config.vocab_size == 151936
 
 
 DATA_ROW = {"messages": CHAT}

@@ -1,8 +1,8 @@
 """The demos' parts, shared by the example scripts (``examples/sft.py``, ``examples/dpo.py``, ...), the
 notebooks and the tests: a word-level tokenizer built in code, models built from a config (a tiny Llama, or a real
 model's shape with random weights), built-in datasets with long-tailed lengths (chats, token ids, prompts, preference
-pairs), GRPO's rule-based rewards and synthetic rollouts, and the scripts' command-line conventions. Nothing
-downloads.
+pairs), GRPO's rule-based rewards and synthetic rollouts, the tool-calling demo's tool and scripted policy, and the
+scripts' command-line conventions. Nothing downloads.
 
 Nothing else in hf_odc imports this package: it is for trying ODC out, writing a script of one's own in the examples'
 style, and testing; a real run brings its own model, tokenizer and data.
@@ -36,6 +36,15 @@ from .script import (
     train_and_save,
 )
 from .tokenizer import CHAT_TEMPLATE, NUM_WORDS, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
+from .tools import (
+    TOOL_CHAT_TEMPLATE,
+    LookupScript,
+    ScriptedToolCalls,
+    build_tool_tokenizer,
+    lookup,
+    scripted_generation,
+    tool_use_reward,
+)
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -43,14 +52,18 @@ __all__ = [
     "MODEL_CONFIGS",
     "NUM_WORDS",
     "SPECIAL_TOKENS",
+    "TOOL_CHAT_TEMPLATE",
     "DemoScriptArguments",
     "ExampleParser",
     "GlobalBatchParser",
     "GlobalBatchScriptArguments",
+    "LookupScript",
     "PromptScriptArguments",
+    "ScriptedToolCalls",
     "SyntheticRollouts",
     "build_model",
     "build_tokenizer",
+    "build_tool_tokenizer",
     "built_in_prompts",
     "chat_dataset",
     "check_model",
@@ -62,6 +75,7 @@ __all__ = [
     "load_script_dataset",
     "load_tokenizer",
     "longtail_lengths",
+    "lookup",
     "make_trainer",
     "preference_dataset",
     "prompt_dataset",
@@ -69,7 +83,9 @@ __all__ = [
     "require_columns",
     "save_initial_model",
     "save_policy_for_reference",
+    "scripted_generation",
     "synthetic_dataset",
+    "tool_use_reward",
     "train_and_save",
     "unpaired_dataset",
 ]

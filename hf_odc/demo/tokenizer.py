@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -28,9 +29,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over ``w0 .. w{NUM_WORDS-1}``, the role names and ChatML's special tokens."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ROLES + [f"w{i}" for i in range(NUM_WORDS)])}
+def build_tokenizer(extra_tokens: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``w0 .. w{NUM_WORDS-1}``, the role names and ChatML's special tokens, plus
+    ``extra_tokens`` (placed before the words: the tool-calling demo's, :func:`hf_odc.demo.build_tool_tokenizer`),
+    with ``chat_template``."""
+    words = [f"w{i}" for i in range(NUM_WORDS)]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ROLES + list(extra_tokens) + words)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece()
@@ -40,7 +44,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<|pad|>",
         eos_token="<|im_end|>",
         unk_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
