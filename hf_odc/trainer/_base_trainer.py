@@ -109,7 +109,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     def _setup_odc(self, step_metrics: StepMetrics) -> None:
         """Packed attention, then (with several processes) FSDP2 sharding and ODC; the planner's cost model; the
         metrics the trainer's loss accumulates. Checks first that the TRL and transformers names hf_odc relies on are
-        there (:mod:`hf_odc.trainer._compat`)."""
+        there (:mod:`hf_odc._compat`)."""
         _compat.check_trainer(self)
         args = self.args
         use_packed_attention(self.model, args.packed_attention, args.device)
@@ -128,7 +128,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 # as it is, on transformers 5.17 as on 5.23 (which also reads the flag below).
                 prepared = self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
                 self.model = self.model_wrapped = prepared
-                self.is_distributed_loading_by_transformers = True
+                _compat.mark_distributed_loading(self)
         self.odc.enable(self.model)
         self._planner = self._minibatch_planner()
         self._frozen_runtimes: list[ODCRuntime] = []

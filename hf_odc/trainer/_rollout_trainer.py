@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
-from ..engine._fsdp_internals import lazy_init_root
+from ..engine import lazy_init_root
 from ._base_trainer import _ODCTrainer
 from ._quiet import without_ignored_model_init_kwargs_warning
 from .generation import StaticDecoder, choose_generation_mode, decoding
