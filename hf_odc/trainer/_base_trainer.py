@@ -27,7 +27,7 @@ from ..accelerate_plugin import ODCRuntime
 from ..packing import MinibatchPlanner, idle_fraction, named_cost
 from ..packing.calibration import FEATURES, Calibration, Calibrator
 from ..packing.flops import mfu, peak_flops, training_flops
-from ._checkpointing import _CheckpointHooks
+from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics

@@ -25,7 +25,6 @@ from trl import SFTTrainer
 
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep, StepMetrics
-from .config import ODCSFTConfig
 from .data import (
     MinibatchDataLoader,
     PlannedMinibatchCollator,
@@ -33,6 +32,7 @@ from .data import (
     minibatch_loader,
     require_sft_columns,
 )
+from .sft_config import ODCSFTConfig
 
 __all__ = ["ODCSFTTrainer"]
 
