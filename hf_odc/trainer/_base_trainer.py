@@ -87,9 +87,9 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     @abstractmethod
     def _microbatch_loss(self, model: nn.Module, microbatch: Any, step: PlannedStep) -> torch.Tensor:
-        """The loss of one of this rank's microbatches (on the device), already normalised for the whole minibatch
-        and scaled by the world size (ODC, as FSDP2, averages gradients over ranks), so that the sum over every rank's
-        microbatches is the single-process loss of the minibatch. Accumulates the step's metrics into
+        """The loss of one of this rank's microbatches (on the device), normalised for the whole minibatch, so that the
+        sum over every rank's microbatches is the single-process loss of the minibatch (the step scales it by the
+        world size: ODC, as FSDP2, averages gradients over ranks). Accumulates the step's metrics into
         ``self._step_metrics``."""
 
     def _model_inputs(self, microbatch: Any) -> dict[str, Any]:
@@ -214,9 +214,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         yield
 
     def _run_minibatch(self, model: nn.Module, step: PlannedStep) -> torch.Tensor:
-        """Forward and backward of this rank's microbatches inside the minibatch context; without ODC, FSDP2's
+        """Forward and backward of this rank's microbatches inside the minibatch context, each loss (with the router's
+        load-balancing loss) times the world size, as ODC and FSDP2 average gradients over ranks; without ODC, FSDP2's
         reduce-scatter runs once, in the last backward. Returns the summed loss, detached."""
         defer_reduction = not self.odc.active and isinstance(model, FSDPModule)
+        world_size = self.accelerator.num_processes
         expert_load = self._expert_load
         if expert_load is not None:
             self._count_expert_load(model, step, expert_load)
@@ -232,9 +234,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                     else:
                         with expert_load.recording():
                             microbatch_loss = self._microbatch_loss(model, self._to_device(microbatch), step)
-                            # scaled by the world size, as the trainers' losses are (ODC averages over ranks)
-                            aux_loss = expert_load.loss() * self.accelerator.num_processes
-                        microbatch_loss = microbatch_loss + aux_loss
+                            microbatch_loss = microbatch_loss + expert_load.loss()
+                    microbatch_loss = microbatch_loss * world_size
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
                 self.odc.lap()
