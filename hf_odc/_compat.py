@@ -15,7 +15,7 @@ Every other private name is read by a function of this module, which checks it f
   (``torch.distributed._symmetric_memory``);
 * transformers: a config's ``_attn_implementation``, a model class's ``_from_config``, ``_no_split_modules`` and
   ``_can_record_outputs``, the ``_is_fsdp_managed_module`` mark, the Trainer's
-  ``is_distributed_loading_by_transformers`` (in :data:`INSTANCE_NAMES`), ``transformers.trainer_utils``'s logger;
+  ``is_distributed_loading_by_transformers``, ``transformers.trainer_utils``'s logger;
 * TRL: ``DataCollatorForLanguageModeling`` (not exported by ``trl``), ``grpo_trainer``'s logger, ``VLLMGeneration``'s
   ``_llm_weights_sleeping``.
 
@@ -122,8 +122,6 @@ INSTANCE_NAMES: dict[str, tuple[str, ...]] = {
     "trl:GRPOTrainer": ("_metrics", "_step", "_buffered_inputs", "_entropy_bonus_enabled", "_last_world_entropy"),
     "trl:RLOOTrainer": ("_metrics", "_logs", "_step", "_buffered_inputs", "reward_weights"),
     "trl:DistillationTrainer": ("_metrics", "_step", "_buffered_inputs", "teacher_model", "beta", "temperature"),
-    # Set on a model hf_odc prepared itself, so that the Trainer's prepare() leaves it as it is (_base_trainer).
-    "transformers:Trainer": ("is_distributed_loading_by_transformers",),
 }
 """``"module:Class"`` -> the attributes an instance of it (its ``__init__``) must have for hf_odc to read or set."""
 
@@ -269,9 +267,14 @@ def router_modules(model: Any) -> list[tuple[Any, int]]:
 
 
 def mark_distributed_loading(trainer: Any) -> None:
-    """Tell the Trainer that its model is already placed and distributed (its
-    ``is_distributed_loading_by_transformers``, checked on every ODC trainer at construction: :data:`INSTANCE_NAMES`),
-    so that its ``prepare()`` leaves the model as it is."""
+    """Tell the Trainer that hf_odc placed and prepared its model itself (its
+    ``is_distributed_loading_by_transformers``), so that its ``prepare()`` leaves the model as it is. transformers
+    reads the flag from 5.23 on, where a Trainer without it is refused; an earlier one leaves a prepared model as it
+    is without it."""
+    import transformers
+
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23):
+        _require(trainer, ("is_distributed_loading_by_transformers",), "transformers:Trainer", " instances")
     trainer.is_distributed_loading_by_transformers = True
 
 

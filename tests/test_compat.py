@@ -99,6 +99,15 @@ def test_a_renamed_private_name_is_named_where_it_is_read(monkeypatch, dropped, 
         call()
 
 
+def test_a_trainer_without_the_distributed_loading_flag_is_refused():
+    class Stub(trl.SFTTrainer):
+        def __init__(self):  # transformers' Trainer.__init__, which sets the flag, not run
+            pass
+
+    with pytest.raises(_compat.UnsupportedLibraryError, match="is_distributed_loading_by_transformers"):
+        _compat.mark_distributed_loading(Stub())
+
+
 def test_the_process_groups_and_their_timeout(monkeypatch):
     """The job's process groups (what the liveness checks bound), and the timeout set on them through torch's public
     setter or, before torch 2.14, its private one."""
