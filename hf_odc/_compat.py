@@ -1,11 +1,27 @@
-"""Every private name of TRL, transformers and Accelerate that hf_odc overrides, calls, reads or sets, in one place.
+"""Every private name of torch, transformers, TRL, Accelerate and vLLM that hf_odc overrides, calls, reads or sets,
+in one place.
 
 hf_odc's trainers extend TRL's by their hooks, several of them private (``_prepare_inputs``, ``_save_checkpoint``,
 ``GRPOTrainer._generate``...), and read state TRL's ``__init__`` creates (``_metrics``, ``_buffered_inputs``...). A
 release that renames one would otherwise surface as an ``AttributeError`` deep in a step, or worse as an override that
 silently no longer runs. So each name is listed here, the classes' are checked when :mod:`hf_odc.trainer` is imported
 (:func:`check_classes`), a trainer's instance state when it is built (:func:`check_trainer`), and a failure names the
-library, its version and what is missing. torch's private names have their own gate (:mod:`hf_odc._torch_support`).
+library, its version and what is missing.
+
+Every other private name is read by a function of this module, which checks it first:
+
+* torch: the default store (``distributed_c10d._get_default_store``), the job's process groups and their timeouts
+  (``distributed_c10d._world``, ``_set_pg_timeout`` before torch 2.14), CUDA symmetric memory
+  (``torch.distributed._symmetric_memory``);
+* transformers: a config's ``_attn_implementation``, a model class's ``_from_config``, ``_no_split_modules`` and
+  ``_can_record_outputs``, the ``_is_fsdp_managed_module`` mark, the Trainer's
+  ``is_distributed_loading_by_transformers``, ``transformers.trainer_utils``'s logger;
+* TRL: ``DataCollatorForLanguageModeling`` (not exported by ``trl``), ``grpo_trainer``'s logger, ``VLLMGeneration``'s
+  ``_llm_weights_sleeping``.
+
+FSDP2's private state (its parameter groups and their layout) is the engine's alone, read and checked in
+:mod:`hf_odc.engine._fsdp_internals`; the torch version floor, and the check both use for torch, are in
+:mod:`hf_odc._torch_support`. tests/test_compat.py fails when a private name of these libraries is read anywhere else.
 """
 
 from __future__ import annotations
@@ -13,27 +29,41 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 __all__ = [
     "CLASS_NAMES",
     "INSTANCE_NAMES",
     "UnsupportedLibraryError",
+    "attn_implementation",
     "cache_argument",
     "check_classes",
     "check_trainer",
     "decoding_alone",
+    "default_store",
     "generating_on",
+    "library_logger",
+    "mark_distributed_loading",
     "mark_fsdp_managed",
     "mark_vllm_weights_awake",
+    "model_from_config",
+    "no_split_modules",
+    "padding_free_collator",
+    "process_groups",
     "router_modules",
+    "set_attn_implementation",
+    "set_group_timeout",
+    "symmetric_memory",
     "trainer_prepare_inputs",
 ]
 
 
 class UnsupportedLibraryError(RuntimeError):
-    """An installed TRL, transformers or Accelerate lacks a private name hf_odc relies on."""
+    """An installed torch, TRL, transformers, Accelerate or vLLM lacks a private name hf_odc relies on."""
 
 
 CLASS_NAMES: dict[str, tuple[str, ...]] = {
@@ -114,6 +144,23 @@ def _require(obj: Any, names: Iterable[str], spec: str, what: str) -> None:
             "does not have: this release changed a private name hf_odc reads. Install the version pyproject.toml "
             "was checked with (see its dependency comments), or update hf_odc/_compat.py and the code that uses it."
         )
+
+
+def _module(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise UnsupportedLibraryError(
+            f"hf_odc relies on the module {name}, which {_library_version(name)} does not have ({e}). Update "
+            "hf_odc/_compat.py."
+        ) from e
+
+
+def _checked(spec: str, *names: str) -> Any:
+    """The class ``"module:Class"`` or the module ``spec``, once it has every one of ``names``."""
+    obj = _resolve(spec) if ":" in spec else _module(spec)
+    _require(obj, names, spec, "")
+    return obj
 
 
 def check_classes(specs: dict[str, tuple[str, ...]] | None = None) -> None:
@@ -217,3 +264,91 @@ def router_modules(model: Any) -> list[tuple[Any, int]]:
     return [
         (module, index) for module in model.modules() for target, index in targets.items() if isinstance(module, target)
     ]
+
+
+def mark_distributed_loading(trainer: Any) -> None:
+    """Tell the Trainer that hf_odc placed and prepared its model itself (its
+    ``is_distributed_loading_by_transformers``), so that its ``prepare()`` leaves the model as it is. transformers
+    reads the flag from 5.23 on, where a Trainer without it is refused; an earlier one leaves a prepared model as it
+    is without it."""
+    import transformers
+
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23):
+        _require(trainer, ("is_distributed_loading_by_transformers",), "transformers:Trainer", " instances")
+    trainer.is_distributed_loading_by_transformers = True
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation ``config`` (a transformers ``PretrainedConfig``) is set to: its private
+    ``_attn_implementation``, which the public ``attn_implementation`` argument sets. ``None`` when unset."""
+    _checked("transformers:PretrainedConfig", "_attn_implementation")
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(config: Any, name: str) -> None:
+    """Set the attention implementation of ``config`` before any model is built from it (its private
+    ``_attn_implementation``: a model's public ``set_attn_implementation`` needs the model)."""
+    _checked("transformers:PretrainedConfig", "_attn_implementation")
+    config._attn_implementation = name
+
+
+def model_from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+    """A model of the transformers class ``cls`` built from ``config`` without loading weights (its private
+    ``_from_config``: ``PreTrainedModel`` has no public one, the ``AutoModel`` classes pick the class themselves)."""
+    _checked("transformers:PreTrainedModel", "_from_config")
+    return cls._from_config(config, **kwargs)
+
+
+def no_split_modules(model: Any) -> set[str]:
+    """The class names of ``model``'s layers that transformers keeps whole (its private ``_no_split_modules``, what
+    Accelerate's ``TRANSFORMER_BASED_WRAP`` wraps); empty for a model that names none."""
+    _checked("transformers:PreTrainedModel", "_no_split_modules")
+    return set(getattr(model, "_no_split_modules", None) or ())
+
+
+def padding_free_collator(pad_token_id: int) -> Any:
+    """TRL's ``DataCollatorForLanguageModeling`` in its padding-free mode (the packing SFT trains with), which ``trl``
+    does not export: it lives in ``trl.trainer.sft_trainer``."""
+    collator = _checked("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling").DataCollatorForLanguageModeling
+    return collator(pad_token_id=pad_token_id, padding_free=True)
+
+
+def library_logger(module: str) -> logging.Logger:
+    """The logger a library module (``module``, e.g. ``"trl.trainer.grpo_trainer"``) logs with: its module-level
+    ``logger``, unwrapped from Accelerate's adapter. A filter added to it sees what the module logs, which a logger
+    looked up by a name that the module no longer uses would not."""
+    logger = _checked(module, "logger").logger
+    logger = getattr(logger, "logger", logger)  # accelerate.logging.get_logger's MultiProcessAdapter
+    if not isinstance(logger, logging.Logger):
+        raise UnsupportedLibraryError(
+            f"{module}.logger is a {type(logger).__name__}, not a logger. Update hf_odc/_compat.py."
+        )
+    return logger
+
+
+def default_store() -> Any:
+    """The default process group's store (torch's private ``distributed_c10d._get_default_store``)."""
+    return _checked("torch.distributed.distributed_c10d", "_get_default_store")._get_default_store()
+
+
+def process_groups() -> list[Any]:
+    """Every process group of the job (the default one, FSDP's mesh groups...): torch's private
+    ``distributed_c10d._world``."""
+    return list(_checked("torch.distributed.distributed_c10d", "_world")._world.pg_map)
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> None:
+    """``group``'s collectives time out after ``timeout`` from now on: ``torch.distributed.set_timeout`` (torch >=
+    2.14), before it the private ``distributed_c10d._set_pg_timeout`` (which warns where the public one exists)."""
+    import torch.distributed as dist
+
+    set_timeout = getattr(dist, "set_timeout", None)
+    if set_timeout is None:
+        set_timeout = _checked("torch.distributed.distributed_c10d", "_set_pg_timeout")._set_pg_timeout
+    set_timeout(timeout, group)
+
+
+def symmetric_memory() -> ModuleType:
+    """torch's private ``torch.distributed._symmetric_memory`` (CUDA symmetric memory), with what the CUDA transport
+    calls of it checked."""
+    return _checked("torch.distributed._symmetric_memory", "empty", "rendezvous", "get_backend", "set_backend")

@@ -1,9 +1,11 @@
-"""Which torch hf_odc runs on: a floor, the versions its suite has run on, and checks of the private layouts it reads.
+"""Which torch hf_odc runs on: a floor, the versions its suite has run on, and the check of the private layouts it
+reads.
 
-hf_odc reads FSDP2's private state (:mod:`hf_odc.engine._fsdp_internals`) and uses private symmetric memory
-(:mod:`hf_odc.kernels.transports.cuda`). Rather than a fixed list of versions, every such use is checked where it
-happens (:func:`require`): a torch that renamed or dropped one fails with an error naming it, instead of computing wrong
-gradients. A torch newer than the newest the suite has run on is admitted with a warning, once its layouts pass.
+hf_odc reads FSDP2's private state (:mod:`hf_odc.engine._fsdp_internals`) and torch's other private names
+(:mod:`hf_odc._compat`: the default store, symmetric memory...). Rather than a fixed list of versions, every such use is
+checked where it happens (:func:`require` here, :mod:`hf_odc._compat`'s own check there): a torch that renamed or
+dropped one fails with an error naming it, instead of computing wrong gradients. A torch newer than the newest the
+suite has run on is admitted with a warning, once its layouts pass.
 """
 
 from __future__ import annotations
@@ -11,14 +13,25 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
+from ._compat import UnsupportedLibraryError, default_store
+
+# default_store: read from here by hf_odc/kernels/heartbeat.py, until it imports it from hf_odc._compat.
+
 MIN_TORCH = (2, 11)
 CHECKED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 """Versions the test suite passed on (docs/api.md, "Torch versions")."""
 
-__all__ = ["CHECKED_TORCH", "MIN_TORCH", "UnsupportedTorchError", "check_torch_version", "require"]
+__all__ = [
+    "CHECKED_TORCH",
+    "MIN_TORCH",
+    "UnsupportedTorchError",
+    "check_torch_version",
+    "default_store",
+    "require",
+]
 
 
-class UnsupportedTorchError(RuntimeError):
+class UnsupportedTorchError(UnsupportedLibraryError):
     """This torch lacks something hf_odc relies on."""
 
 
@@ -58,12 +71,3 @@ def require(obj: object, names: Iterable[str], what: str) -> None:
                 f"a private layout hf_odc reads (supported: torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to "
                 f"{'.'.join(map(str, max(CHECKED_TORCH)))})."
             )
-
-
-def default_store():  # -> torch.distributed.Store
-    """The default process group's store (torch's private ``distributed_c10d._get_default_store``), checked: a torch
-    that renamed it fails here, naming it, rather than leaving whoever reads it without the store."""
-    import torch.distributed as dist
-
-    require(dist.distributed_c10d, ("_get_default_store",), "torch.distributed.distributed_c10d")
-    return dist.distributed_c10d._get_default_store()

@@ -12,13 +12,13 @@ import runpy
 import signal
 from pathlib import Path
 
-from hf_odc.trainer import _checkpoint
+from hf_odc.trainer import _checkpoint_format
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
 
 
 def _killed_when_marking(step: int):
-    mark_complete = _checkpoint.mark_complete
+    mark_complete = _checkpoint_format.mark_complete
 
     def mark_or_die(checkpoint_dir: str, global_step: int, *args) -> None:
         if global_step == step:
@@ -30,5 +30,5 @@ def _killed_when_marking(step: int):
 
 if __name__ == "__main__":
     if "HF_ODC_TEST_KILL_BEFORE_MARKING" in os.environ:
-        _checkpoint.mark_complete = _killed_when_marking(int(os.environ["HF_ODC_TEST_KILL_BEFORE_MARKING"]))
+        _checkpoint_format.mark_complete = _killed_when_marking(int(os.environ["HF_ODC_TEST_KILL_BEFORE_MARKING"]))
     runpy.run_path(str(EXAMPLE), run_name="__main__")

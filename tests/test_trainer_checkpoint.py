@@ -15,7 +15,7 @@ import pytest
 from _trainer_launch import ROOT, logged_steps, run
 from test_trainer_parity import COMMON, STEPS, assert_same_training
 
-from hf_odc.trainer._checkpoint import COMPLETE_MARKER, STATE_DIR, check_resumable, last_complete_checkpoint
+from hf_odc.trainer._checkpoint_format import COMPLETE_MARKER, STATE_DIR, check_resumable, last_complete_checkpoint
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 processes
 WORKERS = str(ROOT / "tests" / "_checkpoint_workers.py")

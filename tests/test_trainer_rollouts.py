@@ -39,8 +39,8 @@ def test_pack_points_every_completion_token_at_the_log_prob_that_scores_it():
     assert torch.equal(loss["advantages"], batch.advantages[[2, 0, 1]])
 
 
-def plan(batch, rank, world_size=2, steps=2, balance="lb-mini"):
-    planner = MinibatchPlanner(balance, world_size, "minibatch", TokenCost())
+def plan(batch, rank, world_size=2, steps=2, balance="lb-mini", sync="minibatch"):
+    planner = MinibatchPlanner(balance, world_size, sync, TokenCost())
     return plan_generation_batch(batch, steps=steps, rank=rank, seed=3, planner=planner, max_tokens_for=lambda n: 2 * n)
 
 
@@ -55,6 +55,18 @@ def test_every_rank_plans_the_same_minibatches_and_each_rollout_runs_once():
         seen += mine[0] + mine[1]
         assert shares[0][step].num_tokens == shares[1][step].num_tokens
     assert sorted(seen) == list(range(16))
+
+
+def test_the_unbalanced_prediction_packs_each_rank_with_the_run_planner():
+    """TRL's split (each rank keeps the rollouts it generated) is packed by the run's planner: with local-sort, one
+    rollout per microbatch (which LB-Mini would pack two or more to a microbatch)."""
+    batch = rollouts([4] * 8, [100, 10, 95, 8, 50, 60, 40, 70])
+    (step,) = plan(batch, 0, steps=1, balance="local-sort", sync="layer")
+    lengths = batch.lengths
+    own = [[[i] for i in sorted(range(r * 4, r * 4 + 4), key=lambda i: -lengths[i])] for r in (0, 1)]
+    planner = MinibatchPlanner("local-sort", 2, "layer", TokenCost())
+    expected = planner.predicted_bubble(own, lengths, 2 * max(lengths))
+    assert step.metrics["predicted_bubble_rate_unbalanced"] == pytest.approx(expected)
 
 
 def test_skewed_rollouts_are_rebalanced():

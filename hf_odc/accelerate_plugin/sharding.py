@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .._compat import mark_fsdp_managed
+from .._compat import mark_fsdp_managed, no_split_modules
 from .._env import parse_bool
-from ..kernels.transports.hosts import host_ranks
+from ..kernels import host_ranks
 
 __all__ = ["device_mesh", "mixed_precision_policy", "remap_optimizer", "shard_model"]
 
@@ -177,7 +177,7 @@ def _layer_class_names(model: nn.Module, fsdp_plugin: Any) -> set[str]:
         names = configured.split(",") if isinstance(configured, str) else configured
         return {n.strip() for n in names if n.strip()}
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(getattr(base, "_no_split_modules", None) or ())
+    return no_split_modules(base)
 
 
 def _reshard_after_forward(fsdp_plugin: Any) -> bool:

@@ -17,6 +17,7 @@ from transformers import (
 )
 from trl import ModelConfig
 
+from .._compat import set_attn_implementation
 from ..trainer import PACKED_ATTENTION
 
 MODEL_CONFIGS = {
@@ -101,7 +102,7 @@ def build_model(
             raw = json.load(f)
     raw |= {name: getattr(tokenizer, name) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
     config = AutoConfig.for_model(**raw, **head)
-    config._attn_implementation = attn  # private: transformers.PretrainedConfig._attn_implementation
+    set_attn_implementation(config, attn)
     torch.manual_seed(seed)  # same initial weights on every rank
     return auto_class.from_config(config, dtype=dtype)
 

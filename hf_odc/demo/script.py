@@ -21,7 +21,7 @@ from datasets import Dataset
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..packing import DISTRIBUTIONS
-from ..trainer import _checkpoint
+from ..trainer import _checkpoint_format
 from .data import prompt_dataset
 from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
 from .models import MODEL_CONFIGS, build_model, save_initial_model
@@ -260,8 +260,8 @@ class ExampleParser(TrlParser):
     def check_inputs(self, namespace: argparse.Namespace) -> None:
         """Raise ``ValueError``, in one line, for an input that the flags name and the run could not use: the model
         (``--model_name_or_path``, else a ``--model_config`` path), the checkpoint to resume from (the trainer's own
-        checks, :func:`hf_odc.trainer._checkpoint.check_resumable`) and the dataset (``--dataset_name``: it loads, its
-        split has rows, and ``check_dataset`` accepts it)."""
+        checks, :func:`hf_odc.trainer._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it
+        loads, its split has rows, and ``check_dataset`` accepts it)."""
         config = getattr(namespace, "model_config", None)
         if getattr(namespace, "model_name_or_path", None):
             check_model(namespace.model_name_or_path)
@@ -273,8 +273,8 @@ class ExampleParser(TrlParser):
             if resume.lower() == "true" and not os.path.isdir(resume):
                 with warnings.catch_warnings():  # the newer incomplete ones it passes over: the trainer says it once
                     warnings.simplefilter("ignore")
-                    resume = _checkpoint.last_complete_checkpoint(namespace.output_dir)
-            _checkpoint.check_resumable(resume)
+                    resume = _checkpoint_format.last_complete_checkpoint(namespace.output_dir)
+            _checkpoint_format.check_resumable(resume)
         name = getattr(namespace, "dataset_name", None)
         if name:
             if self._check_dataset is None:

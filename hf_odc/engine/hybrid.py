@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._torch_support import default_store
+from .._compat import default_store
 from ..kernels import PeerFailureError
 
 __all__ = ["ReplicaGroup"]

@@ -12,6 +12,7 @@ from .transports import (
     PeerFailureError,
     SymmetricTensor,
     Transport,
+    host_ranks,
     make_transport,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "PeerFailureError",
     "SymmetricTensor",
     "Transport",
+    "host_ranks",
     "make_transport",
 ]

@@ -64,6 +64,11 @@ class MinibatchPlanner:
         cost = self.calibration.cost
         return lb_mini(lengths, self.world_size, max_tokens, cost, speeds=speeds, per_microbatch=cost.per_microbatch)
 
+    def pack_alone(self, lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+        """The microbatches (indices into ``lengths``) this planner packs ``lengths`` into for one rank alone, under
+        the token cap ``max_tokens``: what a rank would train on if it kept its own samples."""
+        return self._planner(lengths, 1, max_tokens, self.cost_for(max_tokens))[0]
+
     def predicted_bubble(self, plan: Plan, lengths: Sequence[int], max_tokens: int) -> float:
         """The idle fraction the cost model (and speeds) predict for ``plan``."""
         return bubble_rate(plan, lengths, self.cost_for(max_tokens), sync=self.sync, speeds=self.speeds)

@@ -19,7 +19,6 @@ from .attention import (
     register_packed_attention,
     use_packed_attention,
 )
-from .config import ODCSFTConfig
 from .data import (
     GlobalMinibatchSampler,
     MinibatchDataLoader,
@@ -40,6 +39,7 @@ from .reward_config import ODCRewardConfig
 from .reward_trainer import ODCRewardTrainer
 from .rloo_config import ODCRLOOConfig
 from .rloo_trainer import ODCRLOOTrainer
+from .sft_config import ODCSFTConfig
 from .sft_trainer import ODCSFTTrainer
 
 check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)

@@ -108,6 +108,13 @@ _ODC_PARAMETERS = """
 """
 
 
+def whole_model_kwargs(init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """TRL's ``model_init_kwargs`` (or a teacher's) for a model that TRL loads by name: ``device_map`` defaults to
+    ``None``, so that every rank loads the whole model and hf_odc shards it, where TRL's default ``"auto"`` would
+    spread it over all of this host's GPUs."""
+    return {"device_map": None, **(init_kwargs or {})}
+
+
 def _refuse_cpu_offload(config: Any) -> None:
     """Refuse FSDP's CPU offload, which hf_odc's sharding does not apply (ODC reads and pushes device shards): asked
     for by the Accelerate config (``fsdp_offload_params: true``, exported to the processes as ``FSDP_OFFLOAD_PARAMS``)

@@ -27,7 +27,7 @@ from ..accelerate_plugin import ODCRuntime
 from ..packing import MinibatchPlanner, idle_fraction, named_cost
 from ..packing.calibration import FEATURES, Calibration, Calibrator
 from ..packing.flops import mfu, peak_flops, training_flops
-from ._checkpointing import _CheckpointHooks
+from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics
@@ -87,9 +87,9 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     @abstractmethod
     def _microbatch_loss(self, model: nn.Module, microbatch: Any, step: PlannedStep) -> torch.Tensor:
-        """The loss of one of this rank's microbatches (on the device), already normalised for the whole minibatch
-        and scaled by the world size (ODC, as FSDP2, averages gradients over ranks), so that the sum over every rank's
-        microbatches is the single-process loss of the minibatch. Accumulates the step's metrics into
+        """The loss of one of this rank's microbatches (on the device), normalised for the whole minibatch, so that the
+        sum over every rank's microbatches is the single-process loss of the minibatch (the step scales it by the
+        world size: ODC, as FSDP2, averages gradients over ranks). Accumulates the step's metrics into
         ``self._step_metrics``."""
 
     def _model_inputs(self, microbatch: Any) -> dict[str, Any]:
@@ -109,7 +109,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     def _setup_odc(self, step_metrics: StepMetrics) -> None:
         """Packed attention, then (with several processes) FSDP2 sharding and ODC; the planner's cost model; the
         metrics the trainer's loss accumulates. Checks first that the TRL and transformers names hf_odc relies on are
-        there (:mod:`hf_odc.trainer._compat`)."""
+        there (:mod:`hf_odc._compat`)."""
         _compat.check_trainer(self)
         args = self.args
         use_packed_attention(self.model, args.packed_attention, args.device)
@@ -128,7 +128,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 # as it is, on transformers 5.17 as on 5.23 (which also reads the flag below).
                 prepared = self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
                 self.model = self.model_wrapped = prepared
-                self.is_distributed_loading_by_transformers = True
+                _compat.mark_distributed_loading(self)
         self.odc.enable(self.model)
         self._planner = self._minibatch_planner()
         self._frozen_runtimes: list[ODCRuntime] = []
@@ -214,9 +214,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         yield
 
     def _run_minibatch(self, model: nn.Module, step: PlannedStep) -> torch.Tensor:
-        """Forward and backward of this rank's microbatches inside the minibatch context; without ODC, FSDP2's
+        """Forward and backward of this rank's microbatches inside the minibatch context, each loss (with the router's
+        load-balancing loss) times the world size, as ODC and FSDP2 average gradients over ranks; without ODC, FSDP2's
         reduce-scatter runs once, in the last backward. Returns the summed loss, detached."""
         defer_reduction = not self.odc.active and isinstance(model, FSDPModule)
+        world_size = self.accelerator.num_processes
         expert_load = self._expert_load
         if expert_load is not None:
             self._count_expert_load(model, step, expert_load)
@@ -232,9 +234,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                     else:
                         with expert_load.recording():
                             microbatch_loss = self._microbatch_loss(model, self._to_device(microbatch), step)
-                            # scaled by the world size, as the trainers' losses are (ODC averages over ranks)
-                            aux_loss = expert_load.loss() * self.accelerator.num_processes
-                        microbatch_loss = microbatch_loss + aux_loss
+                            microbatch_loss = microbatch_loss + expert_load.loss()
+                    microbatch_loss = microbatch_loss * world_size
                 self.accelerator.backward(microbatch_loss)
                 loss += microbatch_loss.detach()
                 self.odc.lap()

@@ -14,10 +14,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
+from .._compat import library_logger
+
 __all__ = ["without_ignored_model_init_kwargs_warning", "without_resumed_batch_size_warning"]
 
-_TRL_GRPO_LOGGER = "trl.trainer.grpo_trainer"  # private: trl.trainer.grpo_trainer's module logger
-_TRAINER_UTILS_LOGGER = "transformers.trainer_utils"  # private: transformers.trainer_utils's module logger
+# The modules whose loggers log the warnings (their module-level ``logger``: hf_odc._compat.library_logger).
+_TRL_GRPO = "trl.trainer.grpo_trainer"
+_TRAINER_UTILS = "transformers.trainer_utils"
 
 
 class _Rewrite(logging.Filter):
@@ -36,8 +39,8 @@ class _Rewrite(logging.Filter):
 
 
 @contextlib.contextmanager
-def _rewriting(logger_name: str, rewrite: Callable[[str], str | None]) -> Iterator[None]:
-    logger = logging.getLogger(logger_name)
+def _rewriting(module: str, rewrite: Callable[[str], str | None]) -> Iterator[None]:
+    logger = library_logger(module)
     rewriting = _Rewrite(rewrite)
     logger.addFilter(rewriting)
     try:
@@ -50,7 +53,7 @@ def without_ignored_model_init_kwargs_warning() -> contextlib.AbstractContextMan
     """Inside: TRL's "``model_init_kwargs`` will be ignored" warning is dropped (hf_odc set them, for the reference
     model)."""
     ignored = "`model_init_kwargs` will be ignored"
-    return _rewriting(_TRL_GRPO_LOGGER, lambda message: None if ignored in message else message)
+    return _rewriting(_TRL_GRPO, lambda message: None if ignored in message else message)
 
 
 def without_resumed_batch_size_warning() -> contextlib.AbstractContextManager:
@@ -64,4 +67,4 @@ def without_resumed_batch_size_warning() -> contextlib.AbstractContextManager:
         lines = [line for line in message.split("\n") if "per_device_train_batch_size:" not in line]
         return "\n".join(lines) if len(lines) > 1 else None
 
-    return _rewriting(_TRAINER_UTILS_LOGGER, rewrite)
+    return _rewriting(_TRAINER_UTILS, rewrite)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._base_config import _ODCConfig
+from ._base_config import _ODCConfig, whole_model_kwargs
 from .generation import GENERATION_MODES
 
 _GENERATION_PARAMETERS = """
@@ -77,8 +77,7 @@ class _ODCRolloutConfig(_ODCConfig):
                 f"({self.gradient_accumulation_steps}); leave steps_per_generation unset (it defaults to "
                 "gradient_accumulation_steps) or set a multiple of it."
             )
-        # Every rank loads the whole model (the policy given by name, the reference model) and hf_odc shards it:
-        # TRL's default device_map="auto" would spread it over all of this host's GPUs instead. Unset, the trainer
-        # sets them when it loads a model, so that TRL does not warn they are ignored when it does not.
+        # The policy given by name and the reference model are loaded whole on every rank. Unset, the trainer sets them
+        # when it loads a model, so that TRL does not warn they are ignored when it does not.
         if self.model_init_kwargs is not None:
-            self.model_init_kwargs = {"device_map": None, **self.model_init_kwargs}
+            self.model_init_kwargs = whole_model_kwargs(self.model_init_kwargs)

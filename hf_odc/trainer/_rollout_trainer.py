@@ -38,7 +38,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
-from ..engine._fsdp_internals import lazy_init_root
+from ..engine import lazy_init_root
+from ._base_config import whole_model_kwargs
 from ._base_trainer import _ODCTrainer
 from ._quiet import without_ignored_model_init_kwargs_warning
 from .generation import StaticDecoder, choose_generation_mode, decoding
@@ -60,7 +61,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
         self._completion_lengths: list[int] = []
         quiet = contextlib.nullcontext()
         if args.model_init_kwargs is None and self._loads_a_model(model, args, kwargs):
-            args.model_init_kwargs = {"device_map": None}  # whole models on every rank (see the config)
+            args.model_init_kwargs = whole_model_kwargs(None)
             if not isinstance(model, str):
                 quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
         with quiet:

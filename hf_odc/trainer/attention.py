@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .._compat import attn_implementation
 from ..kernels.attention import Backend, packed_causal_attention
 
 __all__ = [
@@ -222,7 +223,7 @@ def attention_implementation(model: nn.Module) -> str:
     """The attention implementation of ``model``'s text model (a PEFT wrapper's base model)."""
     config = _base_model(model).config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(config, "_attn_implementation", None) or "eager"
+    return attn_implementation(config) or "eager"
 
 
 def _base_model(model: nn.Module) -> nn.Module:

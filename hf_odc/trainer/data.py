@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from .._compat import padding_free_collator
 from ..packing import MinibatchPlanner, Plan
 from ._step import PlannedStep
 
@@ -181,7 +181,7 @@ class PlannedMinibatchCollator:
     pad_token_id: int
 
     def __post_init__(self) -> None:
-        self._pack = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
+        self._pack = padding_free_collator(self.pad_token_id)
 
     def plan(self, lengths: Sequence[int]) -> Plan:
         return self.planner.plan(lengths, self.max_tokens)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from trl import DistillationConfig
 
-from ._base_config import _document_odc_fields
+from ._base_config import _document_odc_fields, whole_model_kwargs
 from ._rollout_config import _document_generation_fields, _ODCRolloutConfig
 
 
@@ -53,4 +53,4 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.teacher_model_init_kwargs is not None:
-            self.teacher_model_init_kwargs = {"device_map": None, **self.teacher_model_init_kwargs}
+            self.teacher_model_init_kwargs = whole_model_kwargs(self.teacher_model_init_kwargs)

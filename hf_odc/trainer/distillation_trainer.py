@@ -106,8 +106,7 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: RolloutStep) -> torch.Tensor:
         """TRL's per-token divergence between the student and the teacher on one packed microbatch, summed over its
-        trained tokens, divided by the step's trained tokens over every rank and scaled by the world size (ODC and
-        FSDP2 average gradients over ranks)."""
+        trained tokens and divided by the step's trained tokens over every rank."""
         inputs = microbatch["loss"]
         logits = model(**_forward_inputs(microbatch["model"]), use_cache=False).logits[0]
         student_logps = torch.log_softmax(logits[inputs["token_index"]].float() / self.temperature, dim=-1)
@@ -116,7 +115,7 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
         with torch.no_grad():
             entropy = -(student_logps.exp() * student_logps).sum(-1)
             self._step_metrics.add_mean("entropy", (entropy * mask).sum(), mask.sum())
-        return (divergence * mask).sum() / max(step.num_loss_tokens, 1) * self.accelerator.num_processes
+        return (divergence * mask).sum() / max(step.num_loss_tokens, 1)
 
 
 def generalized_jsd(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:

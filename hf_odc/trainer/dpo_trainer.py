@@ -12,8 +12,8 @@ are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
   precomputed, the reference model's log-probabilities of this rank's pairs, in one forward-only ODC minibatch on
   the same packed rows (the reference model, or the policy with its adapter disabled under PEFT).
 * ``_microbatch_loss``: each pair's completion log-probabilities summed per document, TRL's per-pair losses
-  (:mod:`hf_odc.trainer.dpo_losses`) summed and divided by the minibatch's pairs (``sft``: by its chosen tokens),
-  times the world size; TRL's metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
+  (:mod:`hf_odc.trainer.dpo_losses`) summed and divided by the minibatch's pairs (``sft``: by its chosen tokens);
+  TRL's metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 from trl import DPOTrainer
 
 from ..accelerate_plugin import ODCRuntime
+from ._base_config import whole_model_kwargs
 from ._base_trainer import _ODCTrainer
 from ._step import StepMetrics
 from .data import MinibatchDataLoader, check_truncation, minibatch_loader
@@ -82,9 +83,7 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
         self._check_train_data(kwargs, packs="pairs", text="pairs")
         train_dataset = kwargs.get("train_dataset")
         if trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
-            # Every rank loads the whole model and hf_odc shards it: TRL's default device_map="auto" would spread it
-            # over all of this host's GPUs instead.
-            args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}
+            args.model_init_kwargs = whole_model_kwargs(args.model_init_kwargs)
         self._reference_ready = False  # TRL's __init__ asks for precomputed log-probabilities before sharding
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCDPOTrainer")
@@ -166,8 +165,8 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
         return step
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: PairStep) -> torch.Tensor:
-        """TRL's DPO loss of the microbatch's pairs, normalised for the whole minibatch and times the world size;
-        TRL's metrics accumulated (pair means, and token means over the scored completion tokens)."""
+        """TRL's DPO loss of the microbatch's pairs, normalised for the whole minibatch; TRL's
+        metrics accumulated (pair means, and token means over the scored completion tokens)."""
         args, pairs = self.args, microbatch["pairs"]
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
         log_probs = outputs.log_probs[0].float()
@@ -195,7 +194,7 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
             metrics.add_mean("logits/chosen", (outputs.mean_logits[0] * chosen_mask).sum(), chosen_mask.sum())
             metrics.add_mean("logits/rejected", (outputs.mean_logits[0] * rejected_mask).sum(), rejected_mask.sum())
             metrics.add_mean("mean_token_accuracy", (outputs.is_top1[0] & chosen_mask).sum(), chosen_mask.sum())
-        return loss * self.accelerator.num_processes
+        return loss
 
     def _microbatch_context(self) -> contextlib.AbstractContextManager:
         """DPOTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""

@@ -175,10 +175,10 @@ class StaticDecoder:
         cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))  # below FSDP2's dynamic class
         config = copy.deepcopy(base.config)
         # With a KV cache hf_odc's packed attention is SDPA, which decodes faster grouped.
-        attention = config._attn_implementation
+        attention = _compat.attn_implementation(config)
         attention = DECODING_ATTENTION if attention in ("sdpa", PACKED_ATTENTION) else attention
         with torch.device("meta"):
-            model = cls._from_config(config, dtype=self._dtype, attn_implementation=attention)
+            model = _compat.model_from_config(cls, config, dtype=self._dtype, attn_implementation=attention)
         device = next(self._policy.parameters()).device
         model.to_empty(device=device).eval().requires_grad_(False)
         model.tie_weights()  # to_empty gave tied weights (embeddings and head) storages of their own

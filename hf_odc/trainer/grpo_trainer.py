@@ -141,8 +141,7 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
     # -- the loss ---------------------------------------------------------------------------------------------------
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: RolloutStep) -> torch.Tensor:
-        """TRL's per-token GRPO objective on one packed microbatch, normalised for the whole minibatch and scaled by
-        the world size (ODC and FSDP2 average gradients over ranks)."""
+        """TRL's per-token GRPO objective on one packed microbatch, normalised for the whole minibatch."""
         args, inputs = self.args, microbatch["loss"]
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
         index, mask = inputs["token_index"], inputs["mask"]
@@ -230,7 +229,7 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
                 self._add_mean("cispo_clip_ratio", clipped, mask)
             elif loss_type == "vespo":
                 self._add_mean("vespo/phi_seq_mean", phi_seq, mask)
-        return loss * self.accelerator.num_processes
+        return loss
 
     def _normalised(self, per_token_loss: torch.Tensor, mask: torch.Tensor, step: RolloutStep) -> torch.Tensor:
         """This microbatch's share of the minibatch's loss (see :class:`ODCGRPOConfig` for each definition)."""

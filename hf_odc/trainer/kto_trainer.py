@@ -15,8 +15,8 @@ are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
   gathered once from every rank (the step's one gather of its own); then the training rows: the examples' own
   sequences, packed (:func:`~hf_odc.trainer.pairs.pack_pairs`, one document per example).
 * ``_microbatch_loss``: each example's completion log-probabilities summed, TRL's per-example loss against the
-  reference's and its call's KL estimate, weighted, summed and divided by the minibatch's examples, times the world
-  size; TRL's metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
+  reference's and its call's KL estimate, weighted, summed and divided by the minibatch's examples; TRL's metrics
+  accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from trl import KTOTrainer
 
 from ..accelerate_plugin import ODCRuntime
 from ..packing import Plan
+from ._base_config import whole_model_kwargs
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep, StepMetrics
 from .data import MinibatchDataLoader, minibatch_loader
@@ -94,8 +95,7 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
         args = self._odc_args(args)
         self._check_train_data(kwargs, packs="examples", text="examples")
         if trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
-            # Every rank loads the whole model and hf_odc shards it: not spread over this host's GPUs by a device map.
-            args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}
+            args.model_init_kwargs = whole_model_kwargs(args.model_init_kwargs)
         self._reference_ready = False  # TRL's __init__ asks for precomputed log-probabilities before sharding
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCKTOTrainer")
@@ -217,8 +217,8 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
         return (sums / torch.tensor(counts, dtype=torch.float64)).clamp(min=0).float()
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: KTOStep) -> torch.Tensor:
-        """TRL's KTO loss of the microbatch's examples, normalised for the whole minibatch and times the world size;
-        TRL's metrics accumulated (example means, and token means over the scored completion tokens)."""
+        """TRL's KTO loss of the microbatch's examples, normalised for the whole minibatch; TRL's
+        metrics accumulated (example means, and token means over the scored completion tokens)."""
         args, items = self.args, microbatch["pairs"]
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
         logps = item_sums(outputs.log_probs[0].float(), items)[:, 0]
@@ -249,7 +249,7 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
             metrics.add_mean("entropy", (outputs.entropy[0] * scored).sum(), scored.sum())
             metrics.add_mean("logits/chosen", (outputs.mean_logits[0] * chosen).sum(), chosen.sum())
             metrics.add_mean("logits/rejected", (outputs.mean_logits[0] * rejected).sum(), rejected.sum())
-        return loss * self.accelerator.num_processes
+        return loss
 
     def _microbatch_context(self) -> contextlib.AbstractContextManager:
         """KTOTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""

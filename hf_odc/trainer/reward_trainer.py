@@ -10,8 +10,8 @@ checkpoints are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTr
   is not the padding token, the position the model's own pooling reads in TRL's right-padded batch.
 * ``_microbatch_loss``: the score head's output at every position of the packed row (the model's output while it runs:
   its own pooling keeps one position per row), each document's at its scored position; TRL's pairwise loss (with
-  ``margin`` and ``center_rewards_coefficient``) summed over the pairs and divided by the minibatch's pairs, times the
-  world size; TRL's metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means and extremes.
+  ``margin`` and ``center_rewards_coefficient``) summed over the pairs and divided by the minibatch's pairs; TRL's
+  metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means and extremes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from trl import RewardTrainer
 
+from ._base_config import whole_model_kwargs
 from ._base_trainer import _ODCTrainer
 from ._step import StepMetrics
 from .data import MinibatchDataLoader, minibatch_loader
@@ -64,8 +65,7 @@ class ODCRewardTrainer(_ODCTrainer, RewardTrainer):
         args = self._odc_args(args)
         self._check_train_data(kwargs, packs="pairs", text=None)
         if isinstance(model, str):
-            # Every rank loads the whole model and hf_odc shards it: not spread over this host's GPUs by a device map.
-            args.model_init_kwargs = {"device_map": None, **(args.model_init_kwargs or {})}
+            args.model_init_kwargs = whole_model_kwargs(args.model_init_kwargs)
         super().__init__(model=model, args=args, **kwargs)
         policy = self.accelerator.unwrap_model(self.model)
         if is_peft_model(policy):
@@ -117,8 +117,8 @@ class ODCRewardTrainer(_ODCTrainer, RewardTrainer):
         return step
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: PairStep) -> torch.Tensor:
-        """TRL's pairwise loss of the microbatch's pairs, normalised for the whole minibatch and times the world size;
-        TRL's metrics accumulated."""
+        """TRL's pairwise loss of the microbatch's pairs, normalised for the whole minibatch; TRL's
+        metrics accumulated."""
         with _scoring_every_position(model, self._score_head):
             scores = model(**microbatch["model"], use_cache=False).logits
         rewards = scores[0, microbatch["last"], 0].float().view(-1, 2)
@@ -135,7 +135,7 @@ class ODCRewardTrainer(_ODCTrainer, RewardTrainer):
             metrics.add_mean("mean_reward", rewards.sum(), rewards.numel())
             metrics.add_extreme("min_reward", rewards)
             metrics.add_extreme("max_reward", rewards)
-        return loss / step.num_samples * self.accelerator.num_processes
+        return loss / step.num_samples
 
     def _microbatch_context(self) -> contextlib.AbstractContextManager:
         """RewardTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""

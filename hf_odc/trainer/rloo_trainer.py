@@ -125,8 +125,8 @@ class ODCRLOOTrainer(_ODCRolloutTrainer, RLOOTrainer):
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: RolloutStep) -> torch.Tensor:
         """TRL's RLOO objective on one packed microbatch: per rollout ``-min(r A, clip(r) A)`` with ``r`` the ratio of
-        its sequence probabilities under the current and old policies, summed and divided by the minibatch's rollouts,
-        times the world size (ODC and FSDP2 average gradients over ranks)."""
+        its sequence probabilities under the current and old policies, summed and divided by the minibatch's
+        rollouts."""
         inputs = microbatch["loss"]
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
         index, mask = inputs["token_index"], inputs["mask"]
@@ -148,7 +148,7 @@ class ODCRLOOTrainer(_ODCRolloutTrainer, RLOOTrainer):
                 metrics.add_mean(f"clip_ratio/{name}_mean", values.sum(), values.numel())
             metrics.add_extreme("clip_ratio/low_min", low)
             metrics.add_extreme("clip_ratio/high_max", high)
-        return per_rollout_loss.sum() / step.num_samples * self.accelerator.num_processes
+        return per_rollout_loss.sum() / step.num_samples
 
 
 def leave_one_out_advantages(

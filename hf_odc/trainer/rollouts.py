@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ..packing import MinibatchPlanner, get_planner
+from ..packing import MinibatchPlanner
 from ._step import PlannedStep, packed_row
 
 __all__ = ["RolloutStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch"]
@@ -151,20 +151,18 @@ def plan_generation_batch(
         raise ValueError(f"{total} rollouts do not split into {steps} minibatches of {world_size} ranks.")
     per_rank, size = total // world_size, total // steps
     order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-    own = get_planner("lb-mini")
     planned = []
     for start in range(0, total, size):
         indices = order[start : start + size]
         local_lengths = [lengths[i] for i in indices]
         max_tokens = max_tokens_for(max(local_lengths))
         plan = planner.plan(local_lengths, max_tokens)
-        # TRL's split: every rank trains on the rollouts it generated, packed the same way.
-        cost = planner.cost_for(max_tokens)
+        # TRL's split: every rank trains on the rollouts it generated, packed by the same planner.
         generated_by = [[j for j, i in enumerate(indices) if i // per_rank == r] for r in range(world_size)]
         unbalanced = [
             [
                 [share[j] for j in microbatch]
-                for microbatch in own([local_lengths[j] for j in share], 1, max_tokens, cost)[0]
+                for microbatch in planner.pack_alone([local_lengths[j] for j in share], max_tokens)
             ]
             if share
             else []

@@ -7,7 +7,7 @@ are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
   same on every rank (:mod:`hf_odc.trainer.data`); an optimizer step's items form its global minibatch.
 * ``_plan_step``: that minibatch planned (every rank the same plan, with the step's cost model) and this rank's share
   packed padding-free (:class:`~hf_odc.trainer.data.PlannedMinibatchCollator`).
-* ``_microbatch_loss``: the *sum* of the microbatch's token losses times ``world_size / N``, with ``N`` the target
+* ``_microbatch_loss``: the *sum* of the microbatch's token losses divided by ``N``, with ``N`` the target
   tokens of the whole global minibatch, counted locally by every rank (every rank holds every sample's labels), so no
   collective is needed and the update equals single-device training on the minibatch's mean token loss; entropy and
   top-1 accuracy accumulated per token, as ``SFTTrainer`` logs them.
@@ -25,7 +25,6 @@ from trl import SFTTrainer
 
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep, StepMetrics
-from .config import ODCSFTConfig
 from .data import (
     MinibatchDataLoader,
     PlannedMinibatchCollator,
@@ -33,6 +32,7 @@ from .data import (
     minibatch_loader,
     require_sft_columns,
 )
+from .sft_config import ODCSFTConfig
 
 __all__ = ["ODCSFTTrainer"]
 
@@ -132,7 +132,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
         return self._collator([example for item in window for example in item["examples"]])
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: PlannedStep) -> torch.Tensor:
-        """``sum of token losses * world_size / N``, ``N`` the target tokens of the whole global minibatch (every rank
+        """``sum of token losses / N``, ``N`` the target tokens of the whole global minibatch (every rank
         counts it, holding every sample's labels), with the entropy and the top-1 accuracy accumulated per token."""
         outputs = model(**microbatch, use_cache=False, fused_lm_head=True)
         per_token_loss = -outputs.log_probs.float()  # zero where the label is -100; summed in fp32, not bf16
@@ -142,7 +142,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             targets = outputs.label_mask.sum()
             self._step_metrics.add_mean("entropy", outputs.entropy.sum(), targets)
             self._step_metrics.add_mean("mean_token_accuracy", outputs.is_top1.sum(), targets)
-        return per_token_loss.sum() * (self.accelerator.num_processes / max(step.num_loss_tokens, 1))
+        return per_token_loss.sum() / max(step.num_loss_tokens, 1)
 
     def _model_inputs(self, microbatch: dict[str, Any]) -> dict[str, Any]:
         """A packed SFT microbatch is the model's inputs itself."""

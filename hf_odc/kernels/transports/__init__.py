@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .cpu import CpuShmTransport
+from .hosts import host_ranks
 from .transport import DEFAULT_TIMEOUT_S, PeerFailureError, SymmetricTensor, Transport
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "PeerFailureError",
     "SymmetricTensor",
     "Transport",
+    "host_ranks",
     "make_transport",
 ]
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._symmetric_memory as symm_mem
 
+from ..._compat import symmetric_memory
 from ..._env import env
-from ..._torch_support import require
 from .host_local import HostLocalTransport
 from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
 
@@ -37,7 +36,7 @@ class CudaSymmMemTransport(HostLocalTransport):
     def __init__(
         self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S
     ):
-        require(symm_mem, ("empty", "rendezvous", "get_backend", "set_backend"), "torch.distributed._symmetric_memory")
+        self._symm_mem = symm_mem = symmetric_memory()
         super().__init__(group, timeout)
         self.device = torch.device(device)
         self._group = group if group is not None else dist.group.WORLD
@@ -50,8 +49,8 @@ class CudaSymmMemTransport(HostLocalTransport):
 
     def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
         numel = max(numel, 1)
-        local = symm_mem.empty(numel, dtype=dtype, device=self.device)
-        handle = symm_mem.rendezvous(local, self._group)
+        local = self._symm_mem.empty(numel, dtype=dtype, device=self.device)
+        handle = self._symm_mem.rendezvous(local, self._group)
         # symm_mem.empty may carve the tensor out of a larger symmetric segment (torch's implicit memory pool), and
         # get_buffer counts from the segment's start: exchange every rank's offset instead of assuming it is 0.
         offset = (local.data_ptr() - handle.buffer_ptrs[self.rank]) // local.element_size()
