@@ -10,7 +10,7 @@ import torch
 from _trainer_launch import run
 from datasets import Dataset
 
-from hf_odc.trainer import ODCGRPOConfig, ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer import ODCDistillationConfig, ODCGRPOConfig, ODCRLOOConfig, ODCSFTConfig, ODCSFTTrainer
 
 
 def config(tmp_path, **kwargs) -> ODCSFTConfig:
@@ -50,6 +50,16 @@ def test_odc_follows_the_environment_and_the_baseline_uses_lb_micro(tmp_path, mo
 def test_max_tokens_from_packing_ratio_or_explicit(tmp_path):
     assert config(tmp_path, max_length=100, packing_ratio=2.5).max_tokens_for(100) == 250
     assert config(tmp_path, max_tokens_per_microbatch=777).max_tokens_for(1024) == 777
+
+
+@pytest.mark.parametrize("config_class", [ODCGRPOConfig, ODCRLOOConfig, ODCDistillationConfig])
+def test_a_rollout_microbatch_holds_one_stock_trl_forward_pass_by_default(tmp_path, config_class):
+    """Unset, a rollout trainer's microbatch holds per_device_train_batch_size longest rollouts (stock TRL's padded
+    forward pass), not one; the explicit fields still decide when given."""
+    make = lambda **kwargs: config_class(str(tmp_path), report_to="none", per_device_train_batch_size=8, **kwargs)  # noqa: E731
+    assert make().max_tokens_for(100) == 800
+    assert make(packing_ratio=1.0).max_tokens_for(100) == 100
+    assert make(max_tokens_per_microbatch=777).max_tokens_for(100) == 777
 
 
 @pytest.mark.parametrize(

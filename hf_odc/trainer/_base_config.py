@@ -56,7 +56,8 @@ _ODC_PARAMETERS = """
             `max_length`; GRPO: the minibatch's longest rollout; DPO and reward modelling: a pair, `2 * max_length`;
             KTO: an example with its mismatched sequence, `2 * max_length`),
             so `1.0` fits exactly one longest sample. Used when `max_tokens_per_microbatch` is not set; defaults to
-            `1.0`.
+            `1.0`, but for the rollout trainers (GRPO, RLOO, distillation) to `per_device_train_batch_size`: as many
+            longest rollouts as one of stock TRL's padded forward passes holds.
         cost_model (`str`, *optional*, defaults to `"calibrated"`):
             Per-sample cost the planner balances. `"calibrated"`: start from `"attention"` (or from
             `calibration_file`) and refit after every step to the microbatch times every rank measured

@@ -81,3 +81,14 @@ class _ODCRolloutConfig(_ODCConfig):
         # when it loads a model, so that TRL does not warn they are ignored when it does not.
         if self.model_init_kwargs is not None:
             self.model_init_kwargs = whole_model_kwargs(self.model_init_kwargs)
+
+    def max_tokens_for(self, longest_sample: int) -> int:
+        """Tokens one packed microbatch of rollouts may hold: with neither ``max_tokens_per_microbatch`` nor
+        ``packing_ratio`` set, ``per_device_train_batch_size`` longest rollouts of the minibatch. That is what one of
+        stock TRL's forward passes holds (its padded batch of ``per_device_train_batch_size`` rollouts), so the update
+        holds no more activations than TRL's, while each microbatch, which reads every parameter shard once, carries
+        as many rollouts as that allows: rollouts are short beside an SFT sample, and one rollout per microbatch would
+        spend the update on parameter reads."""
+        if self.max_tokens_per_microbatch is None and self.packing_ratio is None:
+            return longest_sample * self.per_device_train_batch_size
+        return super().max_tokens_for(longest_sample)
