@@ -363,7 +363,15 @@ def chaos(args: argparse.Namespace) -> None:
                 row["named"] = bool(re.search(said, said_all))
                 # A rank faulted before its first beat (during its imports) is noticed only once the survivors have
                 # started themselves: their own startup then counts in survivors_s.
-                row["phase"] = "startup" if "has not beaten yet" in said_all else "run"
+                # A rank faulted after the run had ended (its model saved) leaves no live peer to notice: the launcher
+                # waits on a stopped one.
+                row["phase"] = (
+                    "startup"
+                    if "has not beaten yet" in said_all
+                    else "ended"
+                    if "Training completed" in said_all
+                    else "run"
+                )
                 _wait_until(lambda launcher=process: launcher.poll() is not None, 30)  # the launcher's own ending
                 time.sleep(10)
                 row["left_processes"] = len(_marked(str(output_dir)))  # before anything is killed here
@@ -388,7 +396,7 @@ def _chaos_table(rows: list[dict], args: argparse.Namespace) -> None:
               "largest difference"]  # fmt: skip
     print("\n| " + " | ".join(header) + " |")
     print("| --- | --- |" + " ---: |" * (len(header) - 2))
-    for name, phase in itertools.product(CHAOS_RUNS, ("startup", "run", None)):
+    for name, phase in itertools.product(CHAOS_RUNS, ("startup", "run", "ended", None)):
         mine = [row for row in rows if row["name"] == name and row.get("phase") == phase]
         faults = [row for row in mine if row["outcome"] == "fault"]
         if not mine:
