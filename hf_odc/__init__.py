@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import _launch
+from .liveness import launch as _launch
 
 if TYPE_CHECKING:
     from .engine import ODC, CollectiveMinibatch, MinibatchStats, enable

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._env import env, parse_bool, parse_shard_size, timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS, heartbeat
+from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
+from ..liveness import heartbeat
 
 __all__ = ["ODCPlugin"]
 

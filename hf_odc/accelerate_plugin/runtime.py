@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable, held_unsharded
 from ..kernels import PeerFailureError
-from ._bounded import bound_process_groups, is_backend_failure, named_failure
+from ..liveness.bounded import bound_process_groups, is_backend_failure, named_failure
 from .plugin import ODCPlugin
 from .sharding import remap_optimizer, shard_model
 

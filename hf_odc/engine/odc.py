@@ -43,7 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .._env import timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, heartbeat, make_transport
+from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, make_transport
+from ..liveness import heartbeat
 from ._fsdp_internals import (
     GroupSpec,
     check_fsdp_layout,

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ...liveness.host_barrier import HostBarrier
 from ._dev_shm import ShmJob
-from .host_barrier import HostBarrier
 from .transport import DEFAULT_TIMEOUT_S, Transport
 
 __all__ = ["HostLocalTransport"]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .. import heartbeat
-from ._dev_shm import ShmJob
-from .transport import PeerFailureError
+from ..kernels.transports._dev_shm import ShmJob
+from ..kernels.transports.transport import PeerFailureError
+from . import heartbeat
 
 _ARRIVALS, _PID, _ABORTED = 0, 1, 2  # _ARRIVALS: the count << 32 | the meeting name's CRC-32, one aligned 64-bit write
 _NAME_OFFSET, _REASON_OFFSET = 8, 24  # int64 slots; the meeting's name, then the abort reason, stored as bytes

@@ -42,7 +42,7 @@ def on_import() -> None:
     if not sys.platform.startswith("linux") or os.environ.get("TORCHELASTIC_RUN_ID") is None:
         return  # not started by torchrun: the parent may be a shell or a notebook that outlives nothing
     _end_with_launcher()
-    from .kernels import heartbeat  # imports torch: only under a launcher
+    from . import heartbeat  # imports torch: only under a launcher
 
     heartbeat.start_under_launcher()
 

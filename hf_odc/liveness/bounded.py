@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .._torch_support import require
 from ..engine import ODC
-from ..kernels import PeerFailureError, heartbeat
+from ..kernels import PeerFailureError
+from . import heartbeat
 
 __all__ = ["bound_process_groups", "is_backend_failure", "named_failure"]
 

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from .._env import timeout_seconds
 from .._torch_support import default_store
-from .transports.hosts import host_id
-from .transports.transport import DEFAULT_TIMEOUT_S
+from ..kernels.transports.hosts import host_id
+from ..kernels.transports.transport import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "Heartbeat",
@@ -412,7 +412,7 @@ def _describe_stack(frame) -> str:
 _STDLIB = os.path.dirname(os.__file__)
 
 
-_OWN = (__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "_launch.py"))  # starting to beat
+_OWN = (__file__, os.path.join(os.path.dirname(__file__), "launch.py"))  # starting to beat
 
 
 def _plumbing(path: str) -> bool:
@@ -457,7 +457,7 @@ def _sibling_pid(rank: int) -> int | None:
 def _end_process(message: str) -> None:
     """End this process now, from the heartbeat's thread: its main thread is blocked where no exception reaches it.
     Shared-memory names still pending are removed first; the launcher sees the failure and ends the others."""
-    from .transports._dev_shm import unlink_pending
+    from ..kernels.transports._dev_shm import unlink_pending
 
     with contextlib.suppress(Exception):
         sys.stderr.write(message + "\n")
