@@ -78,6 +78,7 @@ class CudaSymmMemTransport(Transport):
         )
 
     def fence(self) -> None:
+        """Wait for this GPU's work: the accumulate kernels and copies run on its streams."""
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
