@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hf_odc.kernels import make_transport
+from hf_odc.liveness.host_barrier import HostBarrier
 
 MB = 1 << 20
 SAMPLE_BYTES = 64 * MB  # each timed sample moves at least this much (several calls back to back at small sizes)
@@ -54,14 +55,19 @@ def _max_over_ranks(x: float) -> float:
     return float(t)
 
 
-def bench_size(transport, size: int, iters: int) -> dict:
+def bench_size(transport, host: HostBarrier, size: int, iters: int) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
+
+    def meet() -> None:  # every rank's writes so far are visible to all after it
+        transport.fence()
+        host.meet()
+
     reps = max(1, SAMPLE_BYTES // size)
     # --- gather (bf16) ---
     shard = size // 2 // ws  # bf16 elements per rank
     mirror = transport.allocate(shard, torch.bfloat16)
     mirror.local.copy_(torch.arange(shard, device="cuda").remainder(251).to(torch.bfloat16) + rank)
-    transport.barrier()
+    meet()
     out = torch.empty(ws * shard, dtype=torch.bfloat16, device="cuda")
     out_nccl = torch.empty_like(out)
     out.fill_(-1)
@@ -78,14 +84,14 @@ def bench_size(transport, size: int, iters: int) -> dict:
     numel = size // 4 // ws  # fp32 elements per rank
     acc = transport.allocate(numel, torch.float32)
     src = torch.full((ws, numel), float(rank + 1), device="cuda")
-    transport.barrier()
+    meet()
     transport.scatter_accumulate(acc, 0, numel, src)
-    transport.barrier()
+    meet()
     expected_sum = float(ws * (ws + 1) // 2)
     assert torch.equal(acc.local, torch.full_like(acc.local, expected_sum)), (
         f"accumulate lost updates: expected {expected_sum} everywhere, found {acc.local.unique()[:8].tolist()}"
     )
-    transport.barrier()  # every rank has checked its sums before any rank pushes again (the timing's warm-up)
+    meet()  # every rank has checked its sums before any rank pushes again (the timing's warm-up)
     rs_out = torch.empty(numel, device="cuda")
     t_scatter = _time_ms(lambda: transport.scatter_accumulate(acc, 0, numel, src), iters, reps)
     t_rs = _time_ms(lambda: dist.reduce_scatter_tensor(rs_out, src.view(-1)), iters, reps)
@@ -118,7 +124,8 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     transport = make_transport(torch.device("cuda", local_rank))
-    rows = [bench_size(transport, int(mb) * MB, args.iters) for mb in args.sizes_mb.split(",")]
+    host = HostBarrier.create(None, timeout=600.0)
+    rows = [bench_size(transport, host, int(mb) * MB, args.iters) for mb in args.sizes_mb.split(",")]
     if dist.get_rank() == 0:
         knobs = {k: v for k, v in os.environ.items() if k.startswith("HF_ODC_SCATTER_")}
         print(f"configuration {args.label or 'default'} {knobs}")

@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_odc.liveness import procfs
+
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 SFT_FAST = ["--num_samples", "64", "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no"]
@@ -59,41 +61,25 @@ def _launch(script: str, args: list[str], log: Path, env: dict | None = None, pr
         )
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    return not procfs.gone(procfs.process_state(pid))
 
 
 def _ranks(launcher: int) -> dict[int, int]:
     """The launcher's workers by rank."""
     found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        fields = _stat(int(entry))
-        if fields is None or int(fields[1]) != launcher:
+    for pid in procfs.pids():
+        if procfs.parent(pid) != launcher:
             continue
-        with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
-            environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            if b"RANK" in environ:
-                found[int(environ[b"RANK"])] = int(entry)
+        environ = procfs.environment(pid) or {}
+        if b"RANK" in environ:
+            found[int(environ[b"RANK"])] = pid
     return found
 
 
 def _marked(marker: str) -> list[int]:
     """Live processes whose command line holds ``marker``."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
-            if marker.encode() in f.read() and _alive(int(entry)):
-                found.append(int(entry))
-    return found
+    return [pid for pid in procfs.pids() if marker.encode() in (procfs.command_line(pid) or b"") and _alive(pid)]
 
 
 def _end(process: subprocess.Popen, pids: list[int]) -> None:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import _launch
+from .liveness import launch as _launch
 
 if TYPE_CHECKING:
     from .engine import ODC, CollectiveMinibatch, MinibatchStats, enable
-    from .kernels import PeerFailureError
+    from .liveness import PeerFailureError
 
 _LAZY = {
     "ODC": ".engine",
     "CollectiveMinibatch": ".engine",
     "MinibatchStats": ".engine",
     "enable": ".engine",
-    "PeerFailureError": ".kernels",
+    "PeerFailureError": ".liveness",
 }
 
 __all__ = ["ODC", "CollectiveMinibatch", "MinibatchStats", "PeerFailureError", "enable"]

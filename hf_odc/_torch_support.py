@@ -13,9 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
-from ._compat import UnsupportedLibraryError, default_store
-
-# default_store: read from here by hf_odc/kernels/heartbeat.py, until it imports it from hf_odc._compat.
+from ._compat import UnsupportedLibraryError
 
 MIN_TORCH = (2, 11)
 CHECKED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
@@ -26,7 +24,6 @@ __all__ = [
     "MIN_TORCH",
     "UnsupportedTorchError",
     "check_torch_version",
-    "default_store",
     "require",
 ]
 

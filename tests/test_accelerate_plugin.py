@@ -14,7 +14,7 @@ from _trainer_workers import shard_under_an_accelerate_fsdp_config
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime, mixed_precision_policy, remap_optimizer
-from hf_odc.kernels import DEFAULT_TIMEOUT_S
+from hf_odc.liveness import DEFAULT_TIMEOUT_S
 
 
 def test_fields_fall_back_to_the_environment(monkeypatch):

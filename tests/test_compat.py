@@ -134,10 +134,6 @@ _PACKAGE = Path(hf_odc.__file__).parent
 _CHECKED_PLACES = {"_compat.py", "engine/_fsdp_internals.py"}
 """Where hf_odc reads other libraries' private names, each checked before use: everything but FSDP2's parameter-group
 state in :mod:`hf_odc._compat`, that state in the engine's :mod:`hf_odc.engine._fsdp_internals`."""
-_PENDING = {"accelerate_plugin/_bounded.py": {"_world", "_set_pg_timeout"}}
-"""Private names a file still reads itself, until it calls :mod:`hf_odc._compat` for them (here: the process groups
-and their timeout, :func:`hf_odc._compat.process_groups` and :func:`~hf_odc._compat.set_group_timeout`, for the
-liveness package that takes this file over)."""
 _STANDARD_LIBRARY = {"_actions"}  # argparse.ArgumentParser's, read by the demo script's parser (a TrlParser)
 
 
@@ -249,7 +245,5 @@ def test_no_private_name_of_another_library_is_read_outside_the_checked_places()
         if path in _CHECKED_PLACES:
             continue
         accesses = _private_accesses(path, tree, own, checked, known)
-        found += [a for a in accesses if not any(a.endswith(f".{name}") for name in _PENDING.get(path, ()))]
+        found += accesses
     assert not found, "private names read outside hf_odc/_compat.py (move them there, checked):\n" + "\n".join(found)
-    missing = [path for path in _PENDING if path not in trees]
-    assert not missing, f"{missing} moved: take them out of _PENDING (their private names now come from _compat)"

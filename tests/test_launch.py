@@ -1,5 +1,5 @@
-"""What hf_odc does for a process from its import on (:mod:`hf_odc._launch`): at exit it lets gloo's worker threads
-finish before Python finalizes (a worker that still needs the GIL then would end the process with SIGABRT).
+"""What hf_odc does for a process from its import on (:mod:`hf_odc.liveness.launch`): at exit it lets gloo's worker
+threads finish before Python finalizes (a worker that still needs the GIL then would end the process with SIGABRT).
 
 The race itself needs a worker descheduled between completing its last collective and releasing it; this test stands
 in for that worker with a thread named as gloo names its workers, busy at exit, then waiting for work as gloo's do.

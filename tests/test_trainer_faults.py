@@ -16,6 +16,8 @@ from _machine import scaled
 from _stall_sft import POINTS, STOPS
 from _trainer_launch import ROOT, launch, start
 
+from hf_odc.liveness import procfs
+
 TIMEOUT = max(3, round(scaled(3, 2)))  # a healthy rank of a busy machine must not miss it
 COMMON = (
     "--num_samples", "64", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--logging_steps", "1",
@@ -140,23 +142,12 @@ def test_killing_the_launcher_ends_its_workers(when, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat`` after the command name: state, ppid, ...; ``None`` once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def _children(parent: int) -> list[int]:
-    stats = {int(path.split("/")[2]): _stat(int(path.split("/")[2])) for path in glob.glob("/proc/[0-9]*/stat")}
-    return sorted(pid for pid, fields in stats.items() if fields is not None and int(fields[1]) == parent)
+    return sorted(pid for pid in procfs.pids() if procfs.parent(pid) == parent)
 
 
 def _running(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    return not procfs.gone(procfs.process_state(pid))
 
 
 def _message_templates() -> list[str]:

@@ -3,7 +3,8 @@
 Why a plugin object and not an Accelerate config key: Accelerate's yaml rejects unknown top-level keys, silently drops
 unknown ``fsdp_config`` keys, and has no hook after ``prepare``. So ODC's settings live in this dataclass (each field
 falls back to an ``HF_ODC_*`` environment variable, the way Accelerate's own plugins read ``FSDP_*``; see
-:mod:`hf_odc._env`), and what is done with them lives in :class:`~hf_odc.accelerate_plugin.ODCRuntime`.
+:mod:`hf_odc._env`), and what is done with them lives in :class:`~hf_odc.accelerate_plugin.ODCRuntime`: building one
+changes nothing in the process.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._env import env, parse_bool, parse_shard_size, timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS, heartbeat
+from ..kernels import TRANSPORTS
+from ..liveness import DEFAULT_TIMEOUT_S
 
 __all__ = ["ODCPlugin"]
 
@@ -26,7 +28,7 @@ class ODCPlugin:
             fair baseline. ``None`` reads ``HF_ODC_ENABLED`` (default ``True``).
         timeout (`float`, *optional*):
             Seconds a minibatch barrier waits for a live peer before raising ``hf_odc.PeerFailureError`` (a dead
-            peer is reported at once). ``None`` reads ``HF_ODC_TIMEOUT``, else ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
+            peer is reported at once). ``None`` reads ``HF_ODC_TIMEOUT``, else ``hf_odc.liveness.DEFAULT_TIMEOUT_S``.
         reshard_after_forward (`bool`, *optional*):
             FSDP2's option for the layers hf_odc shards. ``None`` reads ``HF_ODC_RESHARD_AFTER_FORWARD``, then the
             Accelerate FSDP config (``fsdp_reshard_after_forward``), then ``True``.
@@ -65,7 +67,6 @@ class ODCPlugin:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"
         self.enabled = parse_bool(enabled, "ODCPlugin.enabled / HF_ODC_ENABLED")
         self.timeout = timeout_seconds(self.timeout, DEFAULT_TIMEOUT_S)
-        heartbeat.set_timeout(self.timeout)  # from now on, a rank silent that long is named, startup included
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = env("RESHARD_AFTER_FORWARD")

@@ -32,8 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable, held_unsharded
-from ..kernels import PeerFailureError
-from ._bounded import bound_process_groups, is_backend_failure, named_failure
+from ..liveness import bounded, heartbeat
 from .plugin import ODCPlugin
 from .sharding import remap_optimizer, shard_model
 
@@ -51,6 +50,7 @@ class ODCRuntime:
 
     def __init__(self, plugin: ODCPlugin | None = None, accelerator: Any = None):
         self.plugin = plugin if plugin is not None else ODCPlugin()
+        heartbeat.set_timeout(self.plugin.timeout)  # from now on, a rank silent that long is named
         self.accelerator = accelerator
         self._odc: ODC | None = None
         self._runner: ODC | CollectiveMinibatch | None = None
@@ -74,7 +74,7 @@ class ODCRuntime:
         minutes, and transformers passes none to a CPU group), so that no collective blocks for longer."""
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
             self._odc = enable(model, timeout=self.plugin.timeout, transport=self.plugin.transport)
-        bound_process_groups(self.plugin.timeout)
+        bounded.bound_process_groups(self.plugin.timeout)
         if self._runner is None:
             self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)
         return self._odc
@@ -179,38 +179,19 @@ class ODCRuntime:
 
     # -- failures -----------------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def bounded(self, what: str) -> Iterator[None]:
+    def bounded(self, what: str) -> contextlib.AbstractContextManager:
         """Run the collectives of ``what`` once every rank has met (:meth:`hf_odc.ODC.meet` names a rank that died or
         stalled, within the ODC timeout, where the collective would block); a collective that fails inside is
         re-raised as :class:`~hf_odc.PeerFailureError` naming the rank if it is known. Every rank must enter the same
         blocks in the same order, as they run the same collectives. Without ODC the process groups' timeout alone
-        bounds them."""
-        if self._odc is None:
-            yield
-            return
-        self._odc.meet(f"{what} (hf_odc's meeting before its collectives)")
-        try:
-            yield
-        except RuntimeError as error:
-            if not is_backend_failure(error):
-                raise
-            raise named_failure(self._odc, what, error) from error
+        bounds them (:func:`hf_odc.liveness.bounded.bounded`)."""
+        return bounded.bounded(self._odc, what)
 
-    @contextlib.contextmanager
-    def failing_together(self, what: str = "training") -> Iterator[None]:
+    def failing_together(self, what: str = "training") -> contextlib.AbstractContextManager:
         """Around a whole run: if it fails on this rank, the others are told at once (their next meeting fails naming
         this rank, instead of waiting out the timeout), and a collective that failed because a peer went away is
-        re-raised as :class:`~hf_odc.PeerFailureError` naming it."""
-        try:
-            yield
-        except BaseException as error:
-            if self._odc is None or isinstance(error, PeerFailureError):
-                raise
-            self._odc.abort(f"{type(error).__name__}: {error}")
-            if is_backend_failure(error):
-                raise named_failure(self._odc, what, error) from error
-            raise
+        re-raised as :class:`~hf_odc.PeerFailureError` naming it (:func:`hf_odc.liveness.bounded.failing_together`)."""
+        return bounded.failing_together(self._odc, what)
 
     def close(self) -> None:
         """Release ODC (collective: :meth:`hf_odc.ODC.close` waits for every rank first)."""

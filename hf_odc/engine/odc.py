@@ -43,7 +43,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .._env import timeout_seconds
-from ..kernels import DEFAULT_TIMEOUT_S, PeerFailureError, Transport, heartbeat, make_transport
+from ..kernels import Transport, make_transport
+from ..liveness import DEFAULT_TIMEOUT_S, PeerFailureError, heartbeat
+from ..liveness.host_barrier import HostBarrier
 from ._fsdp_internals import (
     GroupSpec,
     check_fsdp_layout,
@@ -60,16 +62,26 @@ from .timing import MinibatchClock, MinibatchStats
 
 
 class ODC:
-    """The handle :func:`enable` returns. Use :meth:`minibatch` around each rank's share of a minibatch."""
+    """The handle :func:`enable` returns. Use :meth:`minibatch` around each rank's share of a minibatch.
+
+    It reaches the peers' memory through ``transport`` and meets them through ``host`` (its host's ranks) and, with
+    hybrid ODC, ``replicas`` (the other hosts'). Both speak :class:`~hf_odc.liveness.PeerWatch`, and so does this
+    handle, over the whole job (:meth:`meet`, :meth:`check`, :meth:`abort`)."""
 
     def __init__(
-        self, model: nn.Module, specs: list[GroupSpec], transport: Transport, replicas: ReplicaGroup | None = None
+        self,
+        model: nn.Module,
+        specs: list[GroupSpec],
+        transport: Transport,
+        host: HostBarrier,
+        replicas: ReplicaGroup | None = None,
     ):
         self.model = model
         self.transport = transport
+        self.host = host
         self.replicas = replicas
         if replicas is not None:
-            transport.watch(replicas.check)  # a rank that gave up on another host ends this host's barriers too
+            host.watch(replicas.check)  # a rank that gave up on another host ends this host's barriers too
         self.rank, self.world_size = transport.rank, transport.world_size
         self._slots: list[GroupSlots] = allocate_slots(specs, transport)
         self._in_minibatch = False
@@ -262,7 +274,7 @@ class ODC:
         instead of waiting for it (the peers of its host through shared memory, every other host through the job's
         store)."""
         self._failed = True
-        self.transport.abort(reason)
+        self.host.abort(reason)
         if self.replicas is not None:
             self.replicas.abort(reason)
 
@@ -286,13 +298,19 @@ class ODC:
     def check(self) -> None:
         """Raise :class:`PeerFailureError` naming a rank known to have died or given up (host peers, and with hybrid
         ODC any rank of the job); return at once otherwise."""
-        self.transport.check()
+        self.host.check()
         if self.replicas is not None:
             self.replicas.check()
 
+    def _meet_host(self, what: str = "the minibatch barrier") -> None:
+        """Meet the host's ranks once this rank's writes into their memory are done: after it, every write any rank of
+        the host issued before it is visible."""
+        self.transport.fence()
+        self.host.meet(what)
+
     def _barrier(self, what: str = "the minibatch barrier") -> None:
         try:
-            self.transport.barrier(what)
+            self._meet_host(what)
         except PeerFailureError as e:
             self._failed = True
             if self.replicas is not None:
@@ -312,7 +330,7 @@ class ODC:
         self._closed = True
         if not self._failed:
             with contextlib.suppress(PeerFailureError):
-                self.transport.barrier()
+                self._meet_host()
         self.transport.close()
         if self.replicas is not None and not self._failed:
             self.replicas.close()  # after a failure a communicator's teardown may block on the dead peer
@@ -333,7 +351,7 @@ def enable(
     Args:
         model: the root module; every :class:`~torch.distributed.fsdp.FSDPModule` in it is switched to ODC.
         timeout: seconds a minibatch barrier (and hybrid ODC's cross-host all-reduce) waits for a live peer before
-            raising :class:`~hf_odc.kernels.PeerFailureError` (a dead peer on the same host is reported at once).
+            raising :class:`~hf_odc.PeerFailureError` (a dead peer on the same host is reported at once).
             Default: ``HF_ODC_TIMEOUT`` or ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
         transport: a transport, or the name of one (``hf_odc.kernels.TRANSPORTS``), instead of the device's default
             (tests, new hardware).
@@ -358,11 +376,12 @@ def enable(
     timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
     heartbeat.set_timeout(timeout)
     heartbeat.start_in_default_group()  # unless beating since import, under a launcher
+    host = HostBarrier.create(specs[0].process_group, timeout)  # first: it refuses a shard group that spans hosts
     if transport is None or isinstance(transport, str):
         device = specs[0].params[0].param.device
-        transport = make_transport(device, specs[0].process_group, timeout=timeout, kind=transport)
+        transport = make_transport(device, specs[0].process_group, kind=transport)
     replicas = ReplicaGroup.create(replicate_group, timeout) if replicate_group is not None else None
-    return ODC(model, specs, transport, replicas)
+    return ODC(model, specs, transport, host, replicas)
 
 
 def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:

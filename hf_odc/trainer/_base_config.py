@@ -16,7 +16,8 @@ import torch
 from .. import packing
 from .._env import parse_bool
 from ..accelerate_plugin import ODCPlugin
-from ..kernels import DEFAULT_TIMEOUT_S, TRANSPORTS
+from ..kernels import TRANSPORTS
+from ..liveness import DEFAULT_TIMEOUT_S, heartbeat
 from ..packing import COSTS, PLANNERS
 
 _COST_MODELS = (*COSTS, "calibrated")
@@ -33,8 +34,8 @@ _ODC_PARAMETERS = """
             Seconds any rank waits for another before raising `hf_odc.PeerFailureError` naming it: at the minibatch
             barriers, before every collective of a step (metrics, clipping, logging, evaluation, checkpoints), and
             inside them (every process group gets this timeout, on CPU too). A rank that stops beating (stopped or
-            frozen: `hf_odc.kernels.heartbeat`) is named after it too, during startup as well. `None` reads
-            `HF_ODC_TIMEOUT`, else `hf_odc.kernels.DEFAULT_TIMEOUT_S`.
+            frozen: `hf_odc.liveness.heartbeat`) is named after it too, during startup as well. `None` reads
+            `HF_ODC_TIMEOUT`, else `hf_odc.liveness.DEFAULT_TIMEOUT_S`.
         odc_transport (`str`, *optional*):
             The transport ODC reads and pushes through, a name of `hf_odc.kernels.TRANSPORTS` (`"cpu-shm"`,
             `"cuda-symm-mem"`). `None` reads `HF_ODC_TRANSPORT`, else the one for the model's device.
@@ -231,6 +232,9 @@ class _ODCConfig:
             enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport, shard_size=self.odc_shard_size
         )
         self.odc, self.odc_timeout, self.odc_transport = plugin.enabled, plugin.timeout, plugin.transport
+        # The process group is created below (TrainingArguments' __post_init__): from then on, through startup, a rank
+        # silent for longer than the timeout is named. This is the first place the command line's timeout is known.
+        heartbeat.set_timeout(plugin.timeout)
         self.odc_shard_size = plugin.shard_size
         if self.balance is None:
             self.balance = "lb-mini" if self.odc else "lb-micro"

@@ -1,9 +1,12 @@
-"""Transports: memory every rank can reach, one-sided gather, one-sided scatter-accumulate, a barrier that cannot hang.
+"""Transports: memory every rank can reach, one-sided gather, one-sided scatter-accumulate.
 
 :func:`make_transport` picks the implementation for a device: shared memory among the processes of one host on CPU
 (:class:`CpuShmTransport`, ``"cpu-shm"``), CUDA symmetric memory with Triton kernels on NVIDIA GPUs
 (:class:`~hf_odc.kernels.transports.cuda.CudaSymmMemTransport`, ``"cuda-symm-mem"``, imported only there), or the one
 named.
+
+:class:`ShmJob` (a shared-memory namespace among one host's processes) and :func:`host_id` are exported for
+:mod:`hf_odc.liveness`, whose host barrier meets in shared memory of its own.
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._dev_shm import ShmJob, unlink_pending
 from .cpu import CpuShmTransport
-from .hosts import host_ranks
-from .transport import DEFAULT_TIMEOUT_S, PeerFailureError, SymmetricTensor, Transport
+from .hosts import host_id, host_ranks
+from .transport import SymmetricTensor, Transport
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
     "TRANSPORTS",
     "CpuShmTransport",
-    "PeerFailureError",
+    "ShmJob",
     "SymmetricTensor",
     "Transport",
+    "host_id",
     "host_ranks",
     "make_transport",
+    "unlink_pending",
 ]
 
 
@@ -31,12 +36,7 @@ TRANSPORTS: dict[str, str] = {"cpu-shm": "cpu", "cuda-symm-mem": "cuda"}
 """The transports by name, each with the device type its buffers live on."""
 
 
-def make_transport(
-    device: torch.device,
-    group: dist.ProcessGroup | None = None,
-    timeout: float = DEFAULT_TIMEOUT_S,
-    kind: str | None = None,
-) -> Transport:
+def make_transport(device: torch.device, group: dist.ProcessGroup | None = None, kind: str | None = None) -> Transport:
     """Collective: the transport ``kind`` (a name of :data:`TRANSPORTS`; ``None``: the one for ``device``'s type) for
     parameters living on ``device``, over the ranks of ``group``."""
     device = torch.device(device)
@@ -54,7 +54,7 @@ def make_transport(
             f"{device.type}; pick the transport for that device (or leave it unset)."
         )
     if kind == "cpu-shm":
-        return CpuShmTransport(group, timeout=timeout)
+        return CpuShmTransport(group)
     from .cuda import CudaSymmMemTransport
 
-    return CudaSymmMemTransport(device, group, timeout=timeout)
+    return CudaSymmMemTransport(device, group)

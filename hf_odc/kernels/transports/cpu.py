@@ -15,25 +15,31 @@ import os
 import torch
 import torch.distributed as dist
 
-from .host_local import HostLocalTransport
-from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
+from ._dev_shm import ShmJob
+from .transport import SymmetricTensor, Transport
 
 # Lock ranges are keyed by (buffer, owner) blocks of this many elements; buffers are far smaller than 2**40 elements.
 _LOCK_BLOCK = 1 << 40
 
 
-class CpuShmTransport(HostLocalTransport):
+class CpuShmTransport(Transport):
     """:class:`~hf_odc.kernels.transports.transport.Transport` over ``/dev/shm``; collective to construct.
 
     Args:
-        group: the process group whose ranks communicate (all on one host); ``None`` is the default group.
-        timeout: seconds a barrier waits for a live peer before it raises.
+        group: the process group whose ranks communicate (all on one host: it refuses one that spans hosts); ``None``
+            is the default group.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S):
-        super().__init__(group, timeout)
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self._job = ShmJob(group)
+        self.rank, self.world_size = self._job.rank, self._job.world_size
         self._lock_fd = self._job.open_shared_file()
         self._num_buffers = 0
+
+    @property
+    def segment_prefix(self) -> str:
+        """The prefix of every shared-memory name this transport creates (to check that none is left behind)."""
+        return self._job.prefix
 
     def allocate(self, numel: int, dtype: torch.dtype) -> SymmetricTensor:
         peers = self._job.map_tensors(numel, dtype)
@@ -53,6 +59,9 @@ class CpuShmTransport(HostLocalTransport):
                 buf.peers[r][offset : offset + numel].add_(rows[r])
             finally:
                 fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, numel, start, os.SEEK_SET)
+
+    def fence(self) -> None:
+        """Nothing to wait for: a CPU write into shared memory is done when issued."""
 
     def close(self) -> None:
         if self._lock_fd >= 0:

@@ -6,9 +6,7 @@
   NVLink, leaving the SMs to the layer being computed meanwhile (FSDP issues it on its all-gather stream).
 * ``scatter_accumulate``: one Triton launch of relaxed atomic adds into every owner's fp32 block through the peer
   pointers (:mod:`hf_odc.kernels.transports._triton_scatter`): no staging copy, no owner involvement, no extra memory.
-* ``barrier``: wait for this device's work, then the host barrier every host-local transport shares
-  (:class:`~hf_odc.kernels.transports.host_local.HostLocalTransport`), which names a dead or stalled peer instead of
-  hanging.
+* ``fence``: wait for this device's work, before the ranks meet (:mod:`hf_odc.liveness`'s host barrier).
 """
 
 from __future__ import annotations
@@ -18,26 +16,22 @@ import torch.distributed as dist
 
 from ..._compat import symmetric_memory
 from ..._env import env
-from .host_local import HostLocalTransport
-from .transport import DEFAULT_TIMEOUT_S, SymmetricTensor
+from .transport import SymmetricTensor, Transport
 
 DEFAULT_SCATTER_PROGRAMS = 0  # uncapped; see _triton_scatter
 
 
-class CudaSymmMemTransport(HostLocalTransport):
+class CudaSymmMemTransport(Transport):
     """:class:`~hf_odc.kernels.transports.transport.Transport` over CUDA symmetric memory; collective to construct.
 
     Args:
         device: this rank's GPU.
         group: the process group whose ranks communicate (all on one host); ``None`` is the default group.
-        timeout: seconds a barrier waits for a live peer before it raises.
     """
 
-    def __init__(
-        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: float = DEFAULT_TIMEOUT_S
-    ):
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None):
         self._symm_mem = symm_mem = symmetric_memory()
-        super().__init__(group, timeout)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device(device)
         self._group = group if group is not None else dist.group.WORLD
         if symm_mem.get_backend(self.device) is None:
@@ -82,7 +76,8 @@ class CudaSymmMemTransport(HostLocalTransport):
             self.max_programs,
         )
 
-    def _drain(self) -> None:
+    def fence(self) -> None:
+        """Wait for this GPU's work: the accumulate kernels and copies run on its streams."""
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:

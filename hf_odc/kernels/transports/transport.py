@@ -1,34 +1,28 @@
 """The transport interface ODC is written against.
 
-ODC needs four things from the machine, and nothing else:
+ODC needs three things from the machine's memory, and nothing else:
 
 * memory that every rank of the group can reach (``allocate``): each rank owns one block of the same size;
 * a one-sided read of every peer's slice of that memory (``gather``), which the owner takes no part in;
 * a one-sided, concurrency-safe accumulate into every peer's slice (``scatter_accumulate``): several ranks may push
-  into one owner at the same moment, and no update may be lost;
-* a barrier (``barrier``) that ends with an error naming the culprit when a peer dies or stalls, instead of hanging.
+  into one owner at the same moment, and no update may be lost.
+
+A transport is that memory half only. Meeting the peers, and naming one that died or stalled instead of hanging, is
+:mod:`hf_odc.liveness`'s (:class:`hf_odc.liveness.host_barrier.HostBarrier`), which sits above the kernels: a writer
+fences its device (``fence``), then meets; after the meeting every peer sees its writes.
 
 The CPU transport (:mod:`hf_odc.kernels.transports.cpu`) implements it with shared memory between the processes of
-one host; the GPU transport implements it with PyTorch symmetric memory; both share the host-local barrier wiring
-(:class:`~hf_odc.kernels.transports.host_local.HostLocalTransport`). The FSDP wiring (:mod:`hf_odc.engine`) only ever
-talks to this interface, and only ever touches a buffer's ``local`` block: how peers' blocks are reached is the
+one host; the GPU transport implements it with PyTorch symmetric memory. The FSDP wiring (:mod:`hf_odc.engine`) only
+ever talks to this interface, and only ever touches a buffer's ``local`` block: how peers' blocks are reached is the
 transport's.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-DEFAULT_TIMEOUT_S = 600.0
-"""Seconds a barrier waits for a live peer unless told otherwise (``HF_ODC_TIMEOUT``)."""
-
-
-class PeerFailureError(RuntimeError):
-    """A peer died, raised an error, or did not reach the minibatch barrier in time."""
 
 
 @dataclass(frozen=True)
@@ -88,27 +82,9 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def barrier(self, what: str = "the minibatch barrier") -> None:
-        """Wait until every rank has arrived, and make every write issued before it visible to all ranks.
-
-        Raises :class:`PeerFailureError` naming the rank if a peer died, aborted, or did not arrive within the
-        transport's timeout; ``what`` names the meeting point in that error.
-        """
-
-    @abstractmethod
-    def check(self) -> None:
-        """Raise :class:`PeerFailureError` naming a peer that is known to have died or aborted; return at once
-        otherwise (to name the culprit of a collective that failed outside the transport)."""
-
-    @abstractmethod
-    def watch(self, check: Callable[[], None]) -> None:
-        """While waiting in :meth:`barrier`, also call ``check()`` every few milliseconds; it raises
-        :class:`PeerFailureError` to end the wait (a failure reported beyond this transport's ranks, e.g. on another
-        host)."""
-
-    @abstractmethod
-    def abort(self, reason: str) -> None:
-        """Tell the peers that this rank gives up, so their next barrier fails at once instead of timing out."""
+    def fence(self) -> None:
+        """Wait until this rank's writes issued so far (its ``scatter_accumulate`` pushes, its own block) are done, so
+        that the peers see them once the ranks next meet."""
 
     @abstractmethod
     def close(self) -> None:

@@ -5,7 +5,7 @@ and it exits with the status its script earned.
   launcher killed with SIGKILL ends nobody: its workers would wait in a rendezvous or train on, unsupervised. So a
   worker asks the kernel for SIGTERM on its parent's death (Linux ``PR_SET_PDEATHSIG``) as soon as hf_odc is imported,
   and ends itself if the launcher is already gone.
-* **Heartbeats from the start** (:mod:`hf_odc.kernels.heartbeat`), in the launcher's store, so that a rank that stops
+* **Heartbeats from the start** (:mod:`hf_odc.liveness.heartbeat`), in the launcher's store, so that a rank that stops
   during startup is named within the ODC timeout.
 * **A clean exit.** gloo runs each collective on worker threads of its own, which release the collective's tensors
   after the caller has seen it complete. Releasing a tensor that Python also knew needs Python's GIL; a worker that asks
@@ -21,13 +21,14 @@ Nothing here imports torch unless the process was started by a launcher: ``hf-od
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import os
 import platform
 import signal
 import sys
 import time
+
+from . import procfs
 
 __all__ = ["on_import"]
 
@@ -42,7 +43,7 @@ def on_import() -> None:
     if not sys.platform.startswith("linux") or os.environ.get("TORCHELASTIC_RUN_ID") is None:
         return  # not started by torchrun: the parent may be a shell or a notebook that outlives nothing
     _end_with_launcher()
-    from .kernels import heartbeat  # imports torch: only under a launcher
+    from . import heartbeat  # imports torch: only under a launcher
 
     heartbeat.start_under_launcher()
 
@@ -63,10 +64,8 @@ def _orphaned() -> bool:
     launcher on its command line; init does not."""
     if os.getppid() != 1:
         return False
-    try:
-        with open("/proc/1/cmdline", "rb") as f:
-            command = f.read()
-    except OSError:
+    command = procfs.command_line(1)
+    if command is None:
         return False
     script = os.path.basename(sys.argv[0]).encode() if sys.argv and sys.argv[0] else b""
     marks = [b"torchrun", b"torch.distributed.run", b"accelerate", *([script] if len(script) > 3 else [])]
@@ -88,30 +87,22 @@ def wait_for_gloo_workers(limit: float = _DRAIN_LIMIT_S) -> None:
 
 
 def _gloo_workers() -> list[str]:
-    workers = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == _GLOO_WORKER:
-                    workers.append(tid)
-    return workers
+    return [tid for tid in procfs.thread_ids() if procfs.thread_name(tid) == _GLOO_WORKER]
 
 
 def _idle(tid: str) -> bool:
     """Whether thread ``tid`` sleeps on a futex with no timeout: a worker waiting for work (a thread that wants the
-    GIL waits with a timeout; one that runs, or is about to, is not asleep)."""
-    try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        if state != "S":
-            return False
-        if _FUTEX is None:
-            return True  # an architecture whose futex number is not listed: asleep is the best sign available
-        with open(f"/proc/self/task/{tid}/syscall") as f:
-            call = f.read().split()
-    except FileNotFoundError:
-        return True  # the thread ended
-    except (OSError, IndexError):
+    GIL waits with a timeout; one that runs, or is about to, is not asleep). A thread that ended, or whose state cannot
+    be read, counts as idle."""
+    state = procfs.thread_state(tid)
+    if state in (None, "?"):
+        return True
+    if state != "S":
+        return False
+    if _FUTEX is None:
+        return True  # an architecture whose futex number is not listed: asleep is the best sign available
+    call = procfs.thread_syscall(tid)
+    if call is None:
         return True
     # "<number> <uaddr> <op> <val> <timeout> ...": a futex wait (FUTEX_WAIT or FUTEX_WAIT_BITSET) with no timeout.
     return len(call) > 4 and call[0] == str(_FUTEX) and int(call[2], 16) & 0x7F in (0, 9) and int(call[4], 16) == 0

@@ -9,8 +9,9 @@ plain scripts alike (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.bounded`),
   meeting), which names a rank that died, gave up or stalled since the last meeting, within the ODC timeout;
 * gives every process group the ODC timeout (:func:`bound_process_groups`), so that a rank stalling *inside* a
   collective, after the meeting, is bounded too;
-* turns a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank the host knows dead or aborted,
-  or whose heartbeat stopped (:func:`named_failure`).
+* turns a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank its
+  :class:`~hf_odc.liveness.PeerWatch` (the engine's :class:`~hf_odc.ODC`) knows dead or aborted, or whose heartbeat
+  stopped (:func:`named_failure`).
 
 Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
 ``benchmarks/RESULTS.md``).
@@ -18,16 +19,17 @@ Its cost is a few meetings per optimizer step, each a host barrier in shared mem
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from .._torch_support import require
-from ..engine import ODC
-from ..kernels import PeerFailureError, heartbeat
+from .._compat import process_groups, set_group_timeout
+from . import PeerFailureError, PeerWatch, heartbeat
 
-__all__ = ["bound_process_groups", "is_backend_failure", "named_failure"]
+__all__ = ["bound_process_groups", "bounded", "failing_together", "is_backend_failure", "named_failure"]
 
 _GRACE_S = 5.0  # how long a failed collective waits for the host to learn which peer died
 
@@ -36,14 +38,8 @@ def bound_process_groups(timeout: float) -> None:
     """Give every process group of the job (the default one, FSDP's mesh groups) ``timeout`` seconds per collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    c10d = dist.distributed_c10d
-    require(c10d, ("_world",), "torch.distributed.distributed_c10d")
-    set_timeout = getattr(dist, "set_timeout", None)  # torch >= 2.14; its private predecessor warns there
-    if set_timeout is None:
-        require(c10d, ("_set_pg_timeout",), "torch.distributed.distributed_c10d")
-        set_timeout = c10d._set_pg_timeout
-    for group in list(c10d._world.pg_map):
-        set_timeout(timedelta(seconds=timeout), group)
+    for group in process_groups():
+        set_group_timeout(group, timedelta(seconds=timeout))
 
 
 def is_backend_failure(error: BaseException) -> bool:
@@ -58,10 +54,10 @@ def is_backend_failure(error: BaseException) -> bool:
     )
 
 
-def named_failure(odc: ODC, what: str, error: BaseException, grace: float = _GRACE_S) -> PeerFailureError:
-    """The :class:`PeerFailureError` for a collective of ``what`` that failed with ``error``: naming the rank the host
-    (or, across hosts, the job's store) knows dead or aborted, else the ranks that went silent (their heartbeats,
-    :mod:`hf_odc.kernels.heartbeat`), else saying where every rank is.
+def named_failure(watch: PeerWatch, what: str, error: BaseException, grace: float = _GRACE_S) -> PeerFailureError:
+    """The :class:`PeerFailureError` for a collective of ``what`` that failed with ``error``: naming the rank ``watch``
+    (the host, or, across hosts, the job's store) knows dead or aborted, else the ranks that went silent (their
+    heartbeats, :mod:`hf_odc.liveness.heartbeat`), else saying where every rank is.
 
     A peer whose connection just closed has usually just died, but the host knows it dead only once its process is
     reaped (a killed process stays a zombie until its launcher waits for it, later on a loaded machine): so the host
@@ -69,7 +65,7 @@ def named_failure(odc: ODC, what: str, error: BaseException, grace: float = _GRA
     deadline = time.monotonic() + grace
     while True:
         try:
-            odc.check()
+            watch.check()
         except PeerFailureError as known:
             return PeerFailureError(f"{known} ({what} failed: {error})")
         silent = heartbeat.describe_silent()
@@ -83,3 +79,37 @@ def named_failure(odc: ODC, what: str, error: BaseException, grace: float = _GRA
         f"hf_odc: a collective of {what} failed and no rank is known to have died, given up or gone silent (a rank "
         f"was slower than the ODC timeout, or another host went away){f'; {peers}' if peers else ''}: {error}"
     )
+
+
+@contextlib.contextmanager
+def bounded(watch: PeerWatch | None, what: str) -> Iterator[None]:
+    """Run the collectives of ``what`` once ``watch``'s ranks have met (a rank that died or stalled is named within
+    the ODC timeout, where the collective would block); a collective that fails inside is re-raised as
+    :class:`PeerFailureError` naming the rank if ``watch`` or the heartbeats know it. Every rank enters the same blocks
+    in the same order. Without a watch (``None``: no ODC) the process groups' timeout alone bounds them."""
+    if watch is None:
+        yield
+        return
+    watch.meet(f"{what} (hf_odc's meeting before its collectives)")
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_backend_failure(error):
+            raise
+        raise named_failure(watch, what, error) from error
+
+
+@contextlib.contextmanager
+def failing_together(watch: PeerWatch | None, what: str = "training") -> Iterator[None]:
+    """Around a whole run: if it fails on this rank, ``watch``'s peers are told at once (``abort``: their next meeting
+    fails naming this rank), and a collective that failed because a peer went away is re-raised as
+    :class:`PeerFailureError` naming it."""
+    try:
+        yield
+    except BaseException as error:
+        if watch is None or isinstance(error, PeerFailureError):
+            raise
+        watch.abort(f"{type(error).__name__}: {error}")
+        if is_backend_failure(error):
+            raise named_failure(watch, what, error) from error
+        raise

@@ -2,7 +2,7 @@
 rank left waiting can name the rank that went silent, and what that rank was last doing.
 
 A collective cannot name a peer that never arrives: gloo's timeout says "Timed out" and NCCL's names a sequence
-number. ODC's meetings name a late rank (:mod:`hf_odc.kernels.transports.host_barrier`), but a rank can stop *inside* a
+number. ODC's meetings name a late rank (:mod:`hf_odc.liveness.host_barrier`), but a rank can stop *inside* a
 collective, after every meeting, or before the first one: during startup, where no hf_odc code waits at all. So each
 rank runs a daemon thread that writes its beat (a counter, its pid, host and clock, and what its main thread is doing)
 every tenth of the ODC timeout (at most every second), and reads its peers' beats. A stopped process (SIGSTOP, a
@@ -12,8 +12,8 @@ clocks need not agree).
 
 Two uses:
 
-* :func:`describe_silent` names the silent ranks when a collective failed (``hf_odc.accelerate_plugin._bounded``'s
-  ``named_failure``), or says that every rank still beats and where each one is.
+* :func:`describe_silent` names the silent ranks when a collective failed
+  (:func:`hf_odc.liveness.bounded.named_failure`), or says that every rank still beats and where each one is.
 * The watchdog: a rank silent for longer than the ODC timeout (plus a grace period, so that hf_odc's own bounded
   waits, which raise a catchable error, come first) ends this process with a message naming it. That bounds the parts
   of a run that no hf_odc wait covers, startup above all (process-group creation, dataset preparation behind
@@ -23,7 +23,7 @@ Two uses:
   launcher reports itself.
 
 Under a launcher with an agent-hosted store (``torchrun``, ``accelerate launch``), beats start when hf_odc is imported
-(:mod:`hf_odc._launch`); otherwise when ODC is enabled, in the default process group's store.
+(:mod:`hf_odc.liveness.launch`); otherwise when ODC is enabled, in the default process group's store.
 """
 
 from __future__ import annotations
@@ -40,17 +40,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .._compat import default_store
 from .._env import timeout_seconds
-from .._torch_support import default_store
-from .transports.hosts import host_id
-from .transports.transport import DEFAULT_TIMEOUT_S
+from ..kernels.transports import host_id, unlink_pending
+from . import DEFAULT_TIMEOUT_S, procfs
+from .procfs import gone, stopped
 
 __all__ = [
     "Heartbeat",
     "current",
     "describe_silent",
     "note",
-    "process_state",
     "set_timeout",
     "start",
     "start_in_default_group",
@@ -64,26 +64,6 @@ _STORE_TIMEOUT_S = 5.0
 _lock = threading.Lock()
 _heartbeat: Heartbeat | None = None
 _timeout = DEFAULT_TIMEOUT_S
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` on this host (``R``, ``S``, ``D``, ``T`` stopped, ``t`` traced, ``Z``
-    zombie, ...), or ``None`` when there is no such process; ``"?"`` when it exists but cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    except OSError:
-        return "?"
-
-
-def _stopped(state: str | None) -> bool:
-    return state in ("T", "t")
-
-
-def _gone(state: str | None) -> bool:
-    return state is None or state in ("Z", "X", "x")
 
 
 @dataclass
@@ -116,7 +96,7 @@ class Silence:
     @property
     def died(self) -> bool:
         """Its process is gone (only known for a peer on this host)."""
-        return self.same_host and _gone(self.state)
+        return self.same_host and gone(self.state)
 
     def describe(self) -> str:
         where = f"pid {self.pid}" if self.pid is not None else "pid unknown"
@@ -124,7 +104,7 @@ class Silence:
             where += f" on {self.host.split(':')[0]}"
         if self.died:
             how = "its process is gone"
-        elif _stopped(self.state):
+        elif stopped(self.state):
             how = "its process is stopped: SIGSTOP, a debugger or a paused container"
         elif self.same_host:
             how = "its process runs but beats no more: hung, or busy without releasing Python's GIL"
@@ -232,8 +212,8 @@ class Heartbeat:
                 continue
             pid = peer.pid if peer.beat is not None else _sibling_pid(r)
             same_host = same_host or (peer.beat is None and pid is not None)
-            state = process_state(pid) if same_host and pid is not None else None
-            if peer.beat is None and not _stopped(state):
+            state = procfs.process_state(pid) if same_host and pid is not None else None
+            if peer.beat is None and not stopped(state):
                 continue
             found.append(Silence(r, seconds, pid, peer.host, peer.doing, state, same_host))
         return found
@@ -358,8 +338,9 @@ def start_in_default_group() -> Heartbeat | None:
     """Start beating into a client of the default process group's store (once), unless already beating."""
     if _heartbeat is not None or not (dist.is_available() and dist.is_initialized()):
         return _heartbeat
+    store = default_store()  # outside the try: a torch that renamed it fails here, naming it, not without beats
     try:
-        store = default_store().clone()
+        store = store.clone()
         store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
     except (RuntimeError, NotImplementedError):
         return None  # a store that cannot open a second client (a file store): no beats
@@ -412,7 +393,7 @@ def _describe_stack(frame) -> str:
 _STDLIB = os.path.dirname(os.__file__)
 
 
-_OWN = (__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "_launch.py"))  # starting to beat
+_OWN = (__file__, os.path.join(os.path.dirname(__file__), "launch.py"))  # starting to beat
 
 
 def _plumbing(path: str) -> bool:
@@ -437,28 +418,19 @@ def _sibling_pid(rank: int) -> int | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
-    parent = os.getppid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    me, parent = os.getpid(), os.getppid()
+    for pid in procfs.pids():
+        if pid == me or procfs.parent(pid) != parent:
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
-                    continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except (OSError, ValueError, IndexError):
-            continue
+        environ = procfs.environment(pid) or {}
         if environ.get(b"RANK") == str(rank).encode() and environ.get(b"TORCHELASTIC_RUN_ID") == run_id.encode():
-            return int(entry)
+            return pid
     return None
 
 
 def _end_process(message: str) -> None:
     """End this process now, from the heartbeat's thread: its main thread is blocked where no exception reaches it.
     Shared-memory names still pending are removed first; the launcher sees the failure and ends the others."""
-    from .transports._dev_shm import unlink_pending
-
     with contextlib.suppress(Exception):
         sys.stderr.write(message + "\n")
         sys.stderr.flush()

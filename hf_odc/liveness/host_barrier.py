@@ -6,6 +6,10 @@ collective would. Each rank owns a small control block in shared memory (its arr
 it arrived at, its pid, an abort flag and reason); waiting ranks poll their peers' blocks and check that the peers'
 processes are still alive. A peer that arrived at another meeting of the same number is named at once: the ranks took
 different paths through the step, and waiting would only end in the timeout.
+
+It is the host's :class:`~hf_odc.liveness.PeerWatch`. It meets; it does not wait for any device: a transport's writes
+issued before a meeting are visible to every peer after it once each rank has fenced its device first
+(:meth:`hf_odc.kernels.Transport.fence`, as :class:`hf_odc.ODC` does).
 """
 
 from __future__ import annotations
@@ -17,19 +21,14 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from .. import heartbeat
-from ._dev_shm import ShmJob
-from .transport import PeerFailureError
+from ..kernels.transports import ShmJob
+from . import PeerFailureError, heartbeat, procfs
 
 _ARRIVALS, _PID, _ABORTED = 0, 1, 2  # _ARRIVALS: the count << 32 | the meeting name's CRC-32, one aligned 64-bit write
 _NAME_OFFSET, _REASON_OFFSET = 8, 24  # int64 slots; the meeting's name, then the abort reason, stored as bytes
 _BLOCK_SLOTS = 64
-
-
-def _process_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a killed child that its parent has not reaped yet (a zombie) counts as dead."""
-    return heartbeat.process_state(pid) not in (None, "Z", "X", "x")
 
 
 class HostBarrier:
@@ -58,7 +57,7 @@ class HostBarrier:
         self._blocks = blocks
         self._rank = rank
         self._pids = pids
-        self._check_pids = all(os.path.exists(f"/proc/{p}") for p in pids)
+        self._check_pids = all(procfs.visible(p) for p in pids)
         self.timeout = timeout
         self._names = names if names is not None else tuple(range(len(blocks)))
         self._watchers: list[Callable[[], None]] = []
@@ -68,8 +67,10 @@ class HostBarrier:
         own[_PID] = os.getpid()
 
     @classmethod
-    def create(cls, job: ShmJob, timeout: float) -> HostBarrier:
-        """Collective: a barrier among ``job``'s ranks, its control blocks in ``job``'s shared memory."""
+    def create(cls, group: dist.ProcessGroup | None, timeout: float) -> HostBarrier:
+        """Collective over ``group`` (``None``: the default group), whose ranks must share one host: a barrier among
+        them, its control blocks in shared memory of its own. It refuses a group that spans hosts."""
+        job = ShmJob(group)
         return cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout, job.global_ranks)
 
     def _text(self, r: int, start: int, end: int) -> str:
@@ -100,7 +101,7 @@ class HostBarrier:
         if not self._check_pids:
             return
         for r in waiting_for:
-            if _process_alive(self._pids[r]):
+            if not procfs.gone(procfs.process_state(self._pids[r])):
                 continue
             if what and int(self._blocks[r][_ARRIVALS]) >> 32 >= self._arrivals:
                 continue  # it arrived after ``waiting_for`` was read, passed and ended: not missing here
@@ -118,7 +119,7 @@ class HostBarrier:
         self._check_aborts()
         self._check_alive([r for r in range(len(self._blocks)) if r != self._rank], None)
 
-    def wait(self, what: str = "the minibatch barrier") -> None:
+    def meet(self, what: str = "the minibatch barrier") -> None:
         """Arrive, then return once every rank has arrived at least as many times as this one (``what``: the meeting
         point, as errors name it).
 

@@ -1,0 +1,92 @@
+"""hf_odc.liveness without processes of its own: the kernels below it import nothing of it, and its one reader of
+``/proc`` tells a running, a stopped and a gone process apart."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hf_odc._torch_support import UnsupportedTorchError
+from hf_odc.liveness import heartbeat, procfs
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_odc"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The absolute names of the modules ``path`` imports (relative imports resolved against its package)."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_kernels_import_nothing_of_liveness():
+    """The rule that keeps the arrows one way (docs/architecture.md): a transport is memory only, and meeting the
+    peers is liveness's, above it."""
+    for path in sorted((PACKAGE / "kernels").rglob("*.py")):
+        upward = sorted(m for m in _imported_modules(path) if m.startswith("hf_odc.liveness"))
+        assert not upward, f"{path.relative_to(PACKAGE.parent)} imports {upward}"
+
+
+def _soon(condition) -> bool:
+    """Whether ``condition()`` holds within 10 s (a busy machine schedules a signalled child late)."""
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_procfs_tells_running_stopped_and_gone_processes_apart():
+    assert procfs.process_state(os.getpid()) == "R"
+    assert procfs.parent(os.getpid()) == os.getppid()
+    assert threading.get_native_id() in {int(tid) for tid in procfs.thread_ids()}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert procfs.visible(child.pid) and child.pid in procfs.pids()
+        assert _soon(lambda: b"time.sleep(60)" in (procfs.command_line(child.pid) or b""))  # once it ran exec
+        assert procfs.environment(child.pid).get(b"PATH") == os.environ["PATH"].encode()
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _soon(lambda: procfs.stopped(procfs.process_state(child.pid)))
+        assert not procfs.gone(procfs.process_state(child.pid))
+        child.kill()
+        assert _soon(lambda: procfs.gone(procfs.process_state(child.pid)))  # a zombie until reaped: gone all the same
+    finally:
+        child.kill()
+        child.wait()
+    assert procfs.process_state(child.pid) is None and procfs.parent(child.pid) is None
+
+
+def test_importing_liveness_imports_no_torch():
+    """It runs at hf_odc's first import, where ``hf-odc plan`` must start fast."""
+    code = "import sys, hf_odc.liveness.launch; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_torch_without_the_default_store_is_named_not_left_without_heartbeats(monkeypatch):
+    """torch's private ``_get_default_store`` is checked where the heartbeat reads it: a torch that renamed it fails
+    naming it, instead of running on silently without heartbeats."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+        with pytest.raises(UnsupportedTorchError, match="_get_default_store"):
+            heartbeat.start_in_default_group()
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
