@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hf_odc._torch_support import UnsupportedTorchError
+from hf_odc._compat import UnsupportedLibraryError
 from hf_odc.liveness import heartbeat, procfs
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_odc"
@@ -85,7 +85,7 @@ def test_a_torch_without_the_default_store_is_named_not_left_without_heartbeats(
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
-        with pytest.raises(UnsupportedTorchError, match="_get_default_store"):
+        with pytest.raises(UnsupportedLibraryError, match="_get_default_store"):
             heartbeat.start_in_default_group()
     finally:
         monkeypatch.undo()
