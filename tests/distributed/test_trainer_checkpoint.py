@@ -12,13 +12,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from _trainer_launch import ROOT, logged_steps, run
-from test_trainer_parity import COMMON, STEPS, assert_same_training
+from _trainer_launch import SFT_FLAGS, SFT_STEPS, SUPPORT, assert_same_steps, logged_steps, run
 
 from hf_odc.trainer._checkpoint import COMPLETE_MARKER, STATE_DIR, check_resumable, last_complete_checkpoint
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 processes
-WORKERS = str(ROOT / "tests" / "_checkpoint_workers.py")
+WORKERS = str(SUPPORT / "_checkpoint_workers.py")
 
 
 def train(output_dir, *args: str, processes: int, env: dict | None = None) -> str:
@@ -26,14 +25,14 @@ def train(output_dir, *args: str, processes: int, env: dict | None = None) -> st
     token counts (the same plan in every run); return its output. One thread per process: one process with several
     spends most of its time waiting on them when other tests load the CPU."""
     batch = str(GLOBAL_BATCH // processes)
-    return run(WORKERS, *COMMON, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir),
+    return run(WORKERS, *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir),
                "--cost_model", "tokens", "--save_strategy", "steps", "--save_steps", "1", *args,
                processes=processes, env={"OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
 
 
 def assert_continues(resumed: dict[int, dict], reference: dict[int, dict], first_step: int) -> None:
-    assert_same_training(resumed, reference, steps=range(first_step, STEPS + 1), rel=1e-5)
-    for step in range(first_step, STEPS + 1):
+    assert_same_steps(resumed, reference, steps=range(first_step, SFT_STEPS + 1), rel=1e-5)
+    for step in range(first_step, SFT_STEPS + 1):
         assert resumed[step]["learning_rate"] == pytest.approx(reference[step]["learning_rate"]), f"lr at {step}"
 
 

@@ -18,7 +18,7 @@ import torch
 from _machine import run_process, scaled
 from _models import tiny_qwen2_config
 from _slow import require_slow
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, logged_steps, run
+from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, SUPPORT, logged_steps, run
 from transformers import Qwen2ForCausalLM
 
 
@@ -41,7 +41,7 @@ def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = 
     """Run ``tests/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate launch`` with
     ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
     require_slow(f"the script {script}")
-    path = str(ROOT / "tests" / script)
+    path = str(SUPPORT / script)
     command = [sys.executable, path, *args]
     if processes > 1:
         config = str(EXAMPLES / "odc_cpu.yaml")

@@ -35,8 +35,9 @@ from _grpo_parity import VLLM_CASES
 from _parity import assert_same_training
 from _slow import require_slow
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKERS = str(ROOT / "tests" / "_vllm_workers.py")
+ROOT = Path(__file__).resolve().parents[2]
+SUPPORT = ROOT / "tests" / "support"
+WORKERS = str(SUPPORT / "_vllm_workers.py")
 VLLM_PYTHON = os.environ.get("HF_ODC_VLLM_PYTHON")
 TIMEOUT_S = 600  # per launch: engine starts and 2 CPU processes on a loaded 2-core machine
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
@@ -184,7 +185,7 @@ def test_colocated_engine_takes_the_configured_memory_share(colocated):
 
 @pytest.fixture(scope="module")
 def corrected(model_dir) -> tuple[dict, dict]:
-    script, model, names = str(ROOT / "tests" / "_grpo_parity.py"), str(model_dir / "model"), list(VLLM_CASES)
+    script, model, names = str(SUPPORT / "_grpo_parity.py"), str(model_dir / "model"), list(VLLM_CASES)
     _run([VLLM_PYTHON, script, "trl", model, str(model_dir / "trl.pt"), *names], model_dir / "parity-trl.log")
     _run(_accelerate(script, "odc", model, str(model_dir / "odc.pt"), *names), model_dir / "parity-odc.log")
     return torch.load(model_dir / "trl.pt"), torch.load(model_dir / "odc.pt")

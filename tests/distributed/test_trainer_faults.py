@@ -14,7 +14,7 @@ import time
 import pytest
 from _machine import scaled
 from _stall_sft import POINTS, STOPS
-from _trainer_launch import ROOT, launch, start
+from _trainer_launch import ROOT, SUPPORT, launch, start
 
 TIMEOUT = max(3, round(scaled(3, 2)))  # a healthy rank of a busy machine must not miss it
 COMMON = (
@@ -50,7 +50,7 @@ def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tm
     if point == "checkpoint-save":
         saving = ["--save_strategy", "steps", "--save_steps", "1"]
     args = (*COMMON, "--max_steps", "3", *saving, "--output_dir", str(tmp_path))
-    code, output = launch(str(ROOT / "tests" / "_stall_sft.py"), *args, processes=2, env=env, timeout=120)
+    code, output = launch(str(SUPPORT / "_stall_sft.py"), *args, processes=2, env=env, timeout=120)
     ended = time.time()
     assert code != 0, output[-3000:]
     pid, stalled_at = stall_file.read_text().split()
@@ -89,7 +89,7 @@ def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, h
     args = (*COMMON, "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path))
     if hybrid:
         args = (*args, "--odc_shard_size", "2")
-    process = start(str(ROOT / "tests" / "_stall_sft.py"), *args, log=log, env=env, processes=4 if hybrid else 2)
+    process = start(str(SUPPORT / "_stall_sft.py"), *args, log=log, env=env, processes=4 if hybrid else 2)
     pid, said = None, None
     try:
         deadline = time.monotonic() + scaled(240, 2)

@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from hf_odc.engine.odc import ODC
 from hf_odc.trainer import ODCSFTTrainer
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft.py"
 STALLED_RANK = int(os.environ.get("HF_ODC_TEST_STALL_RANK", "1"))
 STEP = 2  # the optimizer step (1-based) in which rank 1 stalls
 

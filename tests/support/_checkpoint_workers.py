@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hf_odc.trainer import _checkpoint
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft.py"
 
 
 def _killed_when_marking(step: int):

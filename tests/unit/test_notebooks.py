@@ -13,7 +13,7 @@ import pytest
 from _machine import scaled
 from nbclient import NotebookClient
 
-NOTEBOOK_DIR = Path(__file__).parents[1] / "examples" / "notebooks"
+NOTEBOOK_DIR = Path(__file__).parents[2] / "examples" / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 MAX_BYTES = 150_000
 """A stored notebook's size, outputs (figures included) and all."""

@@ -10,10 +10,17 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from _machine import run_process, scaled
 from _slow import require_slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+SUPPORT = Path(__file__).resolve().parent
+"""This folder: the helpers and the scripts the tests launch by path (``SUPPORT / "_stall_sft.py"``)."""
+SFT_STEPS = 5
+# examples/sft.py's flags for the runs compared step by step (tests/parity/test_sft_parity.py, the checkpoint tests): a
+# higher learning rate than the demo's, so that five steps move the weights enough for a wrong gradient to show.
+SFT_FLAGS = ("--max_steps", str(SFT_STEPS), "--learning_rate", "1e-2", "--num_samples", "128", "--disable_tqdm", "true")
 EXAMPLES = ROOT / "examples"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
@@ -86,3 +93,14 @@ def logged_steps(output_dir: str | Path) -> dict[int, dict]:
     """The per-step logs the Trainer saved in ``trainer_state.json``, by global step."""
     history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
     return {entry["step"]: entry for entry in history if "loss" in entry}
+
+
+def assert_same_steps(
+    ours: dict[int, dict], reference: dict[int, dict], steps=range(1, SFT_STEPS + 1), rel: float = 1e-4
+) -> None:
+    """Two runs of :data:`SFT_FLAGS` (:func:`logged_steps`) logged every step, and the same loss and gradient norm
+    (``rel``) at ``steps``."""
+    assert sorted(ours) == sorted(reference) == list(range(1, SFT_STEPS + 1))
+    for step in steps:
+        assert ours[step]["loss"] == pytest.approx(reference[step]["loss"], rel=rel), f"loss at step {step}"
+        assert ours[step]["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=rel), f"grad at step {step}"

@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from _trainer_launch import ROOT, logged_steps, run
+from _trainer_launch import SFT_FLAGS, SFT_STEPS, SUPPORT, assert_same_steps, logged_steps, run
 from safetensors.torch import load_file
 
 from hf_odc.packing import AttentionCost, Calibration
 
 pytestmark = pytest.mark.slow  # every test starts processes
-STEPS = 5
 PEAK_TFLOPS = 1e-3
-# A higher learning rate than the demo's, so that five steps move the weights enough for a wrong gradient to show.
-COMMON = ("--max_steps", str(STEPS), "--learning_rate", "1e-2", "--num_samples", "128", "--disable_tqdm", "true")
 LORA = (
     "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
     "--lora_target_modules", "q_proj", "v_proj", "--assistant_only_loss", "true", "--gradient_checkpointing", "true",
@@ -26,16 +23,9 @@ LORA = (
 def train(output_dir, *args: str, processes: int, env: dict | None = None) -> dict[int, dict]:
     """Run examples/sft.py; the global minibatch is 16 samples either way."""
     batch = str(16 // processes)
-    run("sft.py", *COMMON, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
+    run("sft.py", *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
         processes=processes, env=env)  # fmt: skip
     return logged_steps(output_dir)
-
-
-def assert_same_training(ours: dict[int, dict], reference: dict[int, dict], steps=range(1, STEPS + 1), rel=1e-4):
-    assert sorted(ours) == sorted(reference) == list(range(1, STEPS + 1))
-    for step in steps:
-        assert ours[step]["loss"] == pytest.approx(reference[step]["loss"], rel=rel), f"loss at step {step}"
-        assert ours[step]["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=rel), f"grad at step {step}"
 
 
 def assert_step_metrics(entry: dict) -> None:
@@ -67,7 +57,7 @@ def lb_mini(tmp_path_factory):
 
 def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
     (reference_dir, expected), (directory, logs) = reference, lb_mini
-    assert_same_training(logs, expected)
+    assert_same_steps(logs, expected)
     cost = AttentionCost.from_config(json.loads((directory / "config.json").read_text()))
     for entry in logs.values():
         assert_step_metrics(entry)
@@ -88,7 +78,7 @@ def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
 @pytest.mark.parametrize("odc", ["true", "false"], ids=["odc", "fsdp2"])
 def test_lb_micro_matches_a_single_process(reference, tmp_path, odc):
     logs = train(tmp_path, "--balance", "lb-micro", "--odc", odc, processes=2)
-    assert_same_training(logs, reference[1])
+    assert_same_steps(logs, reference[1])
     assert all(entry["microbatches/rank_0"] == entry["microbatches/rank_1"] for entry in logs.values())
     for entry in logs.values():  # device-timed metrics in both modes, the same definitions (docs/api.md)
         for rank in (0, 1):
@@ -102,12 +92,12 @@ def test_resume_continues_identically(lb_mini, tmp_path):
     resumed = train(
         tmp_path, "--resume_from_checkpoint", str(directory / "checkpoint-2"), "--cost_model", "tokens", processes=2
     )
-    assert_same_training(resumed, logs, steps=range(3, STEPS + 1), rel=1e-5)
+    assert_same_steps(resumed, logs, steps=range(3, SFT_STEPS + 1), rel=1e-5)
 
 
 def test_lora_with_gradient_checkpointing_and_assistant_only_loss(tmp_path):
     single = train(tmp_path / "single", *LORA, processes=1)
-    assert_same_training(train(tmp_path / "odc", *LORA, processes=2), single)
+    assert_same_steps(train(tmp_path / "odc", *LORA, processes=2), single)
     assert (tmp_path / "odc" / "adapter_model.safetensors").exists()
 
 
@@ -119,11 +109,11 @@ def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(re
     CPU times, which other jobs on the machine disturb: ``benchmarks/calibrated_balance.py --straggler`` measures it,
     on GPUs, in benchmarks/RESULTS.md.)"""
     batch = str(16 // 2)
-    run(str(ROOT / "tests" / "_straggler_sft.py"), *COMMON, "--per_device_train_batch_size", batch, "--output_dir",
+    run(str(SUPPORT / "_straggler_sft.py"), *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir",
         str(tmp_path), "--cost_model", "calibrated", processes=2,
         env={"HF_ODC_TEST_SLOW_RANK": "1", "HF_ODC_TEST_SLOWDOWN": "6"})  # fmt: skip
     ours = logged_steps(tmp_path)
-    assert_same_training(ours, reference[1])
+    assert_same_steps(ours, reference[1])
 
     def share(step: int) -> float:
         return ours[step]["tokens/rank_1"] / (ours[step]["tokens/rank_0"] + ours[step]["tokens/rank_1"])
@@ -132,13 +122,13 @@ def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(re
     assert "calibration/speed/rank_1" not in ours[2] and ours[3]["calibration/speed/rank_1"] < 0.8
     assert all(share(step) < 0.4 for step in (4, 5)), [share(step) for step in (4, 5)]
     saved = Calibration.load(tmp_path / "odc_calibration.json")
-    assert saved.speeds[1] == pytest.approx(ours[STEPS]["calibration/speed/rank_1"])  # the last step's fit
-    assert saved.cost.quadratic == pytest.approx(ours[STEPS]["calibration/quadratic"])
+    assert saved.speeds[1] == pytest.approx(ours[SFT_STEPS]["calibration/speed/rank_1"])  # the last step's fit
+    assert saved.cost.quadratic == pytest.approx(ours[SFT_STEPS]["calibration/quadratic"])
 
 
 def test_hybrid_odc_on_two_replicas_matches_a_single_process(reference, tmp_path):
     """4 processes with `--odc_shard_size 2`: two shard groups of 2 (hybrid ODC, HSDP's layout: what a job over two
     hosts gets by itself), LB-Mini over all 4 ranks, one all-reduce across replicas per step."""
     logs = train(tmp_path, "--odc_shard_size", "2", "--cost_model", "tokens", processes=4)
-    assert_same_training(logs, reference[1])
+    assert_same_steps(logs, reference[1])
     assert all(entry["all_reduce_s"] > 0 for entry in logs.values())  # the cross-replica step ran every minibatch

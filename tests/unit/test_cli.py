@@ -297,7 +297,7 @@ def test_bad_sources_exit_with_a_clear_message(tmp_path, capsys):
 
 def test_the_documented_table_is_the_default_runs_output(capsys):
     """docs/planner.md shows plain ``hf-odc plan``'s numbers: every cell must be the command's own."""
-    page = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "planner.md").read_text()
     section = page[page.index("<!-- plan:start -->") : page.index("<!-- plan:end -->")]
     header = "| ranks | " + " | ".join(SCHEMES) + " |"
     lines = section[section.index(header) :].splitlines()[2:]

@@ -13,7 +13,7 @@ import pytest
 from _machine import scaled
 
 pytestmark = pytest.mark.slow  # every test starts processes
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):

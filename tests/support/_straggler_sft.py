@@ -12,7 +12,7 @@ from pathlib import Path
 
 import hf_odc.demo
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft.py"
 
 
 def _slowed(build_model):
