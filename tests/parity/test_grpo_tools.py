@@ -1,5 +1,5 @@
 """ODCGRPOTrainer with TRL's tool calling and environments, on 2 CPU processes, against stock TRL GRPOTrainer on one
-process (``tests/_grpo_tools.py``: scripted multi-turn rollouts, the same on both sides): generating with the
+process (``tests/support/_grpo_tools.py``: scripted multi-turn rollouts, the same on both sides): generating with the
 ``"gathered"``, ``"sharded"`` and ``"static"`` modes keeps TRL's tool loop (its calls, ``max_tool_calling_iterations``,
 tool results appended to the completion; the ranks decode different numbers of turns), the multi-turn completions are
 packed and balanced whole, tool results included, the ranks running different numbers of microbatches, and the update

@@ -3,7 +3,7 @@ fixed rollouts (the GRPO example's synthetic completions, returned in place of t
 KL penalty in the rewards with standardised and clipped advantages, a second iteration on old log-probabilities,
 gradient accumulation and LoRA (with the KL too: its reference is the same model with the adapter disabled). The
 loss, the gradient norm, TRL's metrics and the parameters after each step must agree (fp32). One launch of each
-side covers every case (``tests/_grpo_parity.py``)."""
+side covers every case (``tests/support/_grpo_parity.py``)."""
 
 from __future__ import annotations
 

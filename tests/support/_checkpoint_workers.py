@@ -1,9 +1,8 @@
 """``examples/sft.py`` for the checkpoint tests, launched like the example (``accelerate launch ...
-tests/_checkpoint_workers.py <sft.py arguments>``), with one difference: with ``HF_ODC_TEST_KILL_BEFORE_MARKING=N``,
-the process that would mark the checkpoint of step ``N`` complete is SIGKILLed instead: the save is cut off after
-everything else of it is on disk, the latest point a kill can strike. (``--resume_from_checkpoint True`` reaches the
-trainer as the string ``"True"``, which it takes for ``True``.)
-"""
+tests/support/_checkpoint_workers.py <sft.py arguments>``), with one difference: with
+``HF_ODC_TEST_KILL_BEFORE_MARKING=N``, the process that would mark the checkpoint of step ``N`` complete is SIGKILLed
+instead: the save is cut off after everything else of it is on disk, the latest point a kill can strike.
+(``--resume_from_checkpoint True`` reaches the trainer as the string ``"True"``, which it takes for ``True``.)"""
 
 from __future__ import annotations
 

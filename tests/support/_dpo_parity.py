@@ -1,9 +1,9 @@
 """Two optimizer steps of DPO per case, saving what to compare.
 
-``python tests/_dpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.DPOTrainer`` on one process with the whole
-minibatch (8 pairs per accumulation step); ``accelerate launch ... tests/_dpo_parity.py odc MODEL_DIR OUT CASE...``
-trains ``ODCDPOTrainer`` with ``8 / world_size`` pairs per process and accumulation step, so each optimizer step sees
-the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO example's
+``python tests/support/_dpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.DPOTrainer`` on one process with
+the whole minibatch (8 pairs per accumulation step); ``accelerate launch ... tests/support/_dpo_parity.py odc MODEL_DIR
+OUT CASE...`` trains ``ODCDPOTrainer`` with ``8 / world_size`` pairs per process and accumulation step, so each
+optimizer step sees the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO example's
 (``hf_odc.demo.preference_dataset``), many longer than ``max_length`` (truncated). Rank 0 saves, per case, the logged
 step entries and the full parameters."""
 
@@ -43,8 +43,8 @@ CASES = {
     # LoRA: the reference is the policy with its adapter disabled.
     "peft": {"learning_rate": 2.0},
 }
-# A Mixture-of-Experts model (tests/test_moe.py): the router's load-balancing loss on (over the whole minibatch, as
-# TRL's one forward of it computes it) and off.
+# A Mixture-of-Experts model (tests/parity/test_trainer_moe.py): the router's load-balancing loss on (over the whole
+# minibatch, as TRL's one forward of it computes it) and off.
 MOE_CASES = {"moe-aux": {"router_aux_loss_coef": 0.2}, "moe-no-aux": {"router_aux_loss_coef": 0.0}}
 ODC_MAX_TOKENS = {"accumulation": 112}  # each case's microbatch size gives the ranks different counts in some step
 

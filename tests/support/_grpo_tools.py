@@ -1,15 +1,15 @@
 """GRPO with TRL's tool calling (``tools=``) and environments (``environment_factory=``) on scripted multi-turn
 rollouts: one optimizer step per case, saving what to compare.
 
-``python tests/_grpo_tools.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` on one process with the
-whole minibatch (8 rollouts); ``accelerate launch ... tests/_grpo_tools.py odc MODEL_DIR OUT CASE...`` trains
-``ODCGRPOTrainer`` on each process with its share, generating with transformers in the case's ``odc_generation``
+``python tests/support/_grpo_tools.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.GRPOTrainer`` on one process with
+the whole minibatch (8 rollouts); ``accelerate launch ... tests/support/_grpo_tools.py odc MODEL_DIR OUT CASE...``
+trains ``ODCGRPOTrainer`` on each process with its share, generating with transformers in the case's ``odc_generation``
 mode. Every token is forced by :class:`ScriptedToolCalls` (a logits processor added to every ``generate``), so both
-sides decode the same multi-turn completions whatever the process count: the ``g``-th generation of a prompt calls
-the tool ``g`` times (``<tool_call> lookup word w{g} </tool_call>``; at most once for a short prompt), then answers;
-with ``max_tool_calling_iterations = 2`` the third call of ``g = 3`` is not run; the rank holding the short prompt
-decodes fewer turns. The tokenizer is the demo's word-level one with a tool role and a chat template that renders
-tool calls; its ``parse_response`` reads the scripted calls back.
+sides decode the same multi-turn completions whatever the process count: the ``g``-th generation of a prompt calls the
+tool ``g`` times (``<tool_call> lookup word w{g} </tool_call>``; at most once for a short prompt), then answers; with
+``max_tool_calling_iterations = 2`` the third call of ``g = 3`` is not run; the rank holding the short prompt decodes
+fewer turns. The tokenizer is the demo's word-level one with a tool role and a chat template that renders tool calls;
+its ``parse_response`` reads the scripted calls back.
 
 On the ODC side every microbatch's per-position log-probabilities keep their gradient: rank 0 saves, per case, the
 gradient at each completion token with its loss mask (``probes``), from which the test checks that tool-result tokens

@@ -1,11 +1,11 @@
 """Two optimizer steps of KTO per case, saving what to compare.
 
-``python tests/_kto_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.KTOTrainer`` on one process with the
-whole minibatch (8 examples per accumulation step); ``accelerate launch ... tests/_kto_parity.py odc MODEL_DIR OUT
-CASE...`` trains ``ODCKTOTrainer`` with ``8 / world_size`` examples per process and accumulation step, so each
-optimizer step sees the same examples (sequential sampling, as TRL's KL estimate needs), planned as one ODC minibatch.
-The examples are the KTO example's (``hf_odc.demo.unpaired_dataset``), some longer than ``max_length`` (truncated).
-Rank 0 saves, per case, the logged step entries and the full parameters."""
+``python tests/support/_kto_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.KTOTrainer`` on one process with
+the whole minibatch (8 examples per accumulation step); ``accelerate launch ... tests/support/_kto_parity.py odc
+MODEL_DIR OUT CASE...`` trains ``ODCKTOTrainer`` with ``8 / world_size`` examples per process and accumulation step, so
+each optimizer step sees the same examples (sequential sampling, as TRL's KL estimate needs), planned as one ODC
+minibatch. The examples are the KTO example's (``hf_odc.demo.unpaired_dataset``), some longer than ``max_length``
+(truncated). Rank 0 saves, per case, the logged step entries and the full parameters."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Two optimizer steps of reward modelling per case, saving what to compare.
 
-``python tests/_reward_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.RewardTrainer`` on one process with
-the whole minibatch (8 pairs per accumulation step); ``accelerate launch ... tests/_reward_parity.py odc MODEL_DIR OUT
-CASE...`` trains ``ODCRewardTrainer`` with ``8 / world_size`` pairs per process and accumulation step, so each
-optimizer step sees the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO
+``python tests/support/_reward_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.RewardTrainer`` on one process
+with the whole minibatch (8 pairs per accumulation step); ``accelerate launch ... tests/support/_reward_parity.py odc
+MODEL_DIR OUT CASE...`` trains ``ODCRewardTrainer`` with ``8 / world_size`` pairs per process and accumulation step, so
+each optimizer step sees the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO
 example's (``hf_odc.demo.preference_dataset``), long-tailed, the whole conversation scored by a one-label
 sequence-classification head. Rank 0 saves, per case, the logged step entries and the full parameters."""
 

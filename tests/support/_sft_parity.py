@@ -1,7 +1,7 @@
 """Stock TRL ``SFTTrainer`` on one process against ``ODCSFTTrainer`` on any number, per case, saving what to compare.
 
-``python tests/_sft_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.SFTTrainer`` on one process;
-``accelerate launch ... tests/_sft_parity.py odc MODEL_DIR OUT CASE...`` trains ``ODCSFTTrainer`` with
+``python tests/support/_sft_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.SFTTrainer`` on one process;
+``accelerate launch ... tests/support/_sft_parity.py odc MODEL_DIR OUT CASE...`` trains ``ODCSFTTrainer`` with
 ``batch / world_size`` samples per process and accumulation step, so each optimizer step sees the same samples
 (sequential sampling), planned as one ODC minibatch. Cases (``CASES``): ``accumulation``, 8 samples per accumulation
 step and 4 accumulation steps (32 samples per optimizer step); the MoE cases (a Mixture-of-Experts model in

@@ -16,4 +16,4 @@ MARKED = "HF_ODC_TEST_MARKED_SLOW"
 def require_slow(what: str) -> None:
     """Refuse to start ``what`` for a test that is not marked slow (anything outside pytest may)."""
     if os.environ.get(MARKED) == "0":
-        raise RuntimeError(f"This test starts {what}: mark it @pytest.mark.slow (tests/_slow.py says why).")
+        raise RuntimeError(f"This test starts {what}: mark it @pytest.mark.slow (tests/support/_slow.py says why).")

@@ -7,7 +7,7 @@ point wraps the trainer's method from outside, so the stalled rank stops where t
 ``killed-in-gather``, instead dies inside the metrics gather, after meeting its peers (a death the survivor sees as a
 connection reset). The :data:`STOPS` freeze rank 1 with SIGSTOP (its heartbeat thread too): inside the metrics gather,
 or at startup, before the process group exists.
-Launched like the example: ``accelerate launch ... tests/_stall_sft.py <sft.py arguments>``."""
+Launched like the example: ``accelerate launch ... tests/support/_stall_sft.py <sft.py arguments>``."""
 
 from __future__ import annotations
 

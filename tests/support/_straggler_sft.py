@@ -1,7 +1,7 @@
 """``examples/sft.py`` with one slow rank: after each forward on rank ``HF_ODC_TEST_SLOW_RANK``, the process sleeps
 ``HF_ODC_TEST_SLOWDOWN`` times as long as the forward took, so that rank runs every microbatch at a fraction of the
-others' speed (as a throttled GPU would). Launched like the example: ``accelerate launch ... tests/_straggler_sft.py
-<sft.py arguments>``."""
+others' speed (as a throttled GPU would). Launched like the example: ``accelerate launch ...
+tests/support/_straggler_sft.py <sft.py arguments>``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker of tests/test_timing.py (importable by the spawned processes)."""
+"""Worker of tests/distributed/test_engine_timing.py (importable by the spawned processes)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What tests/test_vllm.py runs with the vLLM environment's python (``HF_ODC_VLLM_PYTHON``): a tiny model saved for
-vLLM to load, and ODCGRPOTrainer generating with vLLM on 2 CPU processes, checked from inside after every weight sync.
+"""What tests/distributed/test_vllm.py runs with the vLLM environment's python (``HF_ODC_VLLM_PYTHON``): a tiny model
+saved for vLLM to load, and ODCGRPOTrainer generating with vLLM on 2 CPU processes, checked from inside after every
+weight sync.
 
     python _vllm_workers.py model DIR                        # a tiny Llama and its tokenizer, saved in DIR
     accelerate launch ... _vllm_workers.py colocate DIR OUT  # 3 GRPO steps, one engine per rank; OUT/rank<r>.json

@@ -1,7 +1,7 @@
 """``hf_odc.trainer.generation.StaticDecoder`` on one process: its copy decodes as the policy does (greedy, token for
-token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static
-KV cache for every generation batch it fits. Across sharded ranks, inside the trainer: tests/test_grpo_generation.py.
-"""
+token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static KV
+cache for every generation batch it fits. Across sharded ranks, inside the trainer:
+tests/parity/test_grpo_generation.py."""
 
 from __future__ import annotations
 

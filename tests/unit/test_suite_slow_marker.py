@@ -1,5 +1,5 @@
-"""The suite's own rule (``tests/_slow.py``): a test that is not marked slow cannot start processes through the launch
-helpers, so that ``-m "not slow"`` stays fast as tests are added."""
+"""The suite's own rule (``tests/support/_slow.py``): a test that is not marked slow cannot start processes through the
+launch helpers, so that ``-m "not slow"`` stays fast as tests are added."""
 
 from __future__ import annotations
 

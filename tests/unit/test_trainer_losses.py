@@ -53,7 +53,7 @@ def test_generalized_jsd_equals_trls_chunked_kernel(beta):
 
 def test_what_distillation_refuses_is_named_in_one_line(tmp_path):
     """A distillation without a local teacher (TRL's served teachers stay TRL's): one line saying what to set (RLOO's
-    PEFT refusals: ``tests/test_trainer_rollouts.py``)."""
+    PEFT refusals: ``tests/unit/test_grpo_rollouts.py``)."""
     from transformers import AutoModelForCausalLM
 
     from hf_odc.demo import build_tokenizer

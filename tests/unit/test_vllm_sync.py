@@ -1,5 +1,6 @@
 """``hf_odc.trainer.vllm_sync`` without vLLM: what a sync hands a (stand-in) engine or server, in which order, under
-which names, and PEFT's adapters merged as PEFT merges them. The real engine and server: tests/test_vllm.py."""
+which names, and PEFT's adapters merged as PEFT merges them. The real engine and server:
+tests/distributed/test_vllm.py."""
 
 from __future__ import annotations
 
