@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from _grpo_parity import DISTILLATION_CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 
 from hf_odc.trainer import PACKED_ATTENTION
 
@@ -17,9 +17,7 @@ TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_secon
 PER_SLICE = ("entropy",)  # TRL's per accumulation slice
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return parity_runs(tmp_path_factory.mktemp("distillation_parity"), "_grpo_parity.py", DISTILLATION_CASES)
+runs = parity_fixture("_grpo_parity.py", DISTILLATION_CASES)
 
 
 @pytest.mark.parametrize("case", list(DISTILLATION_CASES))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from _dpo_parity import CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
@@ -19,9 +19,7 @@ PER_SLICE = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy
 DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return parity_runs(tmp_path_factory.mktemp("dpo_parity"), "_dpo_parity.py", CASES, env=QUIET)
+runs = parity_fixture("_dpo_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))

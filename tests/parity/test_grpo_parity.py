@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from _grpo_parity import CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 from _trainer_launch import logged_steps, run
 
 from hf_odc.trainer import PACKED_ATTENTION
@@ -20,9 +20,7 @@ PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return parity_runs(tmp_path_factory.mktemp("grpo_parity"), "_grpo_parity.py", CASES, env=QUIET)
+runs = parity_fixture("_grpo_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -10,9 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _grpo_tools import CASES, GENERATIONS, MAX_ITERATIONS, build_tool_tokenizer
-from _models import tiny_qwen2_config
-from _parity import assert_same_training, run_checked
-from transformers import Qwen2ForCausalLM
+from _parity import assert_same_training, parity_runs
 
 pytestmark = pytest.mark.slow  # every test starts processes
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
@@ -25,17 +23,10 @@ ROLLOUT_TOKENS = 4 * 8 + 4 * 17 + (2 + 18 + 19 + 20) + (2 + 18 + 34 + 34)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("grpo_tools")
-    torch.manual_seed(0)
     tokenizer = build_tool_tokenizer()
-    config = tiny_qwen2_config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                               max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(directory / "model")
-    model, names = str(directory / "model"), list(CASES)
-    run_checked("_grpo_tools.py", "trl", model, str(directory / "trl.pt"), *names, env=QUIET)
-    run_checked("_grpo_tools.py", "odc", model, str(directory / "odc.pt"), *names, processes=2, env=QUIET)
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+    return parity_runs(tmp_path_factory.mktemp("grpo_tools"), "_grpo_tools.py", CASES, env=QUIET,
+                       vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))

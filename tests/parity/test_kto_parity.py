@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from _kto_parity import CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
@@ -22,9 +22,7 @@ PER_CALL = ("entropy", "logits/chosen", "logits/rejected", "rewards/chosen", "re
 DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return parity_runs(tmp_path_factory.mktemp("kto_parity"), "_kto_parity.py", CASES, env=QUIET)
+runs = parity_fixture("_kto_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,7 +7,7 @@ argument, on two processes."""
 from __future__ import annotations
 
 import pytest
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 from _reward_parity import CASES
 from transformers import Qwen2ForSequenceClassification
 
@@ -18,11 +18,7 @@ TIMINGS = ("step_time",)
 PER_SLICE = ("min_reward", "max_reward")  # with accumulation TRL averages each slice's extreme (ODCRewardConfig)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("reward_parity")
-    return parity_runs(directory, "_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET,
-                       num_labels=1)  # fmt: skip
+runs = parity_fixture("_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET, num_labels=1)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import pytest
 from _grpo_parity import RLOO_CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_runs
+from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 PER_SLICE = ("entropy", "clip_ratio/low_min", "clip_ratio/high_max")  # TRL's per accumulation slice
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return parity_runs(tmp_path_factory.mktemp("rloo_parity"), "_grpo_parity.py", RLOO_CASES)
+runs = parity_fixture("_grpo_parity.py", RLOO_CASES)
 
 
 @pytest.mark.parametrize("case", list(RLOO_CASES))

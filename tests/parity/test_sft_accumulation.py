@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import tiny_qwen2_config
-from _parity import run_checked
-from transformers import Qwen2ForCausalLM
+from _parity import parity_runs
 
 from hf_odc.demo import build_tokenizer
 
@@ -18,17 +16,11 @@ pytestmark = pytest.mark.slow  # every test starts processes
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("sft_accumulation")
     tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = tiny_qwen2_config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                               max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(directory / "model")
-    model = str(directory / "model")
-    run_checked("_sft_parity.py", "trl", model, str(directory / "trl.pt"), "accumulation")
-    run_checked("_sft_parity.py", "odc", model, str(directory / "odc.pt"), "accumulation", processes=2)
-    return torch.load(directory / "trl.pt")["accumulation"], torch.load(directory / "odc.pt")["accumulation"]
+    trl, odc = parity_runs(tmp_path_factory.mktemp("sft_accumulation"), "_sft_parity.py", ["accumulation"],
+                           vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    return trl["accumulation"], odc["accumulation"]
 
 
 def test_odc_sft_with_accumulation_matches_stock_trl_on_one_process(runs):

@@ -15,7 +15,7 @@ import torch
 from _dpo_parity import MOE_CASES as DPO_CASES
 from _grpo_parity import MOE_CASES as GRPO_CASES
 from _models import tiny_model, tiny_moe_config
-from _parity import assert_same_training, run_checked
+from _parity import assert_same_training, parity_runs
 from _sft_parity import MOE_CASES as SFT_CASES
 from _trainer_launch import logged_steps, run
 from transformers import AutoModelForCausalLM
@@ -105,17 +105,6 @@ def test_a_moe_model_without_recorded_routers_is_refused():
 # -- stock TRL parity on 2 processes --------------------------------------------------------------------------------
 
 
-def _save(directory, family: str, **overrides) -> str:
-    moe_model(family, **overrides).save_pretrained(directory / "model")
-    return str(directory / "model")
-
-
-def _run(script: str, model: str, directory, names) -> tuple[dict, dict]:
-    run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=QUIET)
-    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=QUIET)
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
-
-
 def _assert_parity(runs: tuple[dict, dict], case: str, skip: tuple[str, ...] = (), **kwargs) -> None:
     reference, ours = runs[0][case], runs[1][case]
     assert_same_training(reference, ours, skip=("step_time", *skip), **kwargs)
@@ -126,26 +115,23 @@ def _assert_parity(runs: tuple[dict, dict], case: str, skip: tuple[str, ...] = (
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("moe_sft")
     tokenizer = build_tokenizer()
-    model = _save(directory, "qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=512,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=tokenizer.bos_token_id)  # fmt: skip
-    return _run("_sft_parity.py", model, directory, list(SFT_CASES))
+    model = moe_model("qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=512,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    return parity_runs(tmp_path_factory.mktemp("moe_sft"), "_sft_parity.py", SFT_CASES, model=model, env=QUIET)
 
 
 @pytest.fixture(scope="module")
 def dpo_runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("moe_dpo")
-    model = _save(directory, "mixtral", vocab_size=507, max_position_embeddings=512, pad_token_id=0, eos_token_id=3)
-    return _run("_dpo_parity.py", model, directory, list(DPO_CASES))
+    model = moe_model("mixtral", vocab_size=507, max_position_embeddings=512, pad_token_id=0, eos_token_id=3)
+    return parity_runs(tmp_path_factory.mktemp("moe_dpo"), "_dpo_parity.py", DPO_CASES, model=model, env=QUIET)
 
 
 @pytest.fixture(scope="module")
 def grpo_runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("moe_grpo")
-    model = _save(directory, "qwen3_moe", vocab_size=507, max_position_embeddings=512, pad_token_id=0, eos_token_id=3)
-    return _run("_grpo_parity.py", model, directory, list(GRPO_CASES))
+    model = moe_model("qwen3_moe", vocab_size=507, max_position_embeddings=512, pad_token_id=0, eos_token_id=3)
+    return parity_runs(tmp_path_factory.mktemp("moe_grpo"), "_grpo_parity.py", GRPO_CASES, model=model, env=QUIET)
 
 
 @pytest.mark.slow

@@ -9,16 +9,14 @@ step entries and the full parameters."""
 
 from __future__ import annotations
 
-from _parity import policy_and_reference, run_cases, train_with
+from _parity import TRAINING, run_cases, train_with_reference
 
 from hf_odc.demo import preference_dataset
 
 MINIBATCH, MAX_LENGTH = 8, 48
-COMMON = dict(
-    max_steps=2, learning_rate=0.5, optim="sgd", beta=0.5, max_length=MAX_LENGTH, logging_steps=1,
-    save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True,
-    train_sampling_strategy="sequential", gradient_checkpointing=False,
-)  # fmt: skip
+COMMON = TRAINING | dict(
+    max_steps=2, beta=0.5, max_length=MAX_LENGTH, train_sampling_strategy="sequential", gradient_checkpointing=False
+)
 _EVERY_LOSS = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
                "apo_down", "discopop", "sigmoid_norm", "sft"]  # fmt: skip
 CASES = {
@@ -54,22 +52,16 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     from hf_odc.trainer import ODCDPOConfig, ODCDPOTrainer
 
-    settings = COMMON | (CASES | MOE_CASES)[name]
-    accumulation = settings.get("gradient_accumulation_steps", 1)
-    model, ref_model, peft_config = policy_and_reference(
-        model_dir, peft=name == "peft", precompute=settings.get("precompute_ref_log_probs", False)
-    )
-    return train_with(
+    return train_with_reference(
         kind,
         {"trl": (DPOConfig, DPOTrainer), "odc": (ODCDPOConfig, ODCDPOTrainer)},
+        model_dir,
         output_dir,
-        settings,
+        COMMON | (CASES | MOE_CASES)[name],
+        peft=name == "peft",
         minibatch=MINIBATCH,
         max_tokens=ODC_MAX_TOKENS.get(name, 2 * MAX_LENGTH),
-        model=model,
-        ref_model=ref_model,
-        train_dataset=preference_dataset(MINIBATCH * accumulation * settings["max_steps"], 96, "swe-smith", seed=2),
-        peft_config=peft_config,
+        dataset=lambda count: preference_dataset(count, 96, "swe-smith", seed=2),
     )
 
 

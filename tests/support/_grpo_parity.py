@@ -20,17 +20,14 @@ import math
 import os
 
 import torch
-from _parity import run_cases, trained_state
+from _parity import TRAINING, run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
 from hf_odc.trainer.attention import attention_implementation
 
 MINIBATCH = 8
-COMMON = dict(
-    num_generations=4, max_completion_length=40, learning_rate=0.5, optim="sgd", logging_steps=1,
-    save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True,
-)  # fmt: skip
+COMMON = TRAINING | dict(num_generations=4, max_completion_length=40)
 CASES = {
     **{loss: {"loss_type": loss} for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")},
     "luspo-sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence"},

@@ -22,7 +22,7 @@ import itertools
 import os
 
 import torch
-from _parity import run_cases, trained_state
+from _parity import TRAINING, run_cases, trained_state
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
@@ -43,11 +43,13 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-COMMON = dict(
-    num_generations=GENERATIONS, max_completion_length=48, learning_rate=0.5, optim="sgd", logging_steps=1,
-    save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True, max_steps=1,
-    max_tool_calling_iterations=MAX_ITERATIONS, loss_type="grpo",
-)  # fmt: skip
+COMMON = TRAINING | dict(
+    num_generations=GENERATIONS,
+    max_completion_length=48,
+    max_steps=1,
+    max_tool_calling_iterations=MAX_ITERATIONS,
+    loss_type="grpo",
+)
 # ODC side: the generation mode each case decodes in (the tools' case in every mode; the environment's in one).
 CASES = {
     "tools-gathered": "gathered",

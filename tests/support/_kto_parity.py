@@ -9,16 +9,14 @@ minibatch. The examples are the KTO example's (``hf_odc.demo.unpaired_dataset``)
 
 from __future__ import annotations
 
-from _parity import policy_and_reference, run_cases, train_with
+from _parity import TRAINING, run_cases, train_with_reference
 
 from hf_odc.demo import unpaired_dataset
 
 MINIBATCH, MAX_LENGTH = 8, 40
-COMMON = dict(
-    max_steps=2, learning_rate=0.5, optim="sgd", beta=0.5, max_length=MAX_LENGTH, logging_steps=1,
-    save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True,
-    train_sampling_strategy="sequential", gradient_checkpointing=False,
-)  # fmt: skip
+COMMON = TRAINING | dict(
+    max_steps=2, beta=0.5, max_length=MAX_LENGTH, train_sampling_strategy="sequential", gradient_checkpointing=False
+)
 CASES = {
     "kto": {},
     # No reference model: its log-probabilities (of both sequences) are the initial policy's, computed before training.
@@ -39,22 +37,16 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
 
     from hf_odc.trainer import ODCKTOConfig, ODCKTOTrainer
 
-    settings = COMMON | CASES[name]
-    accumulation = settings.get("gradient_accumulation_steps", 1)
-    model, ref_model, peft_config = policy_and_reference(
-        model_dir, peft=name == "peft", precompute=settings.get("precompute_ref_log_probs", False)
-    )
-    return train_with(
+    return train_with_reference(
         kind,
         {"trl": (KTOConfig, KTOTrainer), "odc": (ODCKTOConfig, ODCKTOTrainer)},
+        model_dir,
         output_dir,
-        settings,
+        COMMON | CASES[name],
+        peft=name == "peft",
         minibatch=MINIBATCH,
         max_tokens=CASE_MAX_TOKENS.get(name, ODC_MAX_TOKENS),
-        model=model,
-        ref_model=ref_model,
-        train_dataset=unpaired_dataset(MINIBATCH * accumulation * settings["max_steps"], 64, "swe-smith", seed=2),
-        peft_config=peft_config,
+        dataset=lambda count: unpaired_dataset(count, 64, "swe-smith", seed=2),
     )
 
 

@@ -1,7 +1,8 @@
-"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``, ``_dpo_parity.py``, ...) share (a case trained by
-stock TRL or by ODC, :func:`train_with`; the policy and its reference, :func:`policy_and_reference`) and save after
-training, and how their tests launch them (:func:`parity_runs`): a stock TRL trainer on one process against an ODC
-trainer on several, compared step by step and parameter by parameter (:func:`assert_same_case`)."""
+"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``, ``_dpo_parity.py``, ...) share (their settings,
+:data:`TRAINING`; a case trained by stock TRL or by ODC, :func:`train_with`, with a reference model,
+:func:`train_with_reference`) and save after training, and how their tests launch them (:func:`parity_runs`, a test
+module's ``runs`` fixture :func:`parity_fixture`): a stock TRL trainer on one process against an ODC trainer on
+several, compared step by step and parameter by parameter (:func:`assert_same_case`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ from _models import tiny_qwen2_config
 from _slow import require_slow
 from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, SUPPORT, logged_steps, run
 from transformers import Qwen2ForCausalLM
+
+TRAINING = dict(
+    learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+    seed=7, disable_tqdm=True,
+)  # fmt: skip
+"""Every parity script's settings (each adds its own): fp32 on CPU, plain SGD with a learning rate large enough for a
+wrong gradient to show in the parameters, every step logged, nothing saved."""
 
 
 def trained_state(trainer) -> dict | None:
@@ -53,19 +61,43 @@ def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = 
     assert returncode == 0, out[-4000:] + err[-8000:]
 
 
-def policy_and_reference(model_dir: str, peft: bool, precompute: bool) -> tuple[Any, Any, Any]:
-    """DPO's and KTO's cases: the policy from ``model_dir``, its reference (loaded again; none with ``peft``, the policy
-    with its LoRA adapter disabled, nor with ``precompute``, reference log-probabilities computed before training)
-    and the LoRA config (``peft``)."""
+def train_with_reference(
+    kind: str,
+    classes: dict[str, tuple[type, type]],
+    model_dir: str,
+    output_dir: str,
+    settings: dict,
+    *,
+    peft: bool,
+    minibatch: int,
+    max_tokens: int,
+    dataset: Callable[[int], Any],
+) -> dict | None:
+    """DPO's and KTO's cases, :func:`train_with`: the policy from ``model_dir`` and its reference (loaded again; none
+    with ``peft``, the policy with its LoRA adapter disabled, nor with ``precompute_ref_log_probs``, reference
+    log-probabilities computed before training), on ``dataset(n)``, the ``n`` examples of every optimizer step."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    ref_model, peft_config = None, None
     if peft:
-        return model, None, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    if precompute:
-        return model, None, None
-    return model, AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa"), None
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    elif not settings.get("precompute_ref_log_probs", False):
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    accumulation = settings.get("gradient_accumulation_steps", 1)
+    return train_with(
+        kind,
+        classes,
+        output_dir,
+        settings,
+        minibatch=minibatch,
+        max_tokens=max_tokens,
+        model=model,
+        ref_model=ref_model,
+        train_dataset=dataset(minibatch * accumulation * settings["max_steps"]),
+        peft_config=peft_config,
+    )
 
 
 def train_with(
@@ -100,20 +132,35 @@ def parity_runs(
     script: str,
     cases: Iterable[str],
     *,
+    model: torch.nn.Module | None = None,
     model_class: type = Qwen2ForCausalLM,
     env: dict | None = None,
     **config: Any,
 ) -> tuple[dict, dict]:
-    """A parity test's launches: a tiny Qwen2 (seed 0; ``config`` added to it) saved in ``directory``, the ``cases``
-    of ``tests/<script>`` trained on it by stock TRL on one process and by ODC on two; their saved states, by case."""
-    torch.manual_seed(0)
-    model_config = tiny_qwen2_config(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
-                                     pad_token_id=0, eos_token_id=3, **config)  # fmt: skip
-    model_class(model_config).save_pretrained(directory / "model")
+    """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
+    fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
+    process and by ODC on two; their saved states, by case."""
+    if model is None:
+        torch.manual_seed(0)
+        fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                      pad_token_id=0, eos_token_id=3)  # fmt: skip
+        model = model_class(tiny_qwen2_config(**(fields | config)))
+    model.save_pretrained(directory / "model")
     model, names = str(directory / "model"), list(cases)
     run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
     run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env)
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+
+
+def parity_fixture(script: str, cases: Iterable[str], **launch: Any) -> Callable:
+    """A test module's ``runs`` fixture (``runs = parity_fixture(...)``), module-scoped so that one launch of each side
+    serves all its tests: :func:`parity_runs` of ``cases`` (``launch``: its keywords)."""
+
+    @pytest.fixture(scope="module", name="runs")
+    def runs(tmp_path_factory) -> tuple[dict, dict]:
+        return parity_runs(tmp_path_factory.mktemp(Path(script).stem.strip("_")), script, cases, **launch)
+
+    return runs
 
 
 def assert_same_case(

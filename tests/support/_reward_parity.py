@@ -9,17 +9,15 @@ sequence-classification head. Rank 0 saves, per case, the logged step entries an
 
 from __future__ import annotations
 
-from _parity import run_cases, train_with
+from _parity import TRAINING, run_cases, train_with
 from transformers import AutoModelForSequenceClassification
 
 from hf_odc.demo import preference_dataset
 
 MINIBATCH, MAX_LENGTH = 8, 64
-COMMON = dict(
-    max_steps=2, learning_rate=0.5, optim="sgd", max_length=MAX_LENGTH, logging_steps=1, save_strategy="no",
-    report_to="none", use_cpu=True, bf16=False, seed=7, disable_tqdm=True, train_sampling_strategy="sequential",
-    gradient_checkpointing=False,
-)  # fmt: skip
+COMMON = TRAINING | dict(
+    max_steps=2, max_length=MAX_LENGTH, train_sampling_strategy="sequential", gradient_checkpointing=False
+)
 CASES = {
     "pairwise": {},
     # A per-pair margin column (TRL subtracts it inside the log-sigmoid) and the mean-zero rewards term.

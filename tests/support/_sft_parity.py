@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import os
 
-from _parity import run_cases, trained_state
+from _parity import TRAINING, run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import build_tokenizer, chat_dataset
 
 STEPS = 2
-COMMON = dict(
-    max_steps=STEPS, learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to="none",
-    use_cpu=True, bf16=False, seed=7, disable_tqdm=True, max_length=96, train_sampling_strategy="sequential",
-)  # fmt: skip
+COMMON = TRAINING | dict(max_steps=STEPS, max_length=96, train_sampling_strategy="sequential")
 # (samples per accumulation step, accumulation steps, ODC's microbatch tokens, other settings); 112 tokens give the
 # MoE cases' ranks different numbers of microbatches in their second step
 MOE_CASES = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from _models import tiny_qwen2_config
-from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2ForCausalLM
 
@@ -21,43 +20,6 @@ def test_a_microbatch_fits_a_pair_of_two_longest_sequences(tmp_path):
     assert config(tmp_path, max_length=100, packing_ratio=1.5).max_tokens_for_pairs(7) == 300
     assert config(tmp_path, max_length=None).max_tokens_for_pairs(77) == 77  # the minibatch's longest pair
     assert config(tmp_path, max_tokens_per_microbatch=999).max_tokens_for_pairs(7) == 999
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"loss_type": "aot"}, r"loss_type='aot': it sorts the log-ratios of every pair .* Use one of"),
-        ({"loss_type": ["sigmoid", "aot_unpaired"]}, "loss_type='aot_unpaired'"),
-        ({"loss_type": "sigmoid2"}, "Unknown DPO loss_type 'sigmoid2'; ODCDPOTrainer supports"),
-        ({"use_weighting": True}, "use_weighting .* set use_weighting=False, or use trl.DPOTrainer"),
-        ({"sync_ref_model": True}, "sync_ref_model .* Set sync_ref_model=False"),
-        ({"padding_free": True}, "packs each microbatch itself"),
-        ({"odc": False, "balance": "lb-mini"}, "deadlock"),
-    ],
-)
-def test_invalid_configs_are_refused(tmp_path, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        config(tmp_path, **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({"data_collator": lambda batch: batch}, ValueError, "data_collator"),
-        ({"train_dataset": preference_dataset(2, 32, "swe-smith", 0).to_iterable_dataset()}, TypeError, "map-style"),
-        ({"train_dataset": Dataset.from_dict({"images": [[]], "prompt": ["a"]})}, NotImplementedError, "vision"),
-    ],
-)
-def test_trainer_refuses_what_it_cannot_honour(tmp_path, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        ODCDPOTrainer(model="unused", args=config(tmp_path), **kwargs)
-
-
-def test_trainer_needs_its_own_config(tmp_path):
-    from trl import DPOConfig
-
-    with pytest.raises(TypeError, match="ODCDPOConfig"):
-        ODCDPOTrainer(model="unused", args=DPOConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False))
 
 
 def _tiny_model(tokenizer):

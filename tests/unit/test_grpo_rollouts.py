@@ -73,20 +73,6 @@ def test_a_generation_batch_that_does_not_split_is_refused():
         plan(rollouts([2] * 8, [2] * 8), 0, steps=3)
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"use_vllm": True, "odc_generation": "gathered"}, "Leave odc_generation unset"),
-        ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
-        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
-        ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
-    ],
-)
-def test_unsupported_settings_are_refused_naming_the_fix(tmp_path, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, **kwargs)
-
-
 def test_vllm_generation_is_accepted_in_both_modes(tmp_path):
     for mode in ("colocate", "server"):
         args = ODCGRPOConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_vllm=True,

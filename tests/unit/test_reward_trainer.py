@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from hf_odc.demo import build_tokenizer
-from hf_odc.trainer import ODCDPOConfig, ODCRewardConfig, ODCRewardTrainer, use_packed_attention
+from hf_odc.trainer import ODCRewardConfig, ODCRewardTrainer, use_packed_attention
 from hf_odc.trainer._step import packed_row
 from hf_odc.trainer.reward_trainer import _last_positions, _scoring_every_position
 
@@ -51,11 +51,6 @@ def test_a_model_without_a_score_head_is_refused(tmp_path):
     with pytest.raises(TypeError, match=r"`score` head, which Qwen2ForCausalLM does not have\. Use an AutoModelFor"):
         ODCRewardTrainer(model, ODCRewardConfig(str(tmp_path), report_to="none"), train_dataset=pairs,
                          processing_class=build_tokenizer())  # fmt: skip
-
-
-def test_a_dpo_config_is_refused(tmp_path):
-    with pytest.raises(TypeError, match="ODCRewardTrainer needs an ODCRewardConfig, got ODCDPOConfig"):
-        ODCRewardTrainer(reward_model(), ODCDPOConfig(str(tmp_path), report_to="none"))
 
 
 def test_a_pair_longer_than_a_microbatch_is_refused_at_construction(tmp_path):

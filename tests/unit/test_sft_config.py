@@ -8,9 +8,8 @@ import warnings
 import pytest
 import torch
 from _trainer_launch import run
-from datasets import Dataset
 
-from hf_odc.trainer import ODCGRPOConfig, ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer import ODCGRPOConfig, ODCSFTConfig
 
 
 def config(tmp_path, **kwargs) -> ODCSFTConfig:
@@ -53,32 +52,6 @@ def test_max_tokens_from_packing_ratio_or_explicit(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"odc": False, "balance": "lb-mini"}, "deadlock"),
-        ({"balance": "greedy"}, "balance must be one of"),
-        ({"cost_model": "flops"}, "cost_model must be one of"),
-        ({"cost_model": "attention", "calibration_file": "c.json"}, "starting point of cost_model='calibrated'"),
-        ({"calibration_file": "/nonexistent/odc_calibration.json"}, "calibration_file /nonexistent/.* no such file"),
-        ({"freeze_calibration": True}, "freeze_calibration keeps a calibration as it is: pass calibration_file"),
-        ({"max_tokens_per_microbatch": 10, "packing_ratio": 1.0}, "not both"),
-        ({"max_tokens_per_microbatch": 0}, ">= 1"),
-        ({"packing_ratio": 0.0}, "> 0"),
-        ({"max_length": None}, "max_tokens_per_microbatch when max_length is None"),
-        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
-        ({"packing": True}, "packs each microbatch itself"),
-        ({"padding_free": True}, "packs each microbatch itself"),
-        ({"odc_timeout": -5}, "positive"),
-        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be >= 1"),
-        ({"odc_shard_size": 0}, "odc_shard_size / HF_ODC_SHARD_SIZE\\) must be a positive integer"),
-    ],
-)
-def test_invalid_configs_are_refused(tmp_path, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        config(tmp_path, **kwargs)
-
-
-@pytest.mark.parametrize(
     ("variable", "kwargs", "source"),
     [
         ("true", {}, "fsdp_offload_params: true in the Accelerate config"),
@@ -92,26 +65,6 @@ def test_cpu_offload_is_refused_not_ignored(tmp_path, monkeypatch, variable, kwa
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", variable)
     with pytest.raises(ValueError, match=re.escape(source) + ".* asks for FSDP's CPU offload"):
         config(tmp_path, **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({"data_collator": lambda batch: batch}, ValueError, "data_collator"),
-        ({"compute_loss_func": lambda *a, **k: 0}, ValueError, "compute_loss_func"),
-        ({"train_dataset": Dataset.from_dict({"input_ids": [[1, 2]]}).to_iterable_dataset()}, TypeError, "map-style"),
-    ],
-)
-def test_trainer_refuses_what_it_cannot_honour(tmp_path, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        ODCSFTTrainer(model="unused", args=config(tmp_path), **kwargs)
-
-
-def test_trainer_needs_its_own_config(tmp_path):
-    from trl import SFTConfig
-
-    with pytest.raises(TypeError, match="ODCSFTConfig"):
-        ODCSFTTrainer(model="unused", args=SFTConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False))
 
 
 @pytest.mark.slow
