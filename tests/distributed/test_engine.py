@@ -38,11 +38,11 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-_NEEDS_2_GPUS = pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
+_NEEDS_2_GPUS = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")]
 
 
 @pytest.fixture(
-    params=[pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=[pytest.mark.slow, _NEEDS_2_GPUS])]
+    params=[pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=[pytest.mark.slow, *_NEEDS_2_GPUS])]
 )
 def device(request) -> str:
     """Every engine test runs on CPU (shared memory, gloo) and, where 2 GPUs exist, on CUDA (symmetric memory), in

@@ -94,9 +94,9 @@ def test_models_are_loaded_whole_for_sharding(tmp_path):
     ],
 )
 def test_peft_setups_without_a_packed_reference_are_refused_in_one_line(tmp_path, trainer, peft, message):
-    """A LoRA policy with ``beta > 0`` given as the base model and ``peft_config`` trains (``tests/test_grpo_parity``,
-    ``tests/test_rloo_parity``); a PeftModel whose adapter TRL would keep a copy of as the reference, and
-    prompt-learning PEFT, are refused."""
+    """A LoRA policy with ``beta > 0`` given as the base model and ``peft_config`` trains
+    (``tests/parity/test_grpo_parity``, ``tests/parity/test_rloo_parity``); a PeftModel whose adapter TRL would keep a
+    copy of as the reference, and prompt-learning PEFT, are refused."""
     from _models import tiny_model
     from peft import PromptTuningConfig
 
