@@ -46,8 +46,8 @@ def trained_state(trainer) -> dict | None:
 
 
 def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 600) -> None:
-    """Run ``tests/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate launch`` with
-    ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
+    """Run ``tests/support/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate
+    launch`` with ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
     require_slow(f"the script {script}")
     path = str(SUPPORT / script)
     command = [sys.executable, path, *args]
