@@ -21,8 +21,9 @@ if [[ $STEPS == *env* ]]; then
 fi
 if [[ $STEPS == *tests* ]]; then
   # The CUDA tests, and the packed-attention and timing tests on this image's transformers (CI has a newer one).
-  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/test_engine.py tests/test_kernels_attention.py \
-    tests/test_trainer_attention.py tests/test_timing.py -k "cuda or attention or timing or bubble${TESTS_K:+ and ($TESTS_K)}" \
+  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/distributed/test_engine.py \
+    tests/distributed/test_engine_timing.py tests/unit/test_kernels_attention.py tests/unit/test_trainer_attention.py \
+    -k "cuda or attention or timing or bubble${TESTS_K:+ and ($TESTS_K)}" \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 fi
 if [[ $STEPS == *comm* ]]; then

@@ -21,7 +21,8 @@ Every other private name is read by a function of this module, which checks it f
 
 FSDP2's private state (its parameter groups and their layout) is the engine's alone, read and checked in
 :mod:`hf_odc.engine._fsdp_internals`; the torch version floor, and the check both use for torch, are in
-:mod:`hf_odc._torch_support`. tests/test_compat.py fails when a private name of these libraries is read anywhere else.
+:mod:`hf_odc._torch_support`. tests/unit/test_compat.py fails when a private name of these libraries is read anywhere
+else.
 """
 
 from __future__ import annotations

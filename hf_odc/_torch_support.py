@@ -52,7 +52,8 @@ def check_torch_version(version: str | None = None) -> None:
         newest = ".".join(map(str, max(CHECKED_TORCH)))
         warnings.warn(
             f"hf_odc's tests last ran on torch {newest}; this is torch {version}. The private layouts it reads are "
-            "checked as it goes, but run its parity tests (pytest tests/test_engine.py) before trusting the gradients.",
+            "checked as it goes, but run its parity tests (pytest tests/distributed/test_engine.py) before trusting "
+            "the gradients.",
             stacklevel=3,
         )
 

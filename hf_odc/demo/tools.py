@@ -1,5 +1,5 @@
-"""The tool-calling demo's parts (``examples/grpo_tools.py``, the GRPO notebook, ``tests/_grpo_tools.py``): a tool,
-the demo tokenizer with a tool role and a chat template that renders tool calls, and a **scripted policy**.
+"""The tool-calling demo's parts (``examples/grpo_tools.py``, the GRPO notebook, ``tests/support/_grpo_tools.py``): a
+tool, the demo tokenizer with a tool role and a chat template that renders tool calls, and a **scripted policy**.
 
 A randomly initialised model never writes a well-formed tool call, so TRL's tool loop would never run. The scripted
 policy is a demo device standing in for a model that has learnt to call tools: :class:`ScriptedToolCalls`, a logits

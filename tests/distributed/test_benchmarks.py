@@ -1,0 +1,187 @@
+"""The headline benchmark runs end to end on 2 CPU processes (a tiny model, shrunk lengths) and reports every
+scheme with self-consistent numbers, so that the GPU command cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _machine import scaled
+
+pytestmark = pytest.mark.slow  # every test starts processes
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
+    out, png = tmp_path / "sft.json", tmp_path / "sft.png"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny", "--distribution", "longalign",
+        "--samples-per-device", "4", "--length-scale", "0.004", "--steps", "2", "--warmup", "1",
+        "--predict-world-sizes", "8", "--json", str(out), "--plot", str(png),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(240, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "ODC+LB-Mini" in done.stdout and png.stat().st_size > 0
+    result = json.loads(out.read_text())["results"][0]
+    schemes = result["summary"]["schemes"]
+    assert list(schemes) == [
+        "Collective+LocalSort", "Collective+LB-Micro", "ODC+LB-Micro", "ODC+LB-Mini", "ODC+LB-Mini calibrated"
+    ]  # fmt: skip
+    for row in schemes.values():
+        assert row["tokens_per_second"] > 0 and 0 <= row["bubble_measured"] < 1 and row["mfu"] > 0
+        assert len(row["microbatches"]) == 2  # the warm-up minibatch is not timed
+    assert schemes["Collective+LB-Micro"]["speedup_vs_Collective+LB-Micro"] == pytest.approx(1.0)
+    # LocalSort runs one sample per microbatch; the collective schemes run equal counts on every rank
+    assert all(counts == [4, 4] for counts in schemes["Collective+LocalSort"]["microbatches"])
+    assert all(len(set(counts)) == 1 for counts in schemes["Collective+LB-Micro"]["microbatches"])
+    calibration = result["summary"]["calibration"]
+    assert calibration["samples"] > 0 and sum(calibration["cost"].values()) > 0  # tiny CPU runs: maybe fixed costs only
+
+
+def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(tmp_path):
+    """The MoE shapes (``--model tiny-moe`` here, ``qwen3-30b-a3b-8l`` on GPUs) build through the same path: a
+    Qwen3-MoE, its expert weights sharded, trained by ODC and by plain FSDP2."""
+    out = tmp_path / "moe.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny-moe", "--num-layers", "1",
+        "--distribution", "longalign", "--samples-per-device", "2", "--length-scale", "0.004", "--steps", "1",
+        "--warmup", "1", "--schemes", "Collective+LB-Micro,ODC+LB-Mini", "--predict-world-sizes", "8",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["model_type"] == "qwen3_moe" and result["args"]["num_layers"] == 1
+    schemes = result["results"][0]["summary"]["schemes"]
+    assert list(schemes) == ["Collective+LB-Micro", "ODC+LB-Mini"]
+    assert all(row["tokens_per_second"] > 0 for row in schemes.values())
+
+
+def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(tmp_path):
+    """benchmarks/vs_trl.py's three rows, each its own 2-process accelerate launch: every row trains the same
+    samples in each timed step, and only the ODC row logs a bubble."""
+    out = tmp_path / "vs_trl.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--length-scale", "0.004",
+        "--samples-per-device", "2", "--steps", "2", "--warmup", "1", "--no-checkpointing", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["trl-default", "trl-best", "odc"], done.stdout[-4000:]
+    for name, row in rows.items():
+        assert "error" not in row, (name, row)
+        assert row["tokens_per_second"] > 0 and row["mfu"] > 0 and len(row["step_s"]) == 2
+        assert row["tokens"] == rows["odc"]["tokens"]  # the same samples in each timed step
+    assert rows["odc"]["bubble"] is not None and rows["trl-best"]["bubble"] is None
+    assert rows["trl-best"]["x_trl-best"] == pytest.approx(1.0)
+
+
+def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):
+    out = tmp_path / "calibrated.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "calibrated_balance.py"), "--model", "tiny", "--samples-per-device", "8",
+        "--length-scale", "0.004", "--steps", "2", "--warmup", "3", "--straggler", "--neighbour-size", "256",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["ideal_time_s"] > 0
+    for name in ("Collective+LB-Micro", "ODC+LB-Mini", "ODC+LB-Mini calibrated"):
+        row = summary[name]
+        assert row["tokens_per_second"] > 0 and 0 <= row["busy_gap"] < 1 and row["ideal_over_time"] > 0
+    records = json.loads(out.read_text())["records"]
+    assert all(step["calibration"] is not None for step in records["ODC+LB-Mini calibrated"]), "fitted by warm-up's end"
+    assert all(step["calibration"] is None for step in records["ODC+LB-Mini"])
+
+
+def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
+    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step."""
+    out = tmp_path / "hybrid.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "hybrid_step.py"), "--model", "tiny", "--samples-per-device", "4",
+        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["Hybrid ODC+LB-Mini (2 hosts x 1)"]["all_reduce_s_median"] > 0
+    assert summary["ODC+LB-Mini (1 host x 2)"]["all_reduce_s_median"] == 0
+    assert all(row["tokens_per_second"] > 0 for row in summary.values())
+
+
+def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
+    out = tmp_path / "generation.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        str(ROOT / "benchmarks" / "grpo_generation.py"), "--model-config", "tiny", "--prompts", "4",
+        "--max-new-tokens", "24", "--prompt-length", "8", "--lockstep-tokens", "8", "--row-tokens", "256",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"static", "gathered", "sharded", "lockstep"} and result["update_s"] > 0
+    ranks = result["per_rank"]
+    # Each rank decodes to its own longest completion, except in lockstep (capped), where both step together.
+    for mode in ("static", "gathered", "sharded"):
+        assert [r[mode]["steps"] for r in ranks] == [r[mode]["longest"] - 1 for r in ranks], mode
+        assert ranks[0][mode]["steps"] < ranks[1][mode]["steps"], mode
+    assert all({"first_batch_s", "refresh_s", "compile_s"} <= set(r["static"]) for r in ranks)
+    assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
+
+
+@pytest.mark.parametrize("mode", ["model", "forward"])
+def test_packed_attention_whole_model_modes_run_on_cpu(tmp_path, mode):
+    """The whole-model and reference-pass modes on a 2-layer model (per-document SDPA: varlen is CUDA-only)."""
+    out = tmp_path / "attention.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "packed_attention.py"), "--mode", mode, "--tiny", "--rows",
+        "4x16,grpo", "--tokens", "64", "--warmup", "0", "--reps", "1", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["4x16"]["lengths"] == [16] * 4 and sum(rows["grpo"]["lengths"]) == 64
+    columns = {"model": ["sdpa", "auto"], "forward": ["policy", "reference", "reference-dense"]}[mode]
+    assert all(list(row["ms"]) == columns and min(row["ms"].values()) > 0 for row in rows.values())
+
+
+def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(tmp_path):
+    """benchmarks/trainer_points.py's GPU command, shrunk: one 2-process launch per trainer, its three schemes in
+    turn in that process; every scheme trains the same minibatches (the same tokens and losses) with its own split."""
+    out = tmp_path / "points.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "trainer_points.py"), "--model-config", "tiny", "--max-length",
+        "64", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--extra", "",
+        "--accelerate-config", str(ROOT / "examples" / "odc_cpu.yaml"), "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400, 2))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    trainers = json.loads(out.read_text())["trainers"]
+    assert list(trainers) == ["reward", "kto", "rloo", "distill"]
+    for name, result in trainers.items():
+        assert "error" not in result, (name, result["error"])
+        schemes = result["schemes"]
+        assert list(schemes) == ["FSDP2 + TRL's split (local-sort)", "FSDP2 + LB-Micro", "ODC + LB-Mini"], name
+        split, micro = schemes["FSDP2 + TRL's split (local-sort)"], schemes["FSDP2 + LB-Micro"]
+        for row in schemes.values():
+            assert row["steps"] == 1 and row["tokens_per_second"] > 0 and row["mfu"] > 0, (name, row)
+            assert row["tokens_per_step"] == split["tokens_per_step"], name
+            assert row["loss"] == pytest.approx(split["loss"], rel=1e-3, abs=1e-6), name
+        assert split["x_trl_split"] == pytest.approx(1.0) and micro["x_lb_micro"] == pytest.approx(1.0)
+        assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
+        assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
+    assert done.stdout.rstrip().splitlines()[-1].startswith("distill ")  # the table comes last

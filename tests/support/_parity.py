@@ -1,0 +1,244 @@
+"""What the parity scripts (``_sft_parity.py``, ``_grpo_parity.py``, ``_dpo_parity.py``, ...) share (their settings,
+:data:`TRAINING`; a case trained by stock TRL or by ODC, :func:`train_with`, with a reference model,
+:func:`train_with_reference`) and save after training, and how their tests launch them (:func:`parity_runs`, a test
+module's ``runs`` fixture :func:`parity_fixture`): a stock TRL trainer on one process against an ODC trainer on
+several, compared step by step and parameter by parameter (:func:`assert_same_case`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _machine import run_process, scaled
+from _models import tiny_qwen2_config
+from _slow import require_slow
+from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, SUPPORT, logged_steps, run
+from transformers import Qwen2ForCausalLM
+
+TRAINING = dict(
+    learning_rate=0.5, optim="sgd", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+    seed=7, disable_tqdm=True,
+)  # fmt: skip
+"""Every parity script's settings (each adds its own): fp32 on CPU, plain SGD with a learning rate large enough for a
+wrong gradient to show in the parameters, every step logged, nothing saved."""
+
+
+def trained_state(trainer) -> dict | None:
+    """After ``trainer.train()``: the logged training steps and the full parameters (gathered from the shards for an
+    ODC trainer, which is then closed), on the first process; ``None`` on the others."""
+    from hf_odc.trainer._checkpoint_format import full_model_state_dict
+
+    is_odc = hasattr(trainer, "close_odc")
+    state = full_model_state_dict(trainer.model) if is_odc else trainer.model.state_dict()
+    if is_odc:
+        trainer.close_odc()
+    if trainer.accelerator.process_index != 0:
+        return None
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
+
+
+def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 600) -> None:
+    """Run ``tests/support/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate
+    launch`` with ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
+    require_slow(f"the script {script}")
+    path = str(SUPPORT / script)
+    command = [sys.executable, path, *args]
+    if processes > 1:
+        config = str(EXAMPLES / "odc_cpu.yaml")
+        command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes), path, *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    returncode, out, err = run_process(
+        command, scaled(timeout, processes), cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert returncode == 0, out[-4000:] + err[-8000:]
+
+
+def train_with_reference(
+    kind: str,
+    classes: dict[str, tuple[type, type]],
+    model_dir: str,
+    output_dir: str,
+    settings: dict,
+    *,
+    peft: bool,
+    minibatch: int,
+    max_tokens: int,
+    dataset: Callable[[int], Any],
+) -> dict | None:
+    """DPO's and KTO's cases, :func:`train_with`: the policy from ``model_dir`` and its reference (loaded again; none
+    with ``peft``, the policy with its LoRA adapter disabled, nor with ``precompute_ref_log_probs``, reference
+    log-probabilities computed before training), on ``dataset(n)``, the ``n`` examples of every optimizer step."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    ref_model, peft_config = None, None
+    if peft:
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    elif not settings.get("precompute_ref_log_probs", False):
+        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    accumulation = settings.get("gradient_accumulation_steps", 1)
+    return train_with(
+        kind,
+        classes,
+        output_dir,
+        settings,
+        minibatch=minibatch,
+        max_tokens=max_tokens,
+        model=model,
+        ref_model=ref_model,
+        train_dataset=dataset(minibatch * accumulation * settings["max_steps"]),
+        peft_config=peft_config,
+    )
+
+
+def train_with(
+    kind: str,
+    classes: dict[str, tuple[type, type]],
+    output_dir: str,
+    settings: dict,
+    *,
+    minibatch: int,
+    max_tokens: int,
+    **trainer_kwargs: Any,
+) -> dict | None:
+    """Train one case and return its :func:`trained_state`: ``classes[kind]``'s (config, trainer) pair, ``"trl"`` on
+    one process with the whole ``minibatch`` per accumulation step, ``"odc"`` with ``minibatch / world_size`` per
+    process and accumulation step, token-costed microbatches of at most ``max_tokens``; the demo tokenizer."""
+    from hf_odc.demo import build_tokenizer
+
+    config_class, trainer_class = classes[kind]
+    if kind == "trl":
+        args = config_class(output_dir, per_device_train_batch_size=minibatch, **settings)
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        args = config_class(output_dir, per_device_train_batch_size=minibatch // world_size, cost_model="tokens",
+                            max_tokens_per_microbatch=max_tokens, **settings)  # fmt: skip
+    trainer = trainer_class(args=args, processing_class=build_tokenizer(), **trainer_kwargs)
+    trainer.train()
+    return trained_state(trainer)
+
+
+def parity_runs(
+    directory: Path,
+    script: str,
+    cases: Iterable[str],
+    *,
+    model: torch.nn.Module | None = None,
+    model_class: type = Qwen2ForCausalLM,
+    env: dict | None = None,
+    **config: Any,
+) -> tuple[dict, dict]:
+    """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
+    fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
+    process and by ODC on two; their saved states, by case."""
+    if model is None:
+        torch.manual_seed(0)
+        fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                      pad_token_id=0, eos_token_id=3)  # fmt: skip
+        model = model_class(tiny_qwen2_config(**(fields | config)))
+    model.save_pretrained(directory / "model")
+    model, names = str(directory / "model"), list(cases)
+    run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
+    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env)
+    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+
+
+def parity_fixture(script: str, cases: Iterable[str], **launch: Any) -> Callable:
+    """A test module's ``runs`` fixture (``runs = parity_fixture(...)``), module-scoped so that one launch of each side
+    serves all its tests: :func:`parity_runs` of ``cases`` (``launch``: its keywords)."""
+
+    @pytest.fixture(scope="module", name="runs")
+    def runs(tmp_path_factory) -> tuple[dict, dict]:
+        return parity_runs(tmp_path_factory.mktemp(Path(script).stem.strip("_")), script, cases, **launch)
+
+    return runs
+
+
+def assert_same_case(
+    runs: tuple[dict, dict],
+    cases: dict[str, dict],
+    case: str,
+    *,
+    skip: Iterable[str] = (),
+    per_slice: Iterable[str] = (),
+    absolute: dict[str, float] | None = None,
+) -> tuple[dict, dict]:
+    """Case ``case`` of :func:`parity_runs` trained alike (:func:`assert_same_training`, skipping ``skip`` and, when
+    the case accumulates gradients, the metrics TRL logs per accumulation slice, ``per_slice``): stock TRL's and ODC's
+    states, for the case's own asserts."""
+    reference, ours = runs[0][case], runs[1][case]
+    accumulating = cases[case].get("gradient_accumulation_steps", 1) > 1
+    assert_same_training(reference, ours, skip=(*skip, *(per_slice if accumulating else ())), absolute=absolute)
+    return reference, ours
+
+
+def assert_unequal_microbatches(results: Iterable[dict]) -> None:
+    """Some step of the ODC ``results`` (:func:`trained_state`) gave the two ranks different microbatch counts: the
+    case tested what ODC is for."""
+    entries = [entry for result in results for entry in result["logs"]]
+    assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in entries)
+
+
+def example_steps(script: str, output_dir: Path, *flags: str, steps: int = 2, env: dict | None = None) -> dict:
+    """``examples/<script>`` run on two processes for ``steps`` steps with ``flags`` (no progress bar): its logged
+    steps, by step, once they are checked to be all of them."""
+    run(script, *flags, "--max_steps", str(steps), "--disable_tqdm", "true", "--output_dir", str(output_dir),
+        processes=2, env=env)  # fmt: skip
+    logs = logged_steps(output_dir)
+    assert sorted(logs) == list(range(1, steps + 1))
+    return logs
+
+
+def finish() -> None:
+    """Barrier, then destroy the process group, as the trainers' ``end()`` does: a process group left to interpreter
+    exit can abort gloo ("terminate called without an active exception")."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def run_cases(train_case: Callable[[str, str, str, str], dict | None]) -> None:
+    """A parity script's ``main``: ``SCRIPT KIND MODEL_DIR OUT CASE...`` trains each case with
+    ``train_case(kind, model_dir, case, output_dir)`` and saves every case's :func:`trained_state` in ``OUT`` (on the
+    first process)."""
+    kind, model_dir, out, *names = sys.argv[1:]
+    results = {name: train_case(kind, model_dir, name, f"{out}.{name}") for name in names}
+    if all(result is not None for result in results.values()):
+        torch.save(results, out)
+    finish()
+
+
+def assert_same_training(
+    reference: dict,
+    ours: dict,
+    *,
+    skip: Iterable[str] = (),
+    absolute: dict[str, float] | None = None,
+) -> None:
+    """``ours`` (an ODC trainer's :func:`trained_state`) equals ``reference`` (stock TRL's) at every logged step:
+    loss and gradient norm (rtol 1e-4), every float metric TRL logs but the names in ``skip`` (rtol 1e-4, absolute
+    1e-6 or ``absolute[name]``), and the parameters after training (atol 5e-5)."""
+    assert len(ours["logs"]) == len(reference["logs"]) > 0
+    skip, absolute = set(skip), absolute or {}
+    for expected, entry in zip(reference["logs"], ours["logs"], strict=True):
+        step = expected["step"]
+        assert entry["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6), f"loss at step {step}"
+        assert entry["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), f"grad norm at step {step}"
+        for name, value in expected.items():
+            if name in skip or not isinstance(value, float) or math.isnan(value):
+                continue
+            assert name in entry, f"TRL logs {name!r}, ODC does not"
+            tolerance = absolute.get(name, 1e-6)
+            assert entry[name] == pytest.approx(value, rel=1e-4, abs=tolerance), f"{name} at step {step}"
+    assert reference["params"].keys() == ours["params"].keys()
+    for name, tensor in reference["params"].items():
+        torch.testing.assert_close(ours["params"][name], tensor, rtol=0, atol=5e-5, msg=name)

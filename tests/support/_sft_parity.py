@@ -1,0 +1,58 @@
+"""Stock TRL ``SFTTrainer`` on one process against ``ODCSFTTrainer`` on any number, per case, saving what to compare.
+
+``python tests/support/_sft_parity.py trl MODEL_DIR OUT CASE...`` trains stock ``trl.SFTTrainer`` on one process;
+``accelerate launch ... tests/support/_sft_parity.py odc MODEL_DIR OUT CASE...`` trains ``ODCSFTTrainer`` with
+``batch / world_size`` samples per process and accumulation step, so each optimizer step sees the same samples
+(sequential sampling), planned as one ODC minibatch. Cases (``CASES``): ``accumulation``, 8 samples per accumulation
+step and 4 accumulation steps (32 samples per optimizer step); the MoE cases (a Mixture-of-Experts model in
+``MODEL_DIR``): ``moe-aux``, the router's load-balancing loss on, the 32 samples in one TRL forward (whose loss is
+then over the whole minibatch, as ODC's is: ``hf_odc.trainer._moe``), and ``moe-no-aux``, the loss off, with
+accumulation. Rank 0 saves, per case, the logged steps and the full parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+from _parity import TRAINING, run_cases, trained_state
+from transformers import AutoModelForCausalLM
+
+from hf_odc.demo import build_tokenizer, chat_dataset
+
+STEPS = 2
+COMMON = TRAINING | dict(max_steps=STEPS, max_length=96, train_sampling_strategy="sequential")
+# (samples per accumulation step, accumulation steps, ODC's microbatch tokens, other settings); 112 tokens give the
+# MoE cases' ranks different numbers of microbatches in their second step
+MOE_CASES = {
+    "moe-aux": (32, 1, 112, {"router_aux_loss_coef": 0.2}),
+    "moe-no-aux": (8, 4, 112, {"router_aux_loss_coef": 0.0}),
+}
+CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES}
+
+
+def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+
+    batch, accumulation, max_tokens, settings = CASES[name]
+    settings = COMMON | {"gradient_accumulation_steps": accumulation} | settings
+    dataset = chat_dataset(batch * accumulation * STEPS, COMMON["max_length"], "swe-smith", seed=0)
+    if kind == "trl":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+        args = SFTConfig(output_dir, per_device_train_batch_size=batch, **settings)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer())
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        args = ODCSFTConfig(
+            output_dir, per_device_train_batch_size=batch // world_size, max_tokens_per_microbatch=max_tokens,
+            cost_model="tokens", **settings,
+        )  # fmt: skip
+        trainer = ODCSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer())
+    trainer.train()
+    return trained_state(trainer)
+
+
+if __name__ == "__main__":
+    run_cases(train_case)
