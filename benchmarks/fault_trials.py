@@ -334,23 +334,29 @@ def chaos(args: argparse.Namespace) -> None:
                 ranks.update(_ranks(process.pid))
                 time.sleep(0.02)
             row = {"name": name, "signal": signal_name, "rank": rank, "at_s": time.monotonic() - started}
-            if process.poll() is not None:
-                row["outcome"] = "finished before the fault" if process.poll() == 0 else f"exit {process.poll()}"
+            faulted = None
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # the rank may end between its last sighting and now
+                    os.kill(ranks[rank], getattr(signal, signal_name))
+                    faulted = time.monotonic()
+            if faulted is None:
+                exit_code = process.poll()
+                row["outcome"] = "finished before the fault" if exit_code in (0, None) else f"exit {exit_code}"
                 _end(process, list(ranks.values()))
             else:
-                os.kill(ranks[rank], getattr(signal, signal_name))
-                faulted = time.monotonic()
                 survivors = [pid for r, pid in ranks.items() if r != rank]
                 _wait_until(lambda survivors=survivors: not any(map(_alive, survivors)), args.timeout + args.slack + 60)
                 row["survivors_s"] = time.monotonic() - faulted if not any(map(_alive, survivors)) else None
-                # hf_odc's own words, or the launcher's report of the dead rank ("rank      : 3 (local_rank: 3)")
+                _wait_until(lambda launcher=process: launcher.poll() is not None, 30)  # the launcher's own ending
+                time.sleep(10)
+                # hf_odc's own words, or the launcher's report of the dead rank ("rank      : 3 (local_rank: 3)"),
+                # read once the launcher has ended (its report comes last).
                 said = rf"rank {rank}\b|ranks \[{rank}\]|rank\s+: {rank} \(local_rank"
                 said_all = log.read_text()
                 row["named"] = bool(re.search(said, said_all))
                 # A rank faulted before its first beat (during its imports) is noticed only once the survivors have
-                # started themselves: their own startup then counts in survivors_s.
-                # A rank faulted after the run had ended (its model saved) leaves no live peer to notice: the launcher
-                # waits on a stopped one.
+                # started themselves: their own startup then counts in survivors_s. A rank faulted after the run had
+                # ended (its model saved) leaves no live peer to notice: the launcher waits on a stopped one.
                 row["phase"] = (
                     "startup"
                     if "has not beaten yet" in said_all
@@ -358,10 +364,8 @@ def chaos(args: argparse.Namespace) -> None:
                     if "Training completed" in said_all
                     else "run"
                 )
-                _wait_until(lambda launcher=process: launcher.poll() is not None, 30)  # the launcher's own ending
-                time.sleep(10)
                 row["left_processes"] = len(_marked(str(output_dir)))  # before anything is killed here
-                row["left_shm"] = len(set(glob.glob("/dev/shm/hf_odc_*")) - shm_before)
+                row["new_shm"] = sorted(set(glob.glob("/dev/shm/hf_odc_*")) - shm_before)
                 row["outcome"] = "fault"
                 _end(process, list(ranks.values()))
             checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -373,6 +377,8 @@ def chaos(args: argparse.Namespace) -> None:
                 row["resume_difference"] = _largest_difference(_params(resumed), reference)
             rows.append(row)
             print(f"chaos trial {trial + 1}: {row}", flush=True)
+    for row in rows:  # left behind: what a trial's run created and nothing removed by the end (another job's end)
+        row["left_shm"] = sum(map(os.path.exists, row.get("new_shm", ())))
     _chaos_table(rows, args)
 
 
