@@ -43,7 +43,7 @@ from ._base_trainer import _ODCTrainer
 from ._quiet import without_ignored_model_init_kwargs_warning
 from .generation import StaticDecoder, choose_generation_mode, decoding
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
-from .vllm_sync import ODCWeightSync
+from .vllm_sync import ODCWeightSync, shut_down_engine
 
 # A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.
 Pass = tuple[nn.Module, ODCRuntime, contextlib.AbstractContextManager, str]
@@ -90,6 +90,15 @@ class _ODCRolloutTrainer(_ODCTrainer):
         self._generation_dtype = dtype
         self._static_decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
         self._decoding: contextlib.ExitStack | None = None  # held from a generation's first turn to its last
+
+    def end(self) -> None:
+        """Release ODC, shut a colocated vLLM engine down (:func:`~hf_odc.trainer.vllm_sync.shut_down_engine`: before
+        the process groups go, else its exit-time teardown fails on every rank), then finish the trackers and destroy
+        the process group (if the engine has not). Collective: call it once, on every rank, at the end."""
+        self.close_odc()
+        if self.use_vllm:
+            shut_down_engine(self.vllm_generation)
+        self.accelerator.end_training()
 
     # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from torch import nn
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 
-__all__ = ["ODCWeightSync", "checkpoint_name", "vllm_named_weights"]
+__all__ = ["ODCWeightSync", "checkpoint_name", "shut_down_engine", "vllm_named_weights"]
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "modules_to_save.default.")
 
@@ -226,3 +226,16 @@ class ODCWeightSync:
             with self.runtime.minibatch(backward=False):
                 pass
         self._metadata = []
+
+
+def shut_down_engine(generation: Any) -> None:
+    """Shut a colocated engine down now, while the process groups it made still exist (a no-op in server mode).
+
+    A colocated engine (``distributed_executor_backend="external_launcher"``) makes its own process groups beside the
+    trainer's and destroys them when its engine core shuts down, which vLLM leaves to a finalizer run at interpreter
+    exit. A trainer that destroys the process groups first (``Trainer.end``: ``destroy_process_group()`` destroys them
+    all) would leave that finalizer destroying groups that are gone: ``ValueError: Invalid process group specified``
+    on every rank after training. Shut down here, the engine destroys its groups and then the default one (vLLM's
+    ``cleanup_dist_env_and_memory``), and its finalizer is detached."""
+    if generation.mode == "colocate":
+        generation.llm.llm_engine.engine_core.shutdown()
