@@ -89,7 +89,7 @@ def test_tied_weights_given_under_either_name_fill_the_copy(monkeypatch):
         for name, tensor in model.named_parameters():
             yield ("lm_head.weight" if name == "model.embed_tokens.weight" else name), tensor.detach()
 
-    monkeypatch.setattr(generation, "vllm_named_weights", named_weights)
+    monkeypatch.setattr(generation, "full_named_weights", named_weights)
     policy = tiny_model().eval()
     decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
     decoder.refresh()
