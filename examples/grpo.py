@@ -23,6 +23,11 @@ accelerate launch --config_file examples/odc.yaml --num_processes 2 examples/grp
     --model_config qwen2.5-1.5b --rollouts synthetic --max_completion_length 16384 --num_generations 8 \
     --per_device_train_batch_size 16 --gradient_checkpointing true --max_steps 10
 
+# generating with vLLM, an engine colocated on each CPU process (vLLM's own environment: see docs/api.md, "vLLM on
+# CPU, end to end"); the built-in model is then the "tiny-vllm" shape, saved under the output directory for the engine
+PYTHONPATH=$PWD VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/accelerate launch --config_file examples/odc_cpu.yaml \
+    examples/grpo.py --use_vllm true --vllm_mode colocate
+
 # a real model from local disk, generating with transformers
 accelerate launch --config_file examples/odc.yaml examples/grpo.py --model_name_or_path /models/Qwen2.5-1.5B-Instruct
 ```
@@ -50,6 +55,7 @@ from hf_odc.demo import (
     length_reward,
     load_tokenizer,
     make_trainer,
+    policy_model_config,
     save_policy_for_reference,
     train_and_save,
 )
@@ -78,9 +84,9 @@ def build_trainer(
     script_args: GRPOScriptArguments, training_args: ODCGRPOConfig, model_args: ModelConfig
 ) -> ODCGRPOTrainer:
     tokenizer = load_tokenizer(model_args)
-    model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
+    model = build_model(policy_model_config(script_args, training_args), model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
-    save_policy_for_reference(model, training_args, model_args, peft_config)
+    save_policy_for_reference(model, training_args, model_args, peft_config, tokenizer)
     dataset = built_in_prompts(script_args, training_args)
     rollout_func = None
     if script_args.rollouts != "generate":

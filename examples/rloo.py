@@ -43,6 +43,7 @@ from hf_odc.demo import (
     length_reward,
     load_tokenizer,
     make_trainer,
+    policy_model_config,
     save_policy_for_reference,
     train_and_save,
 )
@@ -69,9 +70,9 @@ class RLOOScriptArguments(PromptScriptArguments):
 
 def main(script_args: RLOOScriptArguments, training_args: ODCRLOOConfig, model_args: ModelConfig) -> None:
     tokenizer = load_tokenizer(model_args)
-    model = build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
+    model = build_model(policy_model_config(script_args, training_args), model_args, tokenizer, seed=training_args.seed)
     peft_config = get_peft_config(model_args)
-    save_policy_for_reference(model, training_args, model_args, peft_config)
+    save_policy_for_reference(model, training_args, model_args, peft_config, tokenizer)
     trainer = make_trainer(
         ODCRLOOTrainer,
         model=model,

@@ -32,6 +32,7 @@ from .script import (
     initial_reference,
     load_script_dataset,
     make_trainer,
+    policy_model_config,
     save_policy_for_reference,
     train_and_save,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "longtail_lengths",
     "lookup",
     "make_trainer",
+    "policy_model_config",
     "preference_dataset",
     "prompt_dataset",
     "quiet_datasets_on_other_ranks",

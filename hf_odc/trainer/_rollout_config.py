@@ -7,22 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ._base_config import _ODCConfig, whole_model_kwargs
-from .generation import GENERATION_MODES
+from .generation import GENERATION_MODES, check_generation_mode
 
 _GENERATION_PARAMETERS = """
         > Parameters of generation on the sharded policy
 
         odc_generation (`str`, *optional*):
-            How each rank decodes its prompts with transformers (`hf_odc.trainer.generation`; unset with `use_vllm`,
-            where vLLM decodes); never in lockstep but for `"lockstep"`. `"static"`: a plain copy of the policy in the
-            compute dtype, kept for the whole run and refreshed in place once per generation batch (one-sided reads,
-            no collective), decoded with a static KV cache and, on a GPU, a forward compiled once per run; costs the
-            full weights in the compute dtype for the whole run, plus the cache. `"gathered"`: the policy's full
-            weights assembled once per generation batch (one-sided reads) and freed before the update; costs them
-            only while decoding. `"sharded"`: decoding inside a forward-only ODC minibatch, each forward reading its
-            layers' shards from the peers (no copy; needs ODC). `"lockstep"`: TRL's own path (an all-gather per layer
-            group per token, ranks in lockstep), the baseline. `None`: on a GPU, `"static"` when the copy takes at
-            most a quarter of the device's free memory, else `"gathered"` when it takes at most half, else `"sharded"`
+            How each rank decodes its prompts with transformers, never in lockstep but for `"lockstep"`: `"static"`
+            (a kept copy of the policy, refreshed once per generation batch), `"gathered"` (the full weights held
+            while decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC) or `"lockstep"` (TRL's
+            path, the baseline); the modes, their costs and vLLM's (`use_vllm`, with which this stays unset) are
+            described in `hf_odc.trainer.generation`. `None`: on a GPU, `"static"` when the copy takes at most a
+            quarter of the device's free memory, else `"gathered"` when it takes at most half, else `"sharded"`
             (`"lockstep"` with plain FSDP2); on a CPU `"gathered"`. A rank that finishes decoding first waits for the
             others at the rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding
             times.
@@ -46,24 +42,16 @@ class _ODCRolloutConfig(_ODCConfig):
     odc_generation: str | None = field(
         default=None,
         metadata={
-            "help": "How each rank decodes its prompts: 'static' (a kept copy refreshed per generation batch, static "
-            "KV cache, compiled on a GPU), 'gathered' (full weights assembled once per generation batch), 'sharded' "
-            "(one-sided reads per forward, no copy) or 'lockstep' (TRL's, the baseline). Unset: on a GPU, static when "
-            "the copy fits in a quarter of the free device memory, gathered in half, else sharded (lockstep with "
-            "plain FSDP2); on a CPU gathered.",
+            "help": "How each rank decodes its prompts (hf_odc.trainer.generation): 'static', 'gathered', 'sharded' "
+            "or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of the free device memory, "
+            "gathered in half, else sharded (lockstep with plain FSDP2); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
         },
     )
 
     def __post_init__(self):
         trainer = type(self).__name__.removesuffix("Config") + "Trainer"
-        if self.odc_generation is not None and self.odc_generation not in GENERATION_MODES:
-            raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {self.odc_generation!r}.")
-        if self.use_vllm and self.odc_generation is not None:
-            raise ValueError(
-                "odc_generation chooses how each rank decodes with transformers; with use_vllm=True vLLM decodes. "
-                "Leave odc_generation unset, or set use_vllm=False."
-            )
+        check_generation_mode(self.odc_generation, self.use_vllm)
         if getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError(
                 f"{trainer} generates with transformers' generate(), in lockstep across the sharded ranks; "

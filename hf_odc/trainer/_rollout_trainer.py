@@ -7,11 +7,10 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
 * ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy
   (:meth:`_setup_generation`, after :meth:`_setup_odc`); a PEFT policy's reference is the same sharded model with its
   adapter disabled (:func:`hf_odc.trainer.reference.reference_of`).
-* ``_generate_single_turn``: TRL's, decoded on each rank alone, never in lockstep (:mod:`hf_odc.trainer.generation`);
-  with tools, every turn of a generation batch in one decoding context, held through ``_tool_call_loop``; with vLLM,
-  TRL's as it is, the weights pushed by hf_odc's sync (:mod:`hf_odc.trainer.vllm_sync`).
-* ``_generate``: TRL's, its tool loop included (GRPO's ``tools``, ``environment_factory``: each turn is a call of
-  ``_generate_single_turn``), recording each completion's true length, tool results included (TRL pads them).
+* ``_generate``, ``_generate_single_turn``, ``_tool_call_loop``: TRL's, in the run's generation mode, whose owner
+  (:func:`hf_odc.trainer.generation.make_generator`, chosen once) is called at each: around the generation batch,
+  around its turns (held through TRL's tool loop: GRPO's ``tools``, ``environment_factory``), and at the run's end.
+  ``_generate`` records each completion's true length, tool results included (TRL pads them).
 * ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
   passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
 * ``_plan_step``: once per ``steps_per_generation * num_iterations`` calls of ``training_step``, TRL generates and
@@ -32,19 +31,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from .. import _compat
 from ..accelerate_plugin import ODCRuntime
-from ..engine import lazy_init_root
 from ._base_config import whole_model_kwargs
 from ._base_trainer import _ODCTrainer
 from ._quiet import without_ignored_model_init_kwargs_warning
-from .generation import StaticDecoder, choose_generation_mode, decoding
+from .generation import make_generator
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
-from .vllm_sync import ODCWeightSync
 
 # A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.
 Pass = tuple[nn.Module, ODCRuntime, contextlib.AbstractContextManager, str]
@@ -75,22 +69,21 @@ class _ODCRolloutTrainer(_ODCTrainer):
         return isinstance(model, str) or args.beta != 0.0 or any(isinstance(func, str) for func in funcs)
 
     def _setup_generation(self) -> None:
-        """After :meth:`_setup_odc`: vLLM's weight sync, the reference model (if any) sharded, the generation mode
-        chosen."""
-        args = self.args
-        if args.use_vllm:
-            ODCWeightSync.install(self.vllm_generation, self.model, self.odc)
+        """After :meth:`_setup_odc`: the reference model (if any) sharded, then the generation mode's owner (the
+        default mode is chosen by the device memory left; vLLM's weight sync is installed)."""
         self._ref_odc = None
         if getattr(self, "ref_model", None) is not None:
             self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
+        self._generator = make_generator(self)
         self._generation_index = 0
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-        self._generation_mode = choose_generation_mode(
-            args.odc_generation, self.model, self.odc, dtype, self.accelerator.device
-        )
-        self._generation_dtype = dtype
-        self._static_decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
-        self._decoding: contextlib.ExitStack | None = None  # held from a generation's first turn to its last
+
+    def end(self) -> None:
+        """Release ODC, end the generation mode (a colocated vLLM engine is shut down: before the process groups go,
+        else its exit-time teardown fails on every rank), then finish the trackers and destroy the process group (if
+        the engine has not). Collective: call it once, on every rank, at the end."""
+        self.close_odc()
+        self._generator.end()
+        self.accelerator.end_training()
 
     # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
 
@@ -115,42 +108,27 @@ class _ODCRolloutTrainer(_ODCTrainer):
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
     def _generate(self, prompts: list) -> tuple:
-        """TRL's, recording each completion's true length (TRL pads them to the longest). In the ``"static"`` mode the
-        copy is refreshed first (every rank, once per generation batch) and TRL generates on it. Otherwise a sharded
-        PEFT policy generates through the model it wraps, below the FSDP root: the root's parameters (embeddings,
-        head) are gathered around it, as the root's forward would."""
-        if self._generation_mode == "static" and not self.use_vllm:
-            if self._static_decoder is None:
-                self._static_decoder = StaticDecoder(self.model, self.odc, self._generation_dtype)
-            self._static_decoder.refresh()
-            context = _compat.generating_on(self, self._static_decoder.model)
-        elif _generates_below_the_root(self.model):
-            context = _root_gathered(self.model)
-        else:
-            context = contextlib.nullcontext()
-        with context:
+        """TRL's, inside the generation mode's :meth:`~hf_odc.trainer.generation.Generator.generation_batch`,
+        recording each completion's true length (TRL pads them to the longest)."""
+        with self._generator.generation_batch():
             result = super()._generate(prompts)
         self._completion_lengths = [len(ids) for ids in result[1]]
         return result
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
-        """TRL's, decoded on this rank alone in the run's generation mode (:mod:`hf_odc.trainer.generation`), or by
-        vLLM. With tools, the decoding context (one forward-only ODC minibatch, or the gathered weights) is entered at
-        the first turn and held through TRL's tool loop (:meth:`_tool_call_loop`), so that each rank decodes as many
-        turns as its own completions need, alone, and meets the others once per generation batch."""
-        if self.use_vllm:
-            return super()._generate_single_turn(*args, **kwargs)
-        if self._decoding is None:
-            self._decoding = contextlib.ExitStack()
-            self._decoding.enter_context(decoding(self.model, self.odc, self._generation_mode))
+        """TRL's, decoded on this rank alone in the run's generation mode, or by vLLM. With tools, the turns' decoding
+        context (one forward-only ODC minibatch, or the gathered weights) is entered at the first turn and held
+        through TRL's tool loop (:meth:`_tool_call_loop`), so that each rank decodes as many turns as its own
+        completions need, alone, and meets the others once per generation batch."""
+        self._generator.hold_turns()
         try:
             return super()._generate_single_turn(*args, **kwargs)
         except BaseException:
-            self._leave_decoding()
+            self._generator.release_turns()
             raise
         finally:
             if not getattr(self, "tools", None):
-                self._leave_decoding()
+                self._generator.release_turns()
 
     def _tool_call_loop(self, *args: Any, **kwargs: Any) -> tuple:
         """TRL's tool loop (run the tools, decode the next turn of the completions that called one), inside the
@@ -158,12 +136,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
         try:
             return super()._tool_call_loop(*args, **kwargs)
         finally:
-            self._leave_decoding()
-
-    def _leave_decoding(self) -> None:
-        if self._decoding is not None:
-            decoding_context, self._decoding = self._decoding, None
-            decoding_context.close()
+            self._generator.release_turns()
 
     def _get_per_token_logps_and_entropies(self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
         """TRL's, except while a training generation batch is scored: then the old/reference passes are deferred to
@@ -243,17 +216,3 @@ class _ODCRolloutTrainer(_ODCTrainer):
                 outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
                 microbatch["loss"][key] = getattr(outputs, output)[0][inputs["loss"]["token_index"]].float()
         return runtime.last.step
-
-
-def _generates_below_the_root(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule) and is_peft_model(model)
-
-
-@contextlib.contextmanager
-def _root_gathered(model: FSDPModule) -> Iterator[None]:
-    lazy_init_root(model)
-    model.unshard()
-    try:
-        yield
-    finally:
-        model.reshard()

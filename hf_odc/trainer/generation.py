@@ -1,23 +1,32 @@
-"""How ``ODCGRPOTrainer`` decodes its rollouts on a sharded policy: each rank alone, never in lockstep.
+"""How an online ODC trainer (GRPO, RLOO, distillation) generates its rollouts: one owner per generation mode, chosen
+once (:func:`make_generator`) and called by the trainer at TRL's generation hooks. This docstring is where the modes
+are described; :func:`check_generation_mode` is where a requested one is checked.
 
 transformers' ``generate`` on an FSDP2 model all-gathers every layer group for every decoded token, and keeps the
 ranks in lockstep (``synced_gpus``): a rank whose completions end early runs dummy forwards until the longest one
-anywhere ends. Three ways out, by :data:`GENERATION_MODES`:
+anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
 
-* ``"static"`` (:class:`StaticDecoder`): a plain copy of the policy in the compute dtype, kept for the whole run and
-  refreshed in place once per generation batch (one-sided reads, one FSDP group at a time), decodes with a static KV
-  cache kept beside it and, on a GPU, the forward transformers compiles for it: the compile is paid once per run, as
-  the copy's weights and the cache's tensors never move. Costs the full weights in the compute dtype for the whole
-  run, plus the cache.
-* ``"gathered"``: the policy's full weights are assembled once per generation batch
+* ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
+  kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group
+  at a time, one-sided: :mod:`hf_odc.trainer.full_weights`), decodes with a static KV cache kept beside it and, on a
+  GPU, the forward transformers compiles for it: the compile is paid once per run, as the copy's weights and the
+  cache's tensors never move. Costs the full weights in the compute dtype for the whole run, plus the cache.
+* ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
-  its own prompts with no communication at all, and the copy is freed before the policy update. Costs the full
-  weights in the compute dtype while decoding, on top of the shards.
-* ``"sharded"``: decoding inside one forward-only ODC minibatch: each forward reads the layer shards it needs from the
-  peers one-sidedly, as in training, so no copy is held and no collective runs; each token pays the reads.
-* ``"lockstep"``: TRL's own path, kept as the baseline the other two are measured against.
+  its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights
+  in the compute dtype while decoding, on top of the shards.
+* ``"sharded"`` (:class:`ShardedGenerator`): decoding inside one forward-only ODC minibatch: each forward reads the
+  layer shards it needs from the peers one-sidedly, as in training, so no copy is held and no collective runs; each
+  token pays the reads. Needs ODC.
+* ``"lockstep"`` (:class:`Generator`): TRL's own path, kept as the baseline the others are measured against.
+* ``"vllm"`` (:class:`VLLMGenerator`, ``use_vllm=True``): TRL's vLLM generation, ``vllm_mode="colocate"`` (an engine
+  on each rank) or ``"server"`` (rank 0 sends TRL's requests to a vLLM server), with hf_odc's weight sync
+  (:mod:`hf_odc.trainer.vllm_sync`: the full weights assembled one-sidedly, no collective) and a colocated engine shut
+  down at the run's end, before the process groups go.
 
-Either way a rank that finishes early goes on to the rollouts' gather, where the others join it.
+With tools, the transformers modes hold their decoding context (the assembled weights, the ODC minibatch) from a
+generation batch's first turn through TRL's tool loop, so that each rank decodes as many turns as its own completions
+need, alone. A rank that finishes decoding first waits for the others at the rollouts' gather.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
@@ -38,19 +48,29 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
+from ..engine import lazy_init_root
 from .attention import PACKED_ATTENTION
-from .vllm_sync import checkpoint_name, vllm_named_weights
+from .full_weights import checkpoint_name, full_named_weights
+from .vllm_sync import ODCWeightSync, shut_down_engine
 
 __all__ = [
     "DECODING_ATTENTION",
     "GENERATION_MODES",
+    "GatheredGenerator",
+    "Generator",
+    "ShardedGenerator",
     "StaticDecoder",
+    "StaticGenerator",
+    "VLLMGenerator",
+    "check_generation_mode",
     "choose_generation_mode",
     "decoding",
     "grouped_decoding_attention",
+    "make_generator",
 ]
 
 GENERATION_MODES = ("static", "gathered", "sharded", "lockstep")
+"""The transformers modes ``odc_generation`` takes (``"vllm"`` is chosen by ``use_vllm``)."""
 
 # The share of the device's free memory the full weights may take, by mode, when the mode is chosen: the static copy
 # is held through the policy update too, so it takes less; what is left goes to the KV cache and the activations.
@@ -61,24 +81,40 @@ DECODING_ATTENTION = "odc_decoding"
 :func:`grouped_decoding_attention`, registered under this name when this module is imported."""
 
 
+def check_generation_mode(
+    requested: str | None, use_vllm: bool = False, model: nn.Module | None = None, runtime: ODCRuntime | None = None
+) -> None:
+    """Raise ``ValueError``, naming what to set, for a generation mode the run cannot use: ``requested``
+    (``odc_generation``) is not one of :data:`GENERATION_MODES`, or is set with ``use_vllm`` (vLLM decodes then), or
+    is ``"sharded"`` for a ``model`` sharded by plain FSDP2 (``runtime`` not active; checked once the model is)."""
+    if requested is None:
+        return
+    if requested not in GENERATION_MODES:
+        raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {requested!r}.")
+    if use_vllm:
+        raise ValueError(
+            "odc_generation chooses how each rank decodes with transformers; with use_vllm=True vLLM decodes. "
+            "Leave odc_generation unset, or set use_vllm=False."
+        )
+    if requested == "sharded" and isinstance(model, FSDPModule) and not runtime.active:
+        raise ValueError(
+            "odc_generation='sharded' decodes inside an ODC minibatch, which plain FSDP2 (odc=False) cannot run "
+            "(its per-layer all-gathers would need every rank's forwards in lockstep). Use 'gathered' or "
+            "'lockstep'."
+        )
+
+
 def choose_generation_mode(
     requested: str | None, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, device: torch.device
 ) -> str:
-    """``requested`` checked against the run, or (``None``) on a GPU ``device`` the first of ``"static"`` and
-    ``"gathered"`` whose copy of the full weights in ``dtype`` fits its share of the device's free memory
-    (:data:`_COPY_SHARE_OF_FREE_MEMORY`), else ``"sharded"`` with ODC, ``"lockstep"`` with plain FSDP2; on a CPU
-    ``"gathered"`` (a CPU compiles nothing for the static cache). ``device`` is where the model trains, which it may
-    not have reached yet: with one process the Trainer places it when training starts."""
+    """``requested`` checked against the run (:func:`check_generation_mode`), or (``None``) on a GPU ``device`` the
+    first of ``"static"`` and ``"gathered"`` whose copy of the full weights in ``dtype`` fits its share of the
+    device's free memory (:data:`_COPY_SHARE_OF_FREE_MEMORY`), else ``"sharded"`` with ODC, ``"lockstep"`` with plain
+    FSDP2; on a CPU ``"gathered"`` (a CPU compiles nothing for the static cache). ``device`` is where the model
+    trains, which it may not have reached yet: with one process the Trainer places it when training starts."""
     sharded = isinstance(model, FSDPModule)
     if requested is not None:
-        if requested not in GENERATION_MODES:
-            raise ValueError(f"odc_generation must be one of {GENERATION_MODES}, got {requested!r}.")
-        if requested == "sharded" and sharded and not runtime.active:
-            raise ValueError(
-                "odc_generation='sharded' decodes inside an ODC minibatch, which plain FSDP2 (odc=False) cannot run "
-                "(its per-layer all-gathers would need every rank's forwards in lockstep). Use 'gathered' or "
-                "'lockstep'."
-            )
+        check_generation_mode(requested, model=model, runtime=runtime)
         return requested
     if device.type != "cuda":
         return "gathered"
@@ -140,14 +176,14 @@ class StaticDecoder:
 
     def refresh(self) -> None:
         """Copy the policy's current weights into :attr:`model`, in place (making it on the first call). The weights
-        are assembled as for a vLLM sync (:func:`~hf_odc.trainer.vllm_sync.vllm_named_weights`: one FSDP group at a
+        are assembled as for a vLLM sync (:func:`~hf_odc.trainer.full_weights.full_named_weights`: one FSDP group at a
         time, one-sided with ODC): every rank of the shard group calls this together, once per generation batch."""
         if self._model is None:
             self._model = self._make_copy()
         parameters = dict(self._model.named_parameters(remove_duplicate=False))  # tied ones under every name
         loaded: set[int] = set()
         with torch.no_grad():
-            for name, tensor in vllm_named_weights(self._policy, self._runtime):
+            for name, tensor in full_named_weights(self._policy, self._runtime):
                 if name not in parameters:
                     raise RuntimeError(f"hf_odc: the policy's weight {name} has no place in its static-decoding copy.")
                 if id(parameters[name]) in loaded:
@@ -248,3 +284,125 @@ def grouped_decoding_attention(
 
 AttentionInterface.register(DECODING_ATTENTION, grouped_decoding_attention)
 AttentionMaskInterface.register(DECODING_ATTENTION, sdpa_mask)
+
+
+# -- the owners, one per mode -----------------------------------------------------------------------------------------
+
+
+class Generator:
+    """The ``"lockstep"`` mode, and what every mode's owner does at the trainer's generation hooks (see the module
+    docstring): :meth:`generation_batch` around TRL's ``_generate`` (every turn of a generation batch, the tool loop
+    included), :meth:`hold_turns` at each turn's decoding and :meth:`release_turns` after the last one, :meth:`end` at
+    the run's end. Reads the trainer's model and runtime when it generates (with one process the Trainer places the
+    model when training starts).
+
+    Args:
+        trainer: the online ODC trainer, its policy sharded and ODC installed.
+    """
+
+    mode = "lockstep"
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self._turns: contextlib.ExitStack | None = None  # held from a generation's first turn to its last
+
+    @contextlib.contextmanager
+    def generation_batch(self) -> Iterator[None]:
+        """Around TRL's ``_generate``: a sharded PEFT policy generates through the model it wraps, below the FSDP
+        root, so the root's parameters (embeddings, head) are gathered around it, as the root's forward would."""
+        model = self.trainer.model
+        if not (isinstance(model, FSDPModule) and is_peft_model(model)):
+            yield
+            return
+        lazy_init_root(model)
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+
+    def turns(self) -> contextlib.AbstractContextManager:
+        """The context the turns of a generation batch decode in (entered at the first, left after the last)."""
+        return contextlib.nullcontext()
+
+    def hold_turns(self) -> None:
+        """Enter :meth:`turns`, unless a turn of this generation batch already did."""
+        if self._turns is None:
+            self._turns = contextlib.ExitStack()
+            self._turns.enter_context(self.turns())
+
+    def release_turns(self) -> None:
+        """Leave :meth:`turns` (after the generation batch's last turn, or on an error)."""
+        if self._turns is not None:
+            turns, self._turns = self._turns, None
+            turns.close()
+
+    def end(self) -> None:
+        """At the run's end, before the process groups are destroyed."""
+
+
+class GatheredGenerator(Generator):
+    """The ``"gathered"`` mode: the turns decode with the full weights held in place."""
+
+    mode = "gathered"
+
+    def turns(self) -> contextlib.AbstractContextManager:
+        return decoding(self.trainer.model, self.trainer.odc, self.mode)
+
+
+class ShardedGenerator(GatheredGenerator):
+    """The ``"sharded"`` mode: the turns decode inside one forward-only ODC minibatch."""
+
+    mode = "sharded"
+
+
+class StaticGenerator(Generator):
+    """The ``"static"`` mode: TRL generates on :attr:`decoder`'s copy, refreshed once per generation batch.
+
+    Args:
+        trainer: as :class:`Generator`'s.
+        dtype: the copy's dtype, the policy's compute dtype.
+    """
+
+    mode = "static"
+
+    def __init__(self, trainer: Any, dtype: torch.dtype):
+        super().__init__(trainer)
+        self.dtype = dtype
+        self.decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
+
+    @contextlib.contextmanager
+    def generation_batch(self) -> Iterator[None]:
+        if self.decoder is None:
+            self.decoder = StaticDecoder(self.trainer.model, self.trainer.odc, self.dtype)
+        self.decoder.refresh()
+        with _compat.generating_on(self.trainer, self.decoder.model):
+            yield
+
+
+class VLLMGenerator(Generator):
+    """The ``"vllm"`` mode (``use_vllm=True``; ``vllm_mode`` colocate or server): TRL's engine decodes, with hf_odc's
+    weight sync installed in TRL's ``VLLMGeneration`` when this is built; a colocated engine is shut down at
+    :meth:`end`."""
+
+    mode = "vllm"
+
+    def __init__(self, trainer: Any):
+        super().__init__(trainer)
+        ODCWeightSync.install(trainer.vllm_generation, trainer.model, trainer.odc)
+
+    def end(self) -> None:
+        shut_down_engine(self.trainer.vllm_generation)
+
+
+def make_generator(trainer: Any) -> Generator:
+    """The owner of ``trainer``'s generation mode: ``"vllm"`` with ``use_vllm``, else ``odc_generation`` as
+    :func:`choose_generation_mode` settles it. Called once, after the policy is sharded and ODC installed."""
+    args = trainer.args
+    if args.use_vllm:
+        return VLLMGenerator(trainer)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, trainer.accelerator.device)
+    if mode == "static":
+        return StaticGenerator(trainer, dtype)
+    return {"gathered": GatheredGenerator, "sharded": ShardedGenerator, "lockstep": Generator}[mode](trainer)

@@ -94,7 +94,7 @@ def run(model_dir: str, mode: str, out: str) -> dict:
     record = {"all_gathers": 0, "forwards": 0}
     with traced(trainer, record):
         trainer.train()
-    if trainer._static_decoder is not None:
+    if getattr(trainer._generator, "decoder", None) is not None:
         record["stale"] = copy_distance(trainer)
         trainer._generate(record["prompts"])
         record["refreshed"] = copy_distance(trainer)
@@ -105,10 +105,10 @@ def run(model_dir: str, mode: str, out: str) -> dict:
 
 def copy_distance(trainer) -> float:
     """The largest difference between a weight of the static copy and the policy's (assembled as vLLM's are)."""
-    from hf_odc.trainer.vllm_sync import vllm_named_weights
+    from hf_odc.trainer.full_weights import full_named_weights
 
-    copy = dict(trainer._static_decoder.model.named_parameters())
-    weights = vllm_named_weights(trainer.model, trainer.odc)
+    copy = dict(trainer._generator.decoder.model.named_parameters())
+    weights = full_named_weights(trainer.model, trainer.odc)
     return max((copy[name] - tensor).abs().max().item() for name, tensor in weights)
 
 

@@ -2,7 +2,7 @@
 saved for vLLM to load, and ODCGRPOTrainer generating with vLLM on 2 CPU processes, checked from inside after every
 weight sync.
 
-    python _vllm_workers.py model DIR                        # a tiny Llama and its tokenizer, saved in DIR
+    python _vllm_workers.py model DIR [tools]                # a tiny Llama and its tokenizer, saved in DIR
     accelerate launch ... _vllm_workers.py colocate DIR OUT  # 3 GRPO steps, one engine per rank; OUT/rank<r>.json
     accelerate launch ... _vllm_workers.py server DIR OUT URL  # 2 GRPO steps through the server at URL
 
@@ -32,14 +32,15 @@ CHECK_PROMPTS = [*PROMPTS, " ".join(f"w{i % 50}" for i in range(140))]
 COMPLETION_TOKENS = 8
 
 
-def save_model(directory: str) -> None:
+def save_model(directory: str, tokenizer_kind: str = "demo") -> None:
     """A 2-layer Llama (head size 32, which vLLM's CPU attention supports; untied LM head) and the demo's word-level
-    tokenizer, saved in ``directory``."""
+    tokenizer (``tokenizer_kind="tools"``: ``hf_odc.demo.build_tool_tokenizer``, with tool calls), saved in
+    ``directory``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_odc.demo import build_tokenizer
+    from hf_odc.demo import build_tokenizer, build_tool_tokenizer
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tool_tokenizer() if tokenizer_kind == "tools" else build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,

@@ -1,9 +1,13 @@
 """``hf_odc.trainer.generation.StaticDecoder`` on one process: its copy decodes as the policy does (greedy, token for
-token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static KV
-cache for every generation batch it fits. Across sharded ranks, inside the trainer:
-tests/parity/test_grpo_generation.py."""
+token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static
+KV cache for every generation batch it fits. Each mode gets its owner (``make_generator``), whose turns are held
+until released. Across sharded ranks, inside the trainer: tests/parity/test_grpo_generation.py.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,11 +16,13 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_odc.accelerate_plugin import ODCRuntime
+from hf_odc.trainer import generation
 from hf_odc.trainer.generation import (
     DECODING_ATTENTION,
     StaticDecoder,
     choose_generation_mode,
     grouped_decoding_attention,
+    make_generator,
 )
 
 NEW_TOKENS = 12
@@ -89,7 +95,7 @@ def test_tied_weights_given_under_either_name_fill_the_copy(monkeypatch):
         for name, tensor in model.named_parameters():
             yield ("lm_head.weight" if name == "model.embed_tokens.weight" else name), tensor.detach()
 
-    monkeypatch.setattr(generation, "vllm_named_weights", named_weights)
+    monkeypatch.setattr(generation, "full_named_weights", named_weights)
     policy = tiny_model().eval()
     decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
     decoder.refresh()
@@ -118,6 +124,54 @@ def test_without_a_gpu_the_default_mode_is_gathered_and_static_is_allowed():
     assert choose_generation_mode("static", policy, runtime, torch.float32, cpu) == "static"
     with pytest.raises(ValueError, match="odc_generation must be one of"):
         choose_generation_mode("compiled", policy, runtime, torch.float32, cpu)
+
+
+def _trainer(odc_generation=None, use_vllm=False) -> SimpleNamespace:
+    args = SimpleNamespace(odc_generation=odc_generation, use_vllm=use_vllm, bf16=False, fp16=False)
+    accelerator = SimpleNamespace(device=torch.device("cpu"))
+    return SimpleNamespace(args=args, model=tiny_model(), odc=ODCRuntime(), accelerator=accelerator)
+
+
+@pytest.mark.parametrize(
+    ("requested", "owner"),
+    [(None, "GatheredGenerator"), ("gathered", "GatheredGenerator"), ("sharded", "ShardedGenerator"),
+     ("static", "StaticGenerator"), ("lockstep", "Generator")],
+)  # fmt: skip
+def test_each_mode_has_its_owner(requested, owner):
+    generator = make_generator(_trainer(requested))
+    assert type(generator).__name__ == owner
+    assert generator.mode == (requested or "gathered")
+
+
+def test_use_vllm_is_the_vllm_owner_which_installs_the_sync_and_shuts_the_engine_down(monkeypatch):
+    events = []
+    monkeypatch.setattr(generation.ODCWeightSync, "install", lambda *args: events.append("install"))
+    monkeypatch.setattr(generation, "shut_down_engine", lambda vllm_generation: events.append("shut down"))
+    trainer = _trainer(use_vllm=True)
+    trainer.vllm_generation = object()
+    generator = make_generator(trainer)
+    assert (generator.mode, events) == ("vllm", ["install"])
+    generator.end()
+    assert events == ["install", "shut down"]
+
+
+def test_the_turns_are_entered_once_and_held_until_released(monkeypatch):
+    entered = []
+
+    @contextlib.contextmanager
+    def turns():
+        entered.append("enter")
+        yield
+        entered.append("exit")
+
+    generator = make_generator(_trainer("sharded"))
+    monkeypatch.setattr(generator, "turns", turns)
+    generator.hold_turns()
+    generator.hold_turns()  # a tool loop's next turn
+    assert entered == ["enter"]
+    generator.release_turns()
+    generator.release_turns()
+    assert entered == ["enter", "exit"]
 
 
 @pytest.mark.parametrize(("free_copies", "mode"), [(4, "static"), (2, "gathered"), (1, "gathered")])

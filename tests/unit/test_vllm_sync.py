@@ -12,7 +12,8 @@ from _models import tiny_qwen2_config
 from transformers import Qwen2ForCausalLM
 
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer.vllm_sync import ODCWeightSync, vllm_named_weights
+from hf_odc.trainer.full_weights import full_named_weights
+from hf_odc.trainer.vllm_sync import ODCWeightSync
 
 
 class _Worker:
@@ -124,7 +125,7 @@ def _lora(model, **options):
 
 def test_lora_adapters_are_merged_as_peft_merges_them(model):
     lora = _lora(model)
-    weights = {name: tensor.clone() for name, tensor in vllm_named_weights(lora, ODCRuntime())}
+    weights = {name: tensor.clone() for name, tensor in full_named_weights(lora, ODCRuntime())}
     merged = lora.merge_and_unload()
     assert sorted(weights) == sorted(name for name, _ in merged.named_parameters())
     for name, param in merged.named_parameters():
