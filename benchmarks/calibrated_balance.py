@@ -27,7 +27,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from sft_throughput import build, init_distributed, minibatches, run_step, timing_summary, workload_parser
+from _common import build, init_distributed, minibatches, run_step, timing_summary, workload_parser
 
 import hf_odc
 from hf_odc.engine import CollectiveMinibatch

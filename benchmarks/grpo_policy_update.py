@@ -28,12 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import TRAINER_SCHEMES as SCHEMES
+
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMES = {  # name -> extra arguments of examples/grpo.py
-    "FSDP2 + TRL's split (local-sort)": ["--odc", "false", "--balance", "local-sort"],
-    "FSDP2 + LB-Micro": ["--odc", "false", "--balance", "lb-micro"],
-    "ODC + LB-Mini": ["--odc", "true", "--balance", "lb-mini"],
-}
 
 
 def launch(args: argparse.Namespace, extra: list[str], output_dir: str, log: Path) -> list[dict]:

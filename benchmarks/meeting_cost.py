@@ -14,7 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from sft_throughput import build, init_distributed
+from _common import build, init_distributed
 
 import hf_odc
 

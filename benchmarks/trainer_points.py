@@ -1,5 +1,5 @@
 """ODCRewardTrainer, ODCKTOTrainer, ODCRLOOTrainer and ODCDistillationTrainer, each under three schemes side by side
-(FSDP2 on TRL's own split, FSDP2 + LB-Micro, ODC + LB-Mini: ``grpo_policy_update.SCHEMES``), with a table and JSON.
+(FSDP2 on TRL's own split, FSDP2 + LB-Micro, ODC + LB-Mini: ``_common.TRAINER_SCHEMES``), with a table and JSON.
 
 Each trainer is trained by its example script's own setup (``examples/{reward,kto,rloo,distill}.py``: the built-in
 model shape, tokenizer and long-tailed data), the same seed in every scheme, so every scheme trains on the same
@@ -65,7 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from grpo_policy_update import SCHEMES  # noqa: E402
+from _common import TRAINER_SCHEMES as SCHEMES  # noqa: E402
 
 BASELINE, LB_MICRO = "FSDP2 + TRL's split (local-sort)", "FSDP2 + LB-Micro"
 

@@ -15,7 +15,7 @@ Rows:
 Each row is its own ``accelerate launch`` of this script (``--row``), started by the driver (this script without
 ``--row``), which collects each row's JSON and prints one table: the trainers cannot share a process group, as each
 prepares the model its own way. Every row trains the same randomly initialised model (a shape of
-``sft_throughput.MODELS``) on the same long-tailed token-id samples (lengths from ``hf_odc.packing.sample_lengths``
+``_common.MODELS``) on the same long-tailed token-id samples (lengths from ``hf_odc.packing.sample_lengths``
 times ``--length-scale``, cut at ``--max-length``), read in order (``train_sampling_strategy="sequential"``), so step
 ``s`` of every row trains the same ``samples-per-device x processes`` samples; with AdamW (``adamw_torch``, constant
 learning rate), bf16 compute with fp32 master weights on GPU (fp32 on CPU) and activation checkpointing unless
@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sft_throughput import MODELS  # noqa: E402
+from _common import MODELS  # noqa: E402
 
 from hf_odc.packing import DISTRIBUTIONS  # noqa: E402
 from hf_odc.packing.flops import mfu, peak_flops, training_flops  # noqa: E402

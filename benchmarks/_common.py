@@ -1,0 +1,157 @@
+"""What the benchmarks share (each is a script, and no script imports another): the model shapes (``MODELS``), the
+sharded benchmark model (:func:`build`), the process group (:func:`init_distributed`), long-tailed minibatches
+(:func:`minibatches`), one optimizer step (:func:`run_step`), the timing summary every table reports
+(:func:`timing_summary`), the single-workload command line (:func:`workload_parser`), and the trainer schemes the
+trainer benchmarks compare (``TRAINER_SCHEMES``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from hf_odc.accelerate_plugin import shard_model
+from hf_odc.packing import DISTRIBUTIONS, idle_fraction, sample_lengths
+from hf_odc.trainer import PACKED_ATTENTION
+
+MODELS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # Mixture-of-Experts (Qwen3-MoE): the tiny one for CPU runs, and Qwen3-30B-A3B's layer (128 experts of width 768,
+    # top-8) with 8 of its 48 layers, which fits 2 H100s with fp32 master weights and AdamW (--num-layers changes it)
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512),
+    "qwen3-30b-a3b-8l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                             num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             vocab_size=151936, tie_word_embeddings=False),
+}  # fmt: skip
+
+TRAINER_SCHEMES = {  # name -> the flags of an example script (examples/*.py) that select it
+    "FSDP2 + TRL's split (local-sort)": ["--odc", "false", "--balance", "local-sort"],
+    "FSDP2 + LB-Micro": ["--odc", "false", "--balance", "lb-micro"],
+    "ODC + LB-Mini": ["--odc", "true", "--balance", "lb-mini"],
+}
+
+
+def build(args, device: torch.device, shard_size: int | None = None):
+    """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
+    groups; ``None``: a host's ranks), its AdamW and its config."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+    from trl.trainer.utils import add_fused_lm_head
+
+    shape = {"model_type": "qwen2", "tie_word_embeddings": True, **MODELS[args.model]}
+    if getattr(args, "num_layers", None):
+        shape["num_hidden_layers"] = args.num_layers
+    config = AutoConfig.for_model(**shape, max_position_embeddings=262144, attn_implementation=PACKED_ATTENTION)
+    torch.manual_seed(0)
+    with device:
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    add_fused_lm_head(model, outputs=("log_probs",))
+    cuda = device.type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
+    model = shard_model(model, mp_policy=mp or MixedPrecisionPolicy(), shard_size=shard_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    return model, optimizer, config
+
+
+def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
+    """One optimizer step of this rank's microbatches; returns its timings and microbatch features."""
+    microbatches = batch.microbatches
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with runner.minibatch():
+        for index, microbatch in enumerate(microbatches):
+            if not odc:  # plain FSDP2: reduce-scatter once, in the last microbatch's backward (as the trainer does)
+                model.set_requires_gradient_sync(index == len(microbatches) - 1)
+            inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
+            out = model(**inputs, use_cache=False, fused_lm_head=True)
+            (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
+            runner.lap()
+    model.set_requires_gradient_sync(True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lengths = [np.diff(mb["cu_seq_lens_q"].numpy()).tolist() for mb in microbatches]
+    return {
+        "busy": runner.last.busy,
+        "wait": runner.last.wait,
+        "microbatch_s": runner.last.microbatches,
+        "microbatch_lengths": lengths,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+    }
+
+
+def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):
+    """``steps`` global minibatches of the distribution: ``(lengths, examples)``, the same on every rank."""
+    lengths = scaled_lengths(args, minibatch_size * steps, seed=[args.seed, minibatch_size // dist.get_world_size()])
+    pool = torch.randint(4, vocab_size, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
+    for step in range(steps):
+        chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
+        yield chunk, [{"input_ids": pool[i : i + n].tolist()} for i, n in enumerate(chunk)]
+
+
+def scaled_lengths(args, n: int, seed) -> list[int]:
+    """``n`` lengths of ``args.distribution`` times ``args.length_scale`` (at least 2 tokens)."""
+    lengths = sample_lengths(args.distribution, n, seed=seed)
+    return [max(2, round(length * args.length_scale)) for length in lengths]
+
+
+def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], predicted: list[float]) -> dict:
+    """What every benchmark table reports of a scheme's timed steps (``step_s`` per step, ``busy`` per rank summed
+    over the steps, ``tokens`` and ``predicted`` bubble per step): the bubble is measured over the summed steps, so
+    that long minibatches weigh more, as in training."""
+    return {
+        "step_s_median": statistics.median(step_s),
+        "time_s": sum(step_s),
+        "tokens_per_second": sum(tokens) / sum(step_s),
+        "bubble_measured": idle_fraction(busy, sum(step_s)),
+        "bubble_predicted": statistics.mean(predicted),
+    }
+
+
+def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
+    """The arguments of the single-workload benchmarks (calibrated_balance.py, hybrid_step.py): one model, one
+    distribution, one samples-per-device and packing ratio, timed steps per scheme."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--num-layers", type=int, default=None, help="override the model's number of layers")
+    parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
+    parser.add_argument("--samples-per-device", type=int, default=8)
+    parser.add_argument("--packing-ratio", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per scheme")
+    parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    return parser
+
+
+def init_distributed(args) -> torch.device:
+    """The process group (gloo on CPUs, gloo and NCCL on GPUs) and this rank's device; sets ``args.device_name``."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        args.device_name = torch.cuda.get_device_name()
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        args.device_name = "CPU"
+    if dist.get_world_size() < 2:
+        raise SystemExit("Run on at least 2 processes (torchrun --nproc_per_node N): the schemes differ across ranks.")
+    return device
