@@ -16,14 +16,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_odc.accelerate_plugin import shard_model
-from hf_odc.packing import DISTRIBUTIONS, idle_fraction, sample_lengths
+from hf_odc.packing import DEFAULT_ATTENTION_SHAPE, DISTRIBUTIONS, idle_fraction, sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
 
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-0.5b": dict(DEFAULT_ATTENTION_SHAPE),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

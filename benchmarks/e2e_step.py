@@ -27,33 +27,16 @@ import os
 import statistics
 import time
 
+import _common
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hf_odc
 
-MODELS = {
-    # Qwen2-0.5B's shape (tied embeddings).
-    "qwen2-0.5b": {
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    # Qwen2-1.5B's shape.
-    "qwen2-1.5b": {
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
+MODELS = {  # the shapes of Qwen2-0.5B and Qwen2-1.5B (tied embeddings)
+    "qwen2-0.5b": _common.MODELS["qwen2.5-0.5b"],
+    "qwen2-1.5b": _common.MODELS["qwen2.5-1.5b"],
 }
 
 
@@ -61,7 +44,9 @@ def build(name: str, odc: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(**MODELS[name], max_position_embeddings=32768, attn_implementation="sdpa")
+    config = Qwen2Config(
+        **{"tie_word_embeddings": True, **MODELS[name]}, max_position_embeddings=32768, attn_implementation="sdpa"
+    )
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(config)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

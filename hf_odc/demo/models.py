@@ -18,6 +18,7 @@ from transformers import (
 from trl import ModelConfig
 
 from .._compat import set_attn_implementation
+from ..packing import DEFAULT_ATTENTION_SHAPE
 from ..trainer import PACKED_ATTENTION
 
 # Llama rather than Qwen2: `AutoTokenizer` loads the tokenizer saved beside a qwen2 config as Qwen2's byte-level BPE
@@ -55,12 +56,7 @@ MODEL_CONFIGS = {
     # The shape of Qwen2-0.5B (random weights): what `hf_odc.packing.DEFAULT_ATTENTION_SHAPE` models.
     "qwen2-0.5b": dict(
         model_type="qwen2",
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
+        **DEFAULT_ATTENTION_SHAPE,
         max_position_embeddings=32768,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
