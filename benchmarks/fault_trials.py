@@ -368,7 +368,12 @@ def chaos(args: argparse.Namespace) -> None:
                 row["new_shm"] = sorted(set(glob.glob("/dev/shm/hf_odc_*")) - shm_before)
                 row["outcome"] = "fault"
                 _end(process, list(ranks.values()))
-            checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+            # The newest complete checkpoint (hf_odc writes odc_checkpoint_complete last; a save the fault cut short
+            # is refused by name on resume, as resume_from_checkpoint=True would skip it).
+            checkpoints = sorted(
+                output_dir.glob("checkpoint-*/odc_checkpoint_complete"), key=lambda p: int(p.parent.name.split("-")[1])
+            )
+            checkpoints = [marker.parent for marker in checkpoints]
             if checkpoints and row["outcome"] == "fault":
                 resumed = Path(tmp) / f"resumed-{trial}"
                 process, _ = _chaos_run(name, resumed, args.timeout, ["--resume_from_checkpoint", str(checkpoints[-1])])
