@@ -67,7 +67,8 @@ STOPPED_SAYS = {
     "stopped-in-gather": r"PeerFailureError: hf_odc: rank 1 \(pid {pid}\) has not been heard from for [\d.]+ s \(its "
     r"process is stopped: SIGSTOP, a debugger or a paused container\); it was last seen .*\(the step's metrics gather "
     r"failed: ",
-    "stopped-at-startup": r"hf_odc: ending rank 0: a rank went silent for longer than the ODC timeout "
+    # whichever survivor's watchdog fires first says it (under load, the hybrid's other ranks may before rank 0)
+    "stopped-at-startup": r"hf_odc: ending rank \d+: a rank went silent for longer than the ODC timeout "
     r"\({timeout} s\):\n\s+rank {rank} \(pid {pid}\) has not been heard from for [\d.]+ s \(its process is stopped",
 }
 
