@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import datasets
@@ -167,6 +167,27 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         runtime.enable(model)
         self._frozen_runtimes.append(runtime)
         return model, runtime
+
+    def _forward_only(
+        self,
+        model: nn.Module,
+        runtime: ODCRuntime,
+        microbatches: list[dict[str, Any]],
+        store: Callable[[dict[str, Any], dict[str, Any], Any], None],
+        contexts: tuple[contextlib.AbstractContextManager, ...] = (),
+    ) -> float:
+        """The one forward-only pass of every trainer: ``model`` (a frozen reference or teacher from
+        :meth:`_shard_frozen`, or the policy scoring without a gradient) over this rank's packed ``microbatches``, in
+        one forward-only ODC minibatch of its ``runtime``, inside ``contexts`` (a disabled adapter) and autocast;
+        ``store(microbatch, inputs, outputs)`` keeps what the caller needs of each forward. Returns the minibatch's
+        device-timed span (seconds)."""
+        with runtime.minibatch(backward=False), contextlib.ExitStack() as stack:
+            for context in (*contexts, self.accelerator.autocast()):
+                stack.enter_context(context)
+            for microbatch in microbatches:
+                inputs = self._to_device(microbatch)
+                store(microbatch, inputs, model(**inputs["model"], use_cache=False, fused_lm_head=True))
+        return runtime.last.step
 
     def _minibatch_planner(self) -> MinibatchPlanner:
         """The run's planner: ``balance`` with the configured cost model (a calibrated one starts from the attention

@@ -210,9 +210,8 @@ class _ODCRolloutTrainer(_ODCTrainer):
         """Per-token log-probabilities (or another per-position ``output`` of the forward, e.g. ``"entropy"``) of
         ``model``, run in ``context``, at the completion tokens of this rank's packed microbatches, stored under
         ``key`` in each one's loss inputs, in one forward-only minibatch; returns its device-timed span (seconds)."""
-        with runtime.minibatch(backward=False), context, self.accelerator.autocast():
-            for microbatch in microbatches:
-                inputs = self._to_device(microbatch)
-                outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
-                microbatch["loss"][key] = getattr(outputs, output)[0][inputs["loss"]["token_index"]].float()
-        return runtime.last.step
+
+        def store(microbatch: dict[str, Any], inputs: dict[str, Any], outputs: Any) -> None:
+            microbatch["loss"][key] = getattr(outputs, output)[0][inputs["loss"]["token_index"]].float()
+
+        return self._forward_only(model, runtime, microbatches, store, (context,))

@@ -37,7 +37,7 @@ from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep, StepMetrics
 from .data import MinibatchDataLoader, minibatch_loader
 from .kto_config import ODCKTOConfig
-from .pairs import check_pair_capacity, item_sums, pack_pairs, pair_documents, score_items
+from .pairs import check_pair_capacity, item_sums, item_sums_into, pack_pairs, pair_documents
 from .reference import _ReferencePasses, check_peft_reference, trl_loads_a_model
 
 __all__ = ["ODCKTOTrainer"]
@@ -206,7 +206,7 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
         forward-only minibatch on this rank's mismatched sequences; the per-call sums are gathered once."""
         rows = [pack_pairs([documents[i][1:] for i in microbatch]) for microbatch in own]
         self._metrics["train"]["kl_s"].append(
-            score_items(self.model, self.odc, rows, self._to_device, "policy_logps", (self.accelerator.autocast(),))
+            self._forward_only(self.model, self.odc, rows, item_sums_into("policy_logps"))
         )
         sums = torch.zeros(len(counts), dtype=torch.float64, device=self.args.device)
         for microbatch, row, scores in zip(own, rows, scored, strict=True):

@@ -12,7 +12,6 @@ rejected_ids``, each truncated to ``max_length`` as ``truncation_mode`` says, th
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +30,10 @@ __all__ = [
     "document_sums",
     "indistinct_pairs",
     "item_sums",
+    "item_sums_into",
     "pack_pairs",
     "pair_documents",
     "refuse_prompt_learning",
-    "score_items",
 ]
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -161,26 +160,14 @@ def item_sums(log_probs: torch.Tensor, pairs: dict[str, torch.Tensor]) -> torch.
     return document_sums(log_probs * pairs["weight"], pairs["document"], count * width).view(count, width)
 
 
-def score_items(
-    model: Any,
-    runtime: Any,
-    microbatches: Sequence[dict[str, Any]],
-    to_device: Callable[[Any], Any],
-    key: str,
-    contexts: Sequence[contextlib.AbstractContextManager] = (),
-) -> float:
-    """``model``'s summed completion log-probabilities (:func:`item_sums`) of each item of this rank's packed
-    ``microbatches`` (:func:`pack_pairs`'s), stored under ``microbatch["pairs"][key]``, in one forward-only ODC
-    minibatch of its ``runtime``, inside ``contexts`` (a disabled adapter, autocast); returns its device-timed span
-    (seconds). ``to_device`` places a microbatch's tensors."""
-    with runtime.minibatch(backward=False), contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        for microbatch in microbatches:
-            inputs = to_device(microbatch)
-            outputs = model(**inputs["model"], use_cache=False, fused_lm_head=True)
-            microbatch["pairs"][key] = item_sums(outputs.log_probs[0].float(), inputs["pairs"])
-    return runtime.last.step
+def item_sums_into(key: str) -> Callable[[dict[str, Any], dict[str, Any], Any], None]:
+    """A forward-only pass's ``store`` (``_ODCTrainer._forward_only``): each item's summed completion log-probabilities
+    (:func:`item_sums`) of a :func:`pack_pairs` row, under ``microbatch["pairs"][key]``."""
+
+    def store(microbatch: dict[str, Any], inputs: dict[str, Any], outputs: Any) -> None:
+        microbatch["pairs"][key] = item_sums(outputs.log_probs[0].float(), inputs["pairs"])
+
+    return store
 
 
 @dataclass

@@ -15,7 +15,7 @@ import datasets
 from accelerate.utils import DistributedType, gather_object, is_peft_model
 from torch import nn
 
-from .pairs import refuse_prompt_learning, score_items
+from .pairs import item_sums_into, refuse_prompt_learning
 
 __all__ = ["check_peft_reference", "reference_of", "trl_loads_a_model"]
 
@@ -80,8 +80,7 @@ class _ReferencePasses:
         """The reference's summed completion log-probabilities of each item of this rank's packed ``microbatches``,
         stored as their ``ref_logps``, in one forward-only minibatch; returns its device-timed span (seconds)."""
         model, runtime, context = reference_of(self)
-        contexts = (context, self.accelerator.autocast())
-        return score_items(model, runtime, microbatches, self._to_device, "ref_logps", contexts)
+        return self._forward_only(model, runtime, microbatches, item_sums_into("ref_logps"), (context,))
 
     def _precompute_ref_logps(self, dataset: datasets.Dataset, name: str, batch_size: int) -> datasets.Dataset:
         """``dataset`` with the reference's log-probabilities of each item (the second of
