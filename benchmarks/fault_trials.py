@@ -8,6 +8,7 @@ checks are measured with. Each trial prints one line; a table closes each mode.
     python benchmarks/fault_trials.py exits --repeats 20                # clean exits, each example, ODC and FSDP2
     python benchmarks/fault_trials.py hybrid --runs 200 --busy-every 2  # hybrid runs (2 replicas x 2) back to back
     python benchmarks/fault_trials.py chaos --trials 60 --hybrid-trials 20  # SIGKILL/SIGSTOP anywhere, then resume
+    python benchmarks/fault_trials.py chaos --trials 15 --hybrid-trials 5 --after-first-checkpoint  # resumes
 
 ``stall``: ``examples/sft.py`` (or ``grpo.py``) with ``--odc_timeout T``; after step 20 (``--after``), at a random
 moment (uniform over the next second and a half; for GRPO over the span one step took), rank 1 is stopped; the trial
@@ -310,21 +311,28 @@ def _chaos_run(name: str, output_dir: Path, timeout: float, extra: list[str] = (
 
 def chaos(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
-    references: dict[str, tuple[float, dict | None]] = {}
+    references: dict[str, tuple[float, float, dict | None]] = {}
     rows = []
     names = [n for n in ("sft", "grpo", "dpo") for _ in range(args.trials // 3)] + ["sft-hybrid"] * args.hybrid_trials
     with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
         for name in sorted(set(names), key=names.index):  # an uninterrupted run of each: its span and its parameters
-            started = time.monotonic()
-            process, _ = _chaos_run(name, Path(tmp) / f"reference-{name}", args.timeout)
+            started, wall = time.monotonic(), time.time()
+            output_dir = Path(tmp) / f"reference-{name}"
+            process, _ = _chaos_run(name, output_dir, args.timeout)
             process.wait(timeout=args.limit)
-            references[name] = (time.monotonic() - started, _params(Path(tmp) / f"reference-{name}"))
-            print(f"reference {name}: {references[name][0]:.1f} s", flush=True)
+            # When its first checkpoint was complete (the earliest moment a fault leaves one to resume from).
+            first = min(
+                (m.stat().st_mtime for m in output_dir.glob("checkpoint-*/odc_checkpoint_complete")), default=wall
+            )
+            references[name] = (time.monotonic() - started, first - wall, _params(output_dir))
+            print(
+                f"reference {name}: {references[name][0]:.1f} s, first checkpoint at {first - wall:.1f} s", flush=True
+            )
         for trial, name in enumerate(names):
-            span, reference = references[name]
+            span, first_checkpoint, reference = references[name]
             processes = CHAOS_RUNS[name][1]
             signal_name, rank = rng.choice(("SIGKILL", "SIGSTOP")), rng.randrange(processes)
-            at = rng.uniform(0.0, span)
+            at = rng.uniform(first_checkpoint if args.after_first_checkpoint else 0.0, span)
             shm_before = set(glob.glob("/dev/shm/hf_odc_*"))
             output_dir = Path(tmp) / f"trial-{trial}"
             started = time.monotonic()
@@ -436,6 +444,8 @@ def main() -> None:
     sub.add_argument("--slack", type=float, default=10.0)
     sub.add_argument("--limit", type=float, default=600.0, help="seconds an uninterrupted or resumed run may take")
     sub.add_argument("--seed", type=int, default=0)
+    sub.add_argument("--after-first-checkpoint", action="store_true",
+                     help="fault only after the first checkpoint (where a resume can be checked)")  # fmt: skip
     args = parser.parse_args()
     modes_by_name = {"stall": stall, "startup": startup, "launcher": launcher, "exits": exits, "hybrid": hybrid}
     modes_by_name["chaos"] = chaos
