@@ -13,9 +13,11 @@ Every other private name is read by a function of this module, which checks it f
 * torch: the default store (``distributed_c10d._get_default_store``), the job's process groups and their timeouts
   (``distributed_c10d._world``, ``_set_pg_timeout`` before torch 2.14), CUDA symmetric memory
   (``torch.distributed._symmetric_memory``);
-* transformers: a config's ``_attn_implementation``, a model class's ``_from_config``, ``_no_split_modules`` and
-  ``_can_record_outputs``, the ``_is_fsdp_managed_module`` mark, the Trainer's
-  ``is_distributed_loading_by_transformers``, ``transformers.trainer_utils``'s logger;
+* transformers: ``generate``'s own preparation (``GenerationMixin._prepare_generation_config``,
+  ``_prepare_special_tokens``, ``_get_logits_processor``, ``_get_stopping_criteria``), a config's
+  ``_attn_implementation``, a model class's ``_from_config``, ``_no_split_modules`` and ``_can_record_outputs``, the
+  ``_is_fsdp_managed_module`` mark, the Trainer's ``is_distributed_loading_by_transformers``,
+  ``transformers.trainer_utils``'s logger;
 * TRL: ``DataCollatorForLanguageModeling`` (not exported by ``trl``), ``grpo_trainer``'s logger, ``VLLMGeneration``'s
   ``_llm_weights_sleeping``.
 
@@ -47,6 +49,7 @@ __all__ = [
     "decoding_alone",
     "default_store",
     "generating_on",
+    "generation_setup",
     "library_logger",
     "mark_distributed_loading",
     "mark_fsdp_managed",
@@ -230,6 +233,45 @@ def generating_on(trainer: Any, model: Any) -> Iterator[None]:
         yield
     finally:
         trainer.model_wrapped = wrapped
+
+
+def generation_setup(model: Any, generation_config: Any, model_kwargs: dict[str, Any]) -> Any:
+    """What transformers' ``generate`` would decode ``model_kwargs`` (``input_ids``, ``attention_mask``) with on
+    ``model`` for ``generation_config``, prepared by ``generate``'s own private
+    steps (``_prepare_generation_config``: the model's generation config under the given one;
+    ``_prepare_special_tokens``; ``_get_logits_processor``; ``_get_stopping_criteria``): a namespace of ``config`` (the
+    prepared generation config), ``model_kwargs`` (what is left for the forward), ``processors``, ``criteria`` and
+    ``pad_token_id`` (a tensor, or ``None``). Whoever decodes differently decides from these, not from its own reading
+    of the config's fields, whether it decodes as ``generate`` would."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationMixin, LogitsProcessorList, StoppingCriteriaList
+
+    names = ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor", "_get_stopping_criteria")
+    _checked("transformers:GenerationMixin", *names)
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__} does not generate with transformers' GenerationMixin.")
+    config, model_kwargs = model._prepare_generation_config(generation_config, **model_kwargs)
+    input_ids, attention_mask = model_kwargs["input_ids"], model_kwargs.get("attention_mask")
+    batch_size, prompt_length = input_ids.shape
+    model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device, batch_size=batch_size)
+    if config.max_new_tokens is not None:
+        config.max_length = prompt_length + config.max_new_tokens  # as generate sizes it
+    if config.min_new_tokens is not None:
+        config.min_length = prompt_length + config.min_new_tokens
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=prompt_length,
+        encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(),
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask},
+    )
+    criteria = model._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
+    pad = getattr(config, "_pad_token_tensor", None)
+    return SimpleNamespace(
+        config=config, model_kwargs=model_kwargs, processors=processors, criteria=criteria, pad_token_id=pad
+    )
 
 
 def mark_vllm_weights_awake(generation: Any) -> None:

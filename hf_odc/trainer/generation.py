@@ -49,6 +49,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 from ..engine import lazy_init_root
+from . import _static_decoding
 from .attention import PACKED_ATTENTION
 from .full_weights import checkpoint_name, full_named_weights
 from .vllm_sync import ODCWeightSync, shut_down_engine
@@ -166,6 +167,7 @@ class StaticDecoder:
         self._model: PreTrainedModel | None = None
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
+        self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
 
     @property
     def model(self) -> PreTrainedModel:
@@ -227,7 +229,9 @@ class StaticDecoder:
         return model
 
     def _generate(self, *args: Any, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
-        """The copy's ``generate``: transformers', with the kept static cache and compilation allowed."""
+        """The copy's ``generate``: hf_odc's decoding loop (:mod:`hf_odc.trainer._static_decoding`) where it decodes
+        what transformers' ``generate`` would, else transformers', with the kept static cache and compilation
+        allowed."""
         model = self.model
         config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
         kwargs = config.update(**kwargs)  # generation options given as arguments, as generate() takes them
@@ -237,17 +241,25 @@ class StaticDecoder:
         else:
             length = config.max_length or model.config.max_position_embeddings
         config.cache_implementation, config.disable_compile = None, False  # the cache is ours; compile where it pays
-        kwargs[_compat.cache_argument(model)] = self._cache_for(input_ids.shape[0], length)
+        cache = self._cache_for(input_ids.shape[0], length)
+        plan = _static_decoding.decoding_plan(model, cache, self._cache_shape[1], config, args, kwargs)
+        if plan is not None:
+            if self._loop is None:
+                self._loop = _static_decoding.Loop(model, cache, *self._cache_shape)
+            return self._loop.decode(plan)
+        kwargs[_compat.cache_argument(model)] = cache
         return type(model).generate(model, *args, generation_config=config, **kwargs)
 
     def _cache_for(self, batch_size: int, length: int) -> StaticCache:
-        """The kept cache, emptied, or a new one where it is too short or of another batch size."""
+        """The kept cache, emptied, or a new one where it is too short or of another batch size (and with it a new
+        decoding loop: the loop's CUDA graphs are bound to the cache's tensors)."""
         if batch_size == self._cache_shape[0] and length <= self._cache_shape[1]:
             self._cache.reset()
             return self._cache
         length = max(math.ceil(length / self.CACHE_LENGTH_MULTIPLE) * self.CACHE_LENGTH_MULTIPLE, self._cache_shape[1])
         self._cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._cache_shape = (batch_size, length)
+        self._loop = None
         return self._cache
 
 
@@ -266,7 +278,12 @@ def grouped_decoding_attention(
     repeats the keys and values once per query head whenever a mask is given (a static cache always gives one, for
     its empty slots) and groups the query only outside ``torch.compile``; in a compiled decoding step the repeat
     writes and reads the whole cache several times over. The result is the same: a one-token query's mask is the
-    same for every head."""
+    same for every head.
+
+    A mask narrower than the keys (hf_odc's decoding loop, :mod:`hf_odc.trainer._static_decoding`) covers the cache's
+    first slots, all that is filled: the keys and values beyond it are not read."""
+    if attention_mask is not None and attention_mask.shape[-1] < key.shape[-2]:
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, length, _ = query.shape
     if (
