@@ -225,8 +225,7 @@ def processed_scores(scores: torch.Tensor, sampling: Sampling, seen: torch.Tenso
         scores = scores.masked_fill(cut.scatter(1, order, cut), -math.inf)
     if sampling.min_p is not None:
         probs = scores.softmax(dim=-1)
-        cut = probs < sampling.min_p * probs.amax(dim=-1, keepdim=True)
-        cut.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+        cut = probs < sampling.min_p * probs.amax(dim=-1, keepdim=True)  # never the top token (min_p <= 1)
         scores = scores.masked_fill(cut, -math.inf)
     return scores
 

@@ -15,8 +15,10 @@ from _models import VOCAB, tiny_model
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from hf_odc import _compat
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer import generation
+from hf_odc.trainer import _static_decoding, generation
+from hf_odc.trainer._static_decoding import processed_scores
 from hf_odc.trainer.generation import (
     DECODING_ATTENTION,
     StaticDecoder,
@@ -214,3 +216,163 @@ def test_grouped_decoding_attention_compiles_as_one_graph():
     torch.testing.assert_close(
         compiled(_Layer(), query, key, value, mask)[0], grouped_decoding_attention(_Layer(), query, key, value, mask)[0]
     )
+
+
+# -- hf_odc's decoding loop (hf_odc.trainer._static_decoding) ---------------------------------------------------------
+
+
+def _copy(attention: str = "eager") -> StaticDecoder:
+    """A static decoder of a tiny policy whose weight matrices are scaled up: the tiny model as initialised repeats
+    one token per row, this one varies them (so that EOS ids can end rows at different steps)."""
+    policy = tiny_model().eval()
+    policy.set_attn_implementation(attention)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.mul_(10 if parameter.ndim == 2 else 1)
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+    decoder.refresh()
+    return decoder
+
+
+def _generate(decoder: StaticDecoder, monkeypatch, loop: bool, seed: int = 0, **kwargs) -> torch.Tensor:
+    """The copy's ``generate``, by hf_odc's loop (``loop``, checked to run) or by transformers' (the loop's plan
+    refused), from the same generator state."""
+    decoded = []
+    with monkeypatch.context() as patch:
+        if loop:
+            decode = _static_decoding.Loop.decode
+            patch.setattr(_static_decoding.Loop, "decode", lambda self, plan: decoded.append(1) or decode(self, plan))
+        else:
+            patch.setattr(_static_decoding, "decoding_plan", lambda *args: None)
+        torch.manual_seed(seed)
+        out = decoder.model.generate(**kwargs)
+    assert decoded == ([1] if loop else [])
+    return out
+
+
+def _ending_at_different_steps(decoder: StaticDecoder, monkeypatch, prompts: dict, new_tokens: int) -> list[int]:
+    """EOS ids that end each row of ``prompts`` greedily at its own step (row ``i`` near step ``2 + 3 i``)."""
+    free = _generate(decoder, monkeypatch, False, **prompts, max_new_tokens=new_tokens, do_sample=False,
+                     eos_token_id=None, pad_token_id=0)  # fmt: skip
+    completions = free[:, prompts["input_ids"].shape[1] :]
+    return sorted({int(completions[row, 2 + 3 * row]) for row in range(completions.shape[0])})
+
+
+@pytest.mark.parametrize(
+    ("attention", "width"), [("eager", None), ("sdpa", None), ("sdpa", 8)], ids=["eager", "sdpa", "sdpa-narrow"]
+)
+def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention, width):
+    """Left-padded prompts of different lengths, rows ending at EOS at different steps (then padded), all ended
+    before ``max_new_tokens`` (the steps run past that cut), or cut at ``max_new_tokens``; with the attention reading
+    only the filled part of the cache (``width``)."""
+    if width is not None:
+        monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", width)
+    decoder = _copy(attention)
+    prompts = _prompts(4, 9, seed=3)
+    eos = _ending_at_different_steps(decoder, monkeypatch, prompts, 40)
+    outputs = {}
+    for new_tokens in (40, 5):
+        options = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=1)
+        outputs[new_tokens] = _generate(decoder, monkeypatch, False, **prompts, **options)
+        assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), outputs[new_tokens])
+    completions = outputs[40][:, 9:]
+    ends = [int(torch.isin(row, torch.tensor(eos)).nonzero()[0]) for row in completions]
+    assert len(set(ends)) > 1 and completions.shape[1] == max(ends) + 1  # all ended, at different steps
+    assert completions.shape[1] < 40 - _static_decoding._CHECK_EVERY  # steps the loop ran past the end were cut
+    assert all((row[end + 1 :] == 1).all() for row, end in zip(completions, ends, strict=True))  # then padded
+    assert outputs[5].shape[1] == 9 + 5
+
+
+def test_the_loop_samples_what_generate_samples(monkeypatch):
+    """Sampling with temperature, top-k, top-p, min-p and a repetition penalty: from the same generator state the
+    loop draws the tokens transformers' generate draws (one exponential race per step, as ``torch.multinomial``);
+    top-k 1 is greedy."""
+    decoder = _copy("sdpa")
+    prompts = _prompts(4, 9, seed=5)
+    eos = _ending_at_different_steps(decoder, monkeypatch, prompts, 24)
+    cases = [
+        dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+        dict(temperature=1.3, repetition_penalty=1.4),
+        dict(top_p=0.5, repetition_penalty=0.8),
+    ]
+    for seed, sampling in enumerate(cases):
+        options = dict(max_new_tokens=24, do_sample=True, eos_token_id=eos, pad_token_id=1, **sampling)
+        expected = _generate(decoder, monkeypatch, False, seed, **prompts, **options)
+        assert torch.equal(_generate(decoder, monkeypatch, True, seed, **prompts, **options), expected), sampling
+    greedy = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=1)
+    assert torch.equal(
+        _generate(decoder, monkeypatch, True, **prompts, do_sample=True, top_k=1, **greedy),
+        _generate(decoder, monkeypatch, True, **prompts, do_sample=False, **greedy),
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "steps"),
+    [
+        ({"temperature": 0.5, "top_k": 3}, ["Temperature", "TopK"]),
+        ({"top_p": 0.6, "top_k": 0}, ["TopP"]),
+        ({"top_p": 0.999}, ["TopK", "TopP"]),  # transformers' default top_k (50) too
+        ({"min_p": 0.2, "top_k": 0}, ["MinP"]),
+        (
+            {"temperature": 2.0, "top_k": 5, "top_p": 0.7, "min_p": 0.1, "repetition_penalty": 1.5},
+            ["RepetitionPenalty", "Temperature", "TopK", "TopP", "MinP"],
+        ),
+        ({"do_sample": False, "repetition_penalty": 0.5}, ["RepetitionPenalty"]),
+    ],
+    ids=["temperature-top-k", "top-p", "top-p-near-1", "min-p", "all", "greedy-penalty"],
+)
+def test_the_loops_processing_equals_transformers_processors(options, steps):
+    """On hand-made logits (ties, a dominant token, negative and positive logits) the loop's processing, read from the
+    processors transformers' ``generate`` builds for the options, gives what those processors give."""
+    from transformers import GenerationConfig
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(4, VOCAB, generator=g) * 3
+    scores[1, :10] = 2.0  # ties at the top
+    scores[2, 7] = 40.0  # one token with almost all the mass
+    input_ids = torch.randint(0, VOCAB, (4, 6), generator=g)
+    mask = torch.ones_like(input_ids)
+    mask[3, :2] = 0  # a left-padded row: its padding is not penalised
+    config = GenerationConfig(**{"do_sample": True, **options})
+    setup = _compat.generation_setup(tiny_model(), config, {"input_ids": input_ids, "attention_mask": mask})
+    assert [
+        type(p).__name__.removesuffix("LogitsWarper").removesuffix("LogitsProcessor") for p in setup.processors
+    ] == (steps)
+    sampling = _static_decoding._sampling(setup.processors, config.do_sample)
+    counted = torch.arange(6)[None, :] >= mask.argmax(dim=1)[:, None]
+    seen = torch.zeros(4, VOCAB + 1, dtype=torch.bool).scatter_(1, input_ids.masked_fill(~counted, VOCAB), True)
+    expected = setup.processors(input_ids, scores.clone())
+    assert torch.equal(processed_scores(scores.clone(), sampling, seen[:, :VOCAB]), expected)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_beams": 2},
+        {"num_return_sequences": 2, "do_sample": True},
+        {"return_dict_in_generate": True},
+        {"no_repeat_ngram_size": 2},
+        {"typical_p": 0.5, "do_sample": True},
+        {"logits_processor": "list"},
+        {"stopping_criteria": "list"},
+        {"attention_mask": None},
+    ],
+    ids=lambda options: next(iter(options)),
+)
+def test_what_the_loop_does_not_decode_goes_through_transformers_generate(monkeypatch, options):
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    decoder = _copy()
+    prompts = _prompts(2, 6)
+    if options.get("logits_processor") == "list":
+        options = {"logits_processor": LogitsProcessorList([lambda input_ids, scores: scores])}
+    if options.get("stopping_criteria") == "list":
+        options = {"stopping_criteria": StoppingCriteriaList([lambda input_ids, scores: False])}
+    if "attention_mask" in options:
+        prompts, options = {"input_ids": prompts["input_ids"]}, {}
+    generate = type(decoder.model).generate
+    called = []
+    monkeypatch.setattr(type(decoder.model), "generate", lambda *a, **k: called.append(1) or generate(*a, **k))
+    monkeypatch.setattr(_static_decoding.Loop, "decode", lambda *args: pytest.fail("the loop decoded"))
+    decoder.model.generate(**prompts, max_new_tokens=4, pad_token_id=0, **options)
+    assert called == [1]
