@@ -15,7 +15,8 @@ with any of a repetition penalty, temperature, top-k, top-p and min-p as transfo
 stopping at EOS or ``max_new_tokens``. transformers itself builds the processors and stopping criteria for the call
 (:func:`hf_odc._compat.generation_setup`); any other one, any other generation option that ``generate`` honours
 (beam search, several return sequences, a dict output, a streamer, logits processors or stopping criteria passed by
-the caller...), another attention or cache layout, or another model input is left to ``generate``.
+the caller...), another attention or cache layout, another model input, or a ``generate`` other than
+transformers' own (a model's, or one wrapped around it) is left to ``generate``.
 
 The forward runs eagerly inside the graph: a compiled forward (``torch.compile``) could replace :meth:`_Loop._forward`
 without changing the loop.
@@ -143,10 +144,14 @@ def decoding_plan(
 
 
 def _decodes(model: PreTrainedModel, cache: StaticCache, input_ids: Any, attention_mask: Any) -> bool:
-    """Whether the loop's step is ``model``'s decoding step: a decoder-only model that prepares its inputs as
-    ``GenerationMixin`` does (no multimodal or 3-D positions), an attention of :data:`_ATTENTIONS`, a cache of full
-    attention layers only, left- or un-padded prompts with their 0/1 mask on the model's device."""
+    """Whether the loop's step is ``model``'s decoding step: a decoder-only model that generates and prepares its
+    inputs as ``GenerationMixin`` does (no multimodal or 3-D positions; transformers' ``generate`` not replaced), an
+    attention of :data:`_ATTENTIONS`, a cache of full attention layers only, left- or un-padded prompts with their
+    0/1 mask on the model's device."""
     if model.config.is_encoder_decoder or getattr(model, "create_masks_for_generate", None) is not None:
+        return False
+    generate = type(model).generate  # a model's own, or a wrapper around transformers' (a patch), decides itself
+    if generate is not GenerationMixin.generate or generate.__module__ != GenerationMixin.__module__:
         return False
     if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
         return False

@@ -8,9 +8,11 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
 
 * ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
   kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group
-  at a time, one-sided: :mod:`hf_odc.trainer.full_weights`), decodes with a static KV cache kept beside it and, on a
-  GPU, the forward transformers compiles for it: the compile is paid once per run, as the copy's weights and the
-  cache's tensors never move. Costs the full weights in the compute dtype for the whole run, plus the cache.
+  at a time, one-sided: :mod:`hf_odc.trainer.full_weights`), decodes with a static KV cache kept beside it, by
+  hf_odc's own loop (:mod:`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
+  host synchronisation per token) where it decodes what transformers' ``generate`` would, else by ``generate`` with
+  the forward transformers compiles for it: CUDA graphs and compile are paid once per run, as the copy's weights and
+  the cache's tensors never move. Costs the full weights in the compute dtype for the whole run, plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights
@@ -145,13 +147,13 @@ def decoding(model: nn.Module, runtime: ODCRuntime, mode: str) -> Iterator[None]
 
 class StaticDecoder:
     """The ``"static"`` mode (see the module docstring): :attr:`model`, a plain copy of the policy, refreshed by
-    :meth:`refresh` and decoded by transformers' ``generate`` with a static KV cache held here.
+    :meth:`refresh` and decoded by hf_odc's loop (or transformers' ``generate``) with a static KV cache held here.
 
-    Why it is kept: a compiled decoding step (and the CUDA graphs transformers' default compile records) is bound to
-    the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation batch on the
-    code compiled for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen so far, rounded
-    up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (one more compile) only for a longer one or another batch
-    size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
+    Why it is kept: a decoding step's CUDA graphs (the loop's, or those transformers' default compile records) are
+    bound to the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation
+    batch on the graphs recorded for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen
+    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (its graphs recorded again) only for a
+    longer one or another batch size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
 
     Args:
         model: the policy as the trainer runs it (sharded by hf_odc, or not; a PEFT model's adapters are merged into

@@ -356,10 +356,13 @@ def test_the_loops_processing_equals_transformers_processors(options, steps):
         {"logits_processor": "list"},
         {"stopping_criteria": "list"},
         {"attention_mask": None},
+        {"wrapped": "generate"},
     ],
     ids=lambda options: next(iter(options)),
 )
 def test_what_the_loop_does_not_decode_goes_through_transformers_generate(monkeypatch, options):
+    """Beam search, several sequences, a dict output, processors the loop lacks, the caller's own processors or
+    criteria, no attention mask, a ``generate`` wrapped around transformers' (as the tool tests' scripted policy)."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     decoder = _copy()
@@ -370,9 +373,14 @@ def test_what_the_loop_does_not_decode_goes_through_transformers_generate(monkey
         options = {"stopping_criteria": StoppingCriteriaList([lambda input_ids, scores: False])}
     if "attention_mask" in options:
         prompts, options = {"input_ids": prompts["input_ids"]}, {}
-    generate = type(decoder.model).generate
-    called = []
-    monkeypatch.setattr(type(decoder.model), "generate", lambda *a, **k: called.append(1) or generate(*a, **k))
+    if "wrapped" in options:  # as hf_odc.demo.tools.scripted_generation wraps it to force tokens
+        from transformers import GenerationMixin
+
+        wrapped = GenerationMixin.generate
+        monkeypatch.setattr(GenerationMixin, "generate", lambda *args, **kwargs: wrapped(*args, **kwargs))
+        options = {}
+    plan, plans = _static_decoding.decoding_plan, []
+    monkeypatch.setattr(_static_decoding, "decoding_plan", lambda *args: plans.append(plan(*args)) or plans[-1])
     monkeypatch.setattr(_static_decoding.Loop, "decode", lambda *args: pytest.fail("the loop decoded"))
-    decoder.model.generate(**prompts, max_new_tokens=4, pad_token_id=0, **options)
-    assert called == [1]
+    out = decoder.model.generate(**prompts, max_new_tokens=4, pad_token_id=0, **options)
+    assert plans == [None] and out is not None  # refused by the loop, decoded by transformers
