@@ -18,7 +18,7 @@ stopping at EOS or ``max_new_tokens``. transformers itself builds the processors
 the caller...), another attention or cache layout, another model input, or a ``generate`` other than
 transformers' own (a model's, or one wrapped around it) is left to ``generate``.
 
-The forward runs eagerly inside the graph: a compiled forward (``torch.compile``) could replace :meth:`_Loop._forward`
+The forward runs eagerly inside the graph: a compiled forward (``torch.compile``) could replace :meth:`Loop._forward`
 without changing the loop.
 """
 
@@ -249,7 +249,9 @@ class Loop:
 
     Args:
         model: the static copy.
-        cache: the kept static cache, of ``batch_size`` rows and ``length`` slots.
+        cache: the kept static cache.
+        batch_size: the cache's rows.
+        length: the cache's slots.
     """
 
     def __init__(self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int):
@@ -273,6 +275,7 @@ class Loop:
         self._pool: Any = None  # the graphs' shared memory pool: they replay one at a time
         self._side_stream: torch.cuda.Stream | None = None
 
+    @torch.no_grad()
     def decode(self, plan: DecodingPlan) -> torch.Tensor:
         """The prompts and their completions, as transformers' ``generate`` returns them for ``plan``: ``[batch,
         prompt + n]``, ``n`` the steps until every row has ended (or ``max_new_tokens``), a row's tokens after its
@@ -395,7 +398,9 @@ class Loop:
             return
         if graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):  # records only: the replay below runs the step
+            # Records only (the replay below runs the step); other threads (process groups' watchdogs, ODC's
+            # transport) may go on using CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._step(width)
             self._pool = graph.pool()
             self._graphs[key] = graph
