@@ -56,11 +56,11 @@ _WARMUP_STEPS = 2
 """Eager steps on a side stream before a step is recorded in a CUDA graph, as CUDA graphs require (they are real
 decoding steps, not thrown away)."""
 
-_ATTENTIONS = ("eager", "odc_decoding")
+_ATTENTIONS = ("eager", "sdpa", "odc_decoding")
 """The attentions whose decoding step the loop masks itself: transformers' eager attention (an additive mask of the
-cache's full width) and :func:`~hf_odc.trainer.generation.grouped_decoding_attention`, registered as
-``generation.DECODING_ATTENTION`` (a boolean mask, which may be narrower than the cache: the attention then reads the
-cache only that far)."""
+cache's full width), its SDPA (a boolean one) and :func:`~hf_odc.trainer.generation.grouped_decoding_attention`,
+registered as ``generation.DECODING_ATTENTION`` (a boolean mask, which may be narrower than the cache: the attention
+then reads the cache only that far)."""
 
 _PROCESSOR_ORDER = (
     RepetitionPenaltyLogitsProcessor,
@@ -258,7 +258,9 @@ class Loop:
         self.model, self.cache, self.length = model, cache, length
         device = model.device
         self._cache_kwargs = {_compat.cache_argument(model): cache}
-        self._additive_mask = _compat.attn_implementation(model.config) == "eager"
+        attention = _compat.attn_implementation(model.config)
+        self._additive_mask = attention == "eager"
+        self._narrow = attention == "odc_decoding"  # reads only the mask's width of the cache: see _ATTENTIONS
         self._ids = torch.zeros(batch_size, length, dtype=torch.long, device=device)  # prompt, then completion
         self._attended = torch.zeros(batch_size, length, dtype=torch.bool, device=device)  # the 2-D mask
         self._token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the last chosen token
@@ -285,7 +287,7 @@ class Loop:
         logits = self._prefill(plan)
         self._start(plan, logits.shape[-1])
         self._choose(logits)
-        width_multiple = self.length if self._additive_mask else _WIDTH_MULTIPLE
+        width_multiple = _WIDTH_MULTIPLE if self._narrow else self.length
         for chosen in range(1, plan.max_new_tokens):
             if plan.eos_token_ids and chosen % _CHECK_EVERY == 0 and not bool(self._unfinished.any()):
                 break

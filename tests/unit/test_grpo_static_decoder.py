@@ -13,6 +13,7 @@ import pytest
 import torch
 from _models import VOCAB, tiny_model
 from torch import nn
+from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_odc import _compat
@@ -259,15 +260,18 @@ def _ending_at_different_steps(decoder: StaticDecoder, monkeypatch, prompts: dic
 
 
 @pytest.mark.parametrize(
-    ("attention", "width"), [("eager", None), ("sdpa", None), ("sdpa", 8)], ids=["eager", "sdpa", "sdpa-narrow"]
+    ("attention", "width"),
+    [("eager", None), (DECODING_ATTENTION, None), (DECODING_ATTENTION, 8), ("sdpa", 8)],
+    ids=["eager", "grouped", "grouped-narrow", "sdpa"],
 )
 def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention, width):
     """Left-padded prompts of different lengths, rows ending at EOS at different steps (then padded), all ended
-    before ``max_new_tokens`` (the steps run past that cut), or cut at ``max_new_tokens``; with the attention reading
-    only the filled part of the cache (``width``)."""
+    before ``max_new_tokens`` (the steps run past that cut), or cut at ``max_new_tokens``; with the grouped decoding
+    attention reading only the filled part of the cache (``width``), transformers' SDPA all of it."""
     if width is not None:
         monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", width)
-    decoder = _copy(attention)
+    decoder = _copy("eager" if attention == "eager" else "sdpa")
+    decoder.model.set_attn_implementation(attention)
     prompts = _prompts(4, 9, seed=3)
     eos = _ending_at_different_steps(decoder, monkeypatch, prompts, 40)
     outputs = {}
@@ -281,6 +285,13 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
     assert completions.shape[1] < 40 - _static_decoding._CHECK_EVERY  # steps the loop ran past the end were cut
     assert all((row[end + 1 :] == 1).all() for row, end in zip(completions, ends, strict=True))  # then padded
     assert outputs[5].shape[1] == 9 + 5
+    if width is not None:  # the decoding steps' attention reads the cache up to the filled part rounded up, or all
+        read, sdpa = [], F.scaled_dot_product_attention
+        spy = lambda q, k, v, **kwargs: read.append(k.shape[-2]) or sdpa(q, k, v, **kwargs)  # noqa: E731
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        _generate(decoder, monkeypatch, True, **prompts, max_new_tokens=5, eos_token_id=eos, pad_token_id=1)
+        filled = 16 if attention == DECODING_ATTENTION else 256  # slots 9 to 12 rounded up to 8, or the cache's 256
+        assert read[2:] == [filled] * 8  # 4 steps of 2 layers, after the prefill's
 
 
 def test_the_loop_samples_what_generate_samples(monkeypatch):
