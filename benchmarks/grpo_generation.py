@@ -7,7 +7,9 @@ installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer grou
 assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` runs
 twice on the same prompts: the first batch pays the compile (reported as ``compile_s``, with the refresh's time), the
 second is the one timed, as every later generation batch of a run. ``--static-attention sdpa`` decodes the copy with
-transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison.
+transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison; ``static`` decodes with hf_odc's
+decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
+with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes.
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -81,14 +83,22 @@ def timed(device: torch.device, fn) -> float:
 
 
 def generate(
-    model, runtime, mode: str, prompts: torch.Tensor, lengths: list[int], decoder: StaticDecoder | None = None
+    model,
+    runtime,
+    mode: str,
+    prompts: torch.Tensor,
+    lengths: list[int],
+    decoder: StaticDecoder | None = None,
+    forced: bool = True,
 ) -> tuple[float, int, torch.Tensor]:
-    """Decode ``prompts`` in ``mode`` (``"static"``: on ``decoder``'s copy); returns (seconds, decoding steps, prompt
-    + completion ids)."""
+    """Decode ``prompts`` in ``mode`` (``"static"``: on ``decoder``'s copy), each completion ended at its length by
+    :class:`EndAt` (``forced``), or every one decoded to the longest length (hf_odc's static decoding loop leaves a
+    call with a logits processor of the caller's to transformers' ``generate``; its fixed batch steps at the same cost
+    whether rows ended or not); returns (seconds, decoding steps, prompt + completion ids)."""
     steps, out = [0], []
     target = decoder.model if mode == "static" else model
     hook = target.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
-    processor = LogitsProcessorList([EndAt(lengths, prompts.shape[1])])
+    ending = {"logits_processor": LogitsProcessorList([EndAt(lengths, prompts.shape[1])]), "eos_token_id": EOS}
 
     def run() -> None:
         with decoding(model, runtime, mode), torch.no_grad():
@@ -98,9 +108,8 @@ def generate(
                     attention_mask=torch.ones_like(prompts),
                     max_new_tokens=max(lengths),
                     do_sample=False,
-                    logits_processor=processor,
                     pad_token_id=0,
-                    eos_token_id=EOS,
+                    **(ending if forced else {"eos_token_id": None}),
                 )
             )
 
@@ -108,7 +117,9 @@ def generate(
     seconds = timed(prompts.device, run)
     model.gradient_checkpointing_enable()
     hook.remove()
-    return seconds, steps[0] - 1, out[0]  # the first forward is the prefill
+    # The forwards after the prefill; a CUDA graph's replays run the forward without its hooks: then the tokens decoded
+    # after the prefill's.
+    return seconds, max(steps[0], out[0].shape[1] - prompts.shape[1]) - 1, out[0]
 
 
 def update(model, runtime, sequences: list[torch.Tensor], row_tokens: int) -> float:
@@ -147,6 +158,13 @@ def main() -> None:
     parser.add_argument("--row-tokens", type=int, default=16384)
     parser.add_argument("--modes", default=",".join(GENERATION_MODES))
     parser.add_argument("--static-attention", choices=["grouped", "sdpa"], default="grouped")
+    parser.add_argument(
+        "--static-decoding",
+        choices=["loop", "generate"],
+        default="loop",
+        help="static: hf_odc's decoding loop (every completion decoded to the longest length), or transformers' "
+        "generate (the lengths forced by a logits processor, which the loop leaves to generate)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -166,15 +184,15 @@ def main() -> None:
     rows, sequences, decoder = {}, None, None
     for mode in args.modes.split(","):
         capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
-        first = {}
+        first, forced = {}, mode != "static" or args.static_decoding == "generate"
         if mode == "static":  # the copy made and refreshed, then the first batch, which compiles
             decoder = StaticDecoder(model, runtime, torch.bfloat16 if device.type == "cuda" else torch.float32)
             first["first_refresh_s"] = timed(device, decoder.refresh)
             if args.static_attention == "sdpa":
                 decoder.model.set_attn_implementation("sdpa")
-            first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder)[0]
+            first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
             first["refresh_s"] = timed(device, decoder.refresh)
-        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder)
+        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced)
         tokens = sum(capped)
         rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
                       "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
@@ -198,7 +216,8 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     update_s = max(r["update"]["update_s"] for r in per_rank) if "update" in per_rank[0] else None
     print(
         f"\n{len(per_rank)} rank(s), {args.model_config}, {args.prompts} completions/rank, up to "
-        f"{args.max_new_tokens} new tokens; static decodes with {args.static_attention} attention; policy update "
+        f"{args.max_new_tokens} new tokens; static decodes with {args.static_attention} attention by "
+        f"{args.static_decoding}; policy update "
         f"{update_s and round(update_s, 2)} s"
     )
     print("| mode | rank | decode s | steps | ms/step | tokens/s | generation's share |")
