@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedModel, StaticCache
 from transformers.generation import (
     EosTokenCriteria,
+    GenerationMode,
     MaxLengthCriteria,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -41,7 +42,6 @@ from transformers.generation import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.configuration_utils import GenerationMode
 
 from .. import _compat
 

@@ -81,6 +81,10 @@ def test_a_transformers_that_ignores_the_mark_is_refused(monkeypatch):
         (("transformers", "PreTrainedModel", "_no_split_modules"), lambda: _compat.no_split_modules(nn.Linear(2, 2))),
         (("transformers", "PretrainedConfig", "_attn_implementation"), lambda: _compat.attn_implementation(None)),
         (
+            ("transformers", "GenerationMixin", "_get_logits_processor"),
+            lambda: _compat.generation_setup(nn.Linear(2, 2), None, {}),
+        ),
+        (
             ("trl.trainer.sft_trainer", None, "DataCollatorForLanguageModeling"),
             lambda: _compat.padding_free_collator(0),
         ),

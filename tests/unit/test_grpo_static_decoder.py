@@ -1,7 +1,10 @@
 """``hf_odc.trainer.generation.StaticDecoder`` on one process: its copy decodes as the policy does (greedy, token for
 token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static
-KV cache for every generation batch it fits. Each mode gets its owner (``make_generator``), whose turns are held
-until released. Across sharded ranks, inside the trainer: tests/parity/test_grpo_generation.py.
+KV cache for every generation batch it fits. hf_odc's decoding loop (``_static_decoding``) decodes on the copy what
+transformers' ``generate`` decodes (greedy and sampled, token for token), reads only the filled part of the cache with
+the grouped decoding attention, and leaves what it does not decode exactly so to ``generate``. Each mode gets its owner
+(``make_generator``), whose turns are held until released. Across sharded ranks, inside the trainer:
+tests/parity/test_grpo_generation.py.
 """
 
 from __future__ import annotations
