@@ -114,13 +114,16 @@ def test_the_cache_is_kept_for_every_batch_it_fits():
     policy = tiny_model().eval()
     decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
     decoder.refresh()
-    caches = []
+    caches, loops = [], []
     for batch, length in [(3, 10), (3, 6), (3, 30), (2, 6), (2, 8)]:
         prompts = _prompts(batch, length, seed=length)
         assert torch.equal(_greedy(decoder.model, prompts), _greedy(policy, prompts)), (batch, length)
         caches.append(decoder._cache)
+        loops.append(decoder._loop)  # the decoding loop (its CUDA graphs on a GPU) kept with its cache
     assert caches[0] is caches[1] is caches[2]  # a longer prompt within the rounded length too
     assert caches[3] is not caches[2] and caches[4] is caches[3]  # another batch size
+    assert loops[0] is loops[1] is loops[2] and loops[3] is not loops[2] and loops[4] is loops[3]
+    assert loops[4].cache is caches[4]
 
 
 def test_without_a_gpu_the_default_mode_is_gathered_and_static_is_allowed():
