@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
-# SFT-throughput, stock-TRL comparison, GRPO policy-update and generation, the other trainers' points, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# SFT-throughput, step profile, stock-TRL comparison, GRPO policy-update and generation, the other trainers' points, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
 # STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
@@ -46,6 +46,11 @@ if [[ $STEPS == *headline* ]]; then
   name=${HEADLINE_NAME:-headline}
   timeout "${HEADLINE_TIMEOUT:-540}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/sft_throughput.py ${HEADLINE_ARGS:-} \
     --json "$OUT/sft_$name.json" --plot "$OUT/sft_$name.png" 2>&1 | tee "$OUT/sft_$name.log" | grep -v Warning | tail -16
+fi
+if [[ $STEPS == *profile* ]]; then
+  # Where an SFT step's device time goes per scheme, kind of kernel and microbatch; PROFILE_ARGS extra.
+  timeout "${PROFILE_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/profile_step.py ${PROFILE_ARGS:-} \
+    --json "$OUT/profile_step.json" 2>&1 | tee "$OUT/profile_step.log" | grep -v Warning | tail -40
 fi
 if [[ $STEPS == *vs_trl* ]]; then
   # Stock TRL SFTTrainer (defaults; padding-free with odc_packed) against ODCSFTTrainer, one accelerate launch per row;

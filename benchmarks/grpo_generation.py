@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _common import device_time
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -147,6 +148,7 @@ def main() -> None:
     parser.add_argument("--row-tokens", type=int, default=16384)
     parser.add_argument("--modes", default=",".join(GENERATION_MODES))
     parser.add_argument("--static-attention", choices=["grouped", "sdpa"], default="grouped")
+    parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -175,6 +177,11 @@ def main() -> None:
             first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder)[0]
             first["refresh_s"] = timed(device, decoder.refresh)
         seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder)
+        if args.profile and device.type == "cuda":  # once more, profiled: is decoding kernel- or launch-bound?
+            profiled: dict = {}
+            with device_time(profiled):
+                first["profiled_s"] = generate(model, runtime, mode, prompts, capped, decoder)[0]
+            first["device"] = profiled
         tokens = sum(capped)
         rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
                       "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
@@ -218,6 +225,11 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
                 estimate += f" (first batch +{row['compile_s']:.1f} compile; refresh {row['refresh_s']:.2f})"
             print(f"| {mode} | {rank} | {row['decode_s']:.2f}{estimate} | {row['steps']} | {row['ms_per_step']:.1f} | "
                   f"{row['tokens_per_s']:.0f} | {share:.0%} |")  # fmt: skip
+            if "device" in row:  # the profiled run: kernels' busy time against the run's, per decoding step
+                dev, steps = row["device"], max(row["steps"], 1)
+                kinds = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in dev.items() if isinstance(v, float))
+                print(f"|   profiled | {rank} | {row['profiled_s']:.2f} | {dev['kernels'] / steps:.0f} kernels/step "
+                      f"| ms/step: {kinds} | | |")  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
