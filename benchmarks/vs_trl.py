@@ -11,7 +11,7 @@ Rows (``--rows``, a comma list; by default every row of the trainer; a row the t
   padding-free needs a varlen attention and flash-attn is not installed. BFD packing is not used: it turns the batch
   into packed rows of ``max_length`` tokens (and truncates what overflows), so the samples per step would no longer
   be the other rows'. TRL 1.16's ``DPOTrainer`` turns ``padding_free`` off (it warns that the feature is disabled
-  after a refactor), so DPO has no such row; GRPO's padded policy update is TRL's only path;
+  after a refactor) and its ``GRPOTrainer`` has no ``padding_free``, so DPO and GRPO have no such row;
 * ``odc``: ``ODCSFTTrainer``, ``ODCDPOTrainer`` or ``ODCGRPOTrainer`` with its defaults (ODC, LB-Mini planned with
   the calibrated cost) under ``examples/odc.yaml`` (``examples/odc_cpu.yaml`` on CPU).
 
@@ -48,15 +48,17 @@ over their summed time), the peak memory (``torch.cuda.max_memory_allocated``, l
 (``hf_odc.packing.flops``: the documents' training FLOPs, plus for DPO the reference model's forward over them, a
 third of that, over time x GPUs x the device's peak; GRPO's generation FLOPs are not counted; none on CPU unless
 ``HF_ODC_PEAK_TFLOPS`` is set), ODC's measured bubble, for GRPO generation's share of the step time (the slowest
-rank's synchronised time inside ``generate``, per step), and each row's tokens/s over ``trl-best``'s and
-``trl-default``'s. A row that fails (out of memory) is reported as failed and the others still run::
+rank's synchronised time inside ``generate``, per step, measured here alike in both rows: TRL reports its own only to
+experiment trackers, and ODC's logged ``generation_s`` includes scoring), and each row's tokens/s over ``trl-best``'s
+and ``trl-default``'s. A row that fails (out of memory) is reported as failed and the others still run::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python benchmarks/vs_trl.py \\
         --num-processes 2 --model qwen2.5-1.5b --distribution longalign --samples-per-device 8 --steps 6 \\
         --trl-accumulation 4 --json vs_trl.json            # add --trainer dpo, or --trainer grpo
 
-On CPU (the smoke tests) Accelerate cannot build an FSDP model and runs the stock rows as DDP, fp32; the numbers there
-only show that every row runs.
+On CPU (the smoke tests) Accelerate cannot build an FSDP model and runs the stock rows as DDP (each row sets
+``use_cpu``, which the launcher does not pass on to the processes), fp32; the numbers there only show that every row
+runs.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ TRAINER_ROWS = {
 }
 NO_ROW = {
     ("dpo", "trl-best"): "TRL 1.16's DPOTrainer disables padding_free",
-    ("grpo", "trl-best"): "TRL's GRPOTrainer trains padded batches only",
+    ("grpo", "trl-best"): "TRL 1.16's GRPOTrainer has no padding_free",
 }
 
 # TRL's accelerate_configs/fsdp2.yaml, but every rank builds the (seeded, identical) model itself: TRL's config loads
@@ -136,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
     parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
-    parser.add_argument("--max-length", type=int, default=None, help="cut samples to this many tokens (default: none)")
+    parser.add_argument("--max-length", type=int, default=None, help="SFT, DPO: cut samples to this many tokens")
     parser.add_argument("--samples-per-device", type=int, default=8, help="GRPO: completions per device and step")
     parser.add_argument("--trl-accumulation", type=int, default=1, help="forward passes per device per stock TRL step")
     parser.add_argument("--num-generations", type=int, default=8, help="GRPO: completions per prompt")
@@ -289,6 +291,7 @@ class Row:
     with the policy, the tokenizer and the step timer."""
 
     name: str
+    attention: str
     model: Any
     tokenizer: Any
     options: dict
@@ -329,7 +332,7 @@ def dpo_row(args, row: Row):
 
     pairs = preference_dataset(row.global_batch * row.steps, longest_sample(args), args.distribution, args.seed)
     config_class, trainer_class = (ODCDPOConfig, ODCDPOTrainer) if row.name == "odc" else (DPOConfig, DPOTrainer)
-    reference = build_model(args, row.tokenizer, row.model.config._attn_implementation)  # the initial policy
+    reference = build_model(args, row.tokenizer, row.attention)  # the initial policy
     config = config_class(**row.options, max_length=args.max_length)
     trainer = row.make(trainer_class, ref_model=reference, args=config, train_dataset=pairs)
 
@@ -386,7 +389,8 @@ def run_row(args) -> None:
     global_batch = args.samples_per_device * world_size
     steps = args.warmup + args.steps
     tokenizer = build_tokenizer()
-    model = build_model(args, tokenizer, "sdpa" if args.row == "trl-default" else PACKED_ATTENTION)
+    attention = "sdpa" if args.row == "trl-default" else PACKED_ATTENTION
+    model = build_model(args, tokenizer, attention)
     accumulation = args.trl_accumulation if args.row != "odc" else 1
     timer = StepTimer(cuda)
     generation = EndedGeneration(args, tokenizer.eos_token_id, cuda)
@@ -413,8 +417,12 @@ def run_row(args) -> None:
     def make(trainer_class, **kwargs):
         return trainer_class(model=model, processing_class=tokenizer, callbacks=[timer.callback], **kwargs)
 
-    row = Row(args.row, model, tokenizer, options, global_batch, steps, timer, generation, make)
+    row = Row(args.row, attention, model, tokenizer, options, global_batch, steps, timer, generation, make)
     trainer, documents = BUILDERS[args.trainer](args, row)
+    if trainer.accelerator.num_processes != world_size:  # each process would train alone, on the same samples
+        raise RuntimeError(
+            f"{args.row}: the trainer runs on {trainer.accelerator.num_processes} of {world_size} processes"
+        )
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with generation.installed():

@@ -110,6 +110,7 @@ def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(tmp_path):
     assert list(rows) == ["trl-default", "odc"]
     assert rows["trl-default"]["tokens"] == rows["odc"]["tokens"]
     assert all(0 < row["generation_share"] < 1 for row in rows.values())
+    assert rows["odc"]["bubble"] is not None and rows["trl-default"]["bubble"] is None
 
 
 def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):
