@@ -100,6 +100,9 @@ def test_vs_trl_dpo_runs_stock_trl_and_odc_on_the_same_pairs_on_cpu(tmp_path):
     assert list(rows) == ["trl-default", "odc"]
     assert rows["trl-default"]["tokens"] == rows["odc"]["tokens"]
     assert rows["odc"]["bubble"] is not None and rows["trl-default"]["generation_share"] is None
+    refused = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--trainer", "dpo", "--rows", "trl-best"]
+    done = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(60, 2))
+    assert done.returncode == 2 and "--trainer dpo has no trl-best row" in done.stderr, done.stderr
 
 
 def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(tmp_path):
