@@ -2,7 +2,8 @@
 sharded benchmark model (:func:`build`), the process group (:func:`init_distributed`), long-tailed minibatches
 (:func:`minibatches`), one optimizer step (:func:`run_step`), the timing summary every table reports
 (:func:`timing_summary`), the single-workload command line (:func:`workload_parser`), the trainer schemes the
-trainer benchmarks compare (``TRAINER_SCHEMES``), and where a profiled span's device time went (:func:`device_time`)."""
+trainer benchmarks compare (``TRAINER_SCHEMES``), where a profiled span's device time went (:func:`device_time`), and
+the logits processor that ends generated completions at chosen lengths (:class:`EndAt`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import LogitsProcessor
 
 from hf_odc.accelerate_plugin import shard_model
 from hf_odc.packing import DEFAULT_ATTENTION_SHAPE, DISTRIBUTIONS, idle_fraction, sample_lengths
@@ -239,3 +241,17 @@ def _kinds(work: list[dict], waits: list[dict], top: int) -> dict:
         out["top kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
         out["gaps"] = sorted(gaps, reverse=True)[:top]
     return out
+
+
+class EndAt(LogitsProcessor):
+    """Ends completion ``i`` after exactly ``lengths[i]`` tokens (``eos_token_id`` last), never before, so that a
+    random model's completion lengths are the ones chosen; the other tokens' scores are left as they are."""
+
+    def __init__(self, lengths: list[int], prompt_length: int, eos_token_id: int):
+        self.lengths, self.prompt_length, self.eos_token_id = torch.tensor(lengths), prompt_length, eos_token_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.lengths = self.lengths.to(scores.device)  # once: no host-to-device copy per decoded token
+        done = (self.lengths - 1) == (input_ids.shape[1] - self.prompt_length)
+        scores[:, self.eos_token_id] = torch.where(done, torch.finfo(scores.dtype).max, torch.finfo(scores.dtype).min)
+        return scores

@@ -55,6 +55,8 @@ fi
 if [[ $STEPS == *vs_trl* ]]; then
   # Stock TRL SFTTrainer (defaults; padding-free with odc_packed) against ODCSFTTrainer, one accelerate launch per row;
   # VS_TRL_ARGS extra (e.g. "--trl-accumulation 1" for TRL's padded batches of all 8 samples, "--rows odc").
+  # VS_TRL_ARGS="--trainer dpo": DPOTrainer against ODCDPOTrainer on long-tailed pairs; "--trainer grpo": GRPOTrainer
+  # (transformers generate) against ODCGRPOTrainer, generation in the step, completions up to 256 tokens.
   timeout "${VS_TRL_TIMEOUT:-540}" python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b \
     --distribution longalign --samples-per-device 8 --steps 6 --warmup 3 --trl-accumulation 4 ${VS_TRL_ARGS:-} \
     --json "$OUT/vs_trl.json" 2>&1 | tee "$OUT/vs_trl.log" | grep -v Warning | tail -8

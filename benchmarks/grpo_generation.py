@@ -29,9 +29,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import device_time
+from _common import EndAt, device_time
 from accelerate import Accelerator
-from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.demo import MODEL_CONFIGS
@@ -40,19 +40,6 @@ from hf_odc.trainer import PACKED_ATTENTION
 from hf_odc.trainer.generation import GENERATION_MODES, StaticDecoder, decoding
 
 EOS = 2
-
-
-class EndAt(LogitsProcessor):
-    """Ends completion ``i`` after exactly ``lengths[i]`` tokens (greedy otherwise), so lengths are what we choose."""
-
-    def __init__(self, lengths: list[int], prompt_length: int):
-        self.lengths, self.prompt_length = torch.tensor(lengths), prompt_length
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.lengths = self.lengths.to(scores.device)  # once: no host-to-device copy per decoded token
-        done = (self.lengths - 1) == (input_ids.shape[1] - self.prompt_length)
-        scores[:, EOS] = torch.where(done, torch.finfo(scores.dtype).max, torch.finfo(scores.dtype).min)
-        return scores
 
 
 def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.Module, ODCRuntime]:
@@ -89,7 +76,7 @@ def generate(
     steps, out = [0], []
     target = decoder.model if mode == "static" else model
     hook = target.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
-    processor = LogitsProcessorList([EndAt(lengths, prompts.shape[1])])
+    processor = LogitsProcessorList([EndAt(lengths, prompts.shape[1], EOS)])
 
     def run() -> None:
         with decoding(model, runtime, mode), torch.no_grad():
