@@ -78,7 +78,7 @@ def test_the_kwargs_refuse_what_cannot_save_the_attention():
     assert save_attention_checkpoint_kwargs({"preserve_rng_state": False})["preserve_rng_state"] is False
     with pytest.raises(ValueError, match="needs non-reentrant checkpointing: unset use_reentrant"):
         save_attention_checkpoint_kwargs({"use_reentrant": True})
-    with pytest.raises(ValueError, match="context_fn of its own.*checkpoint_attention='recompute' to keep yours"):
+    with pytest.raises(ValueError, match=r"context_fn of its own.*checkpoint_attention='recompute' to keep yours"):
         save_attention_checkpoint_kwargs({"context_fn": attention_saving_context_fn()})
 
 
