@@ -278,15 +278,16 @@ def save_attention_in_checkpoints(model: nn.Module) -> None:
 
     The model's enabling method (``activation_checkpointing_enable``, ``gradient_checkpointing_enable`` before
     transformers 5.23, which the other one calls) is wrapped on the instance: the callable stays out of the
-    serialised ``TrainingArguments``, and every caller gets it. Idempotent."""
+    serialised ``TrainingArguments``, and every caller gets it. Idempotent; a model without either is left as it is.
+    """
     model = _base_model(model)
     name = (
         "activation_checkpointing_enable"
         if hasattr(model, "activation_checkpointing_enable")
         else "gradient_checkpointing_enable"
     )
-    enable = getattr(model, name)
-    if getattr(enable, "saves_attention", False):
+    enable = getattr(model, name, None)
+    if enable is None or getattr(enable, "saves_attention", False):  # no checkpointing to enable, or wrapped already
         return
     keyword = next(iter(inspect.signature(enable).parameters))  # the checkpoint kwargs: the first parameter
 

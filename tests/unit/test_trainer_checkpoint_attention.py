@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+import hf_odc.kernels.attention as kernels
 from hf_odc import _compat
 from hf_odc.demo import build_tokenizer, chat_dataset
 from hf_odc.demo.models import MODEL_CONFIGS
@@ -25,6 +26,9 @@ from hf_odc.trainer import (
 
 LENGTHS = (7, 1, 12, 3)
 """One packed row of 4 documents: ``odc_packed`` runs SDPA once per document and layer on CPU."""
+CUDA_LENGTHS = (40, 3, 5, 20, 1, 7, 30, 2)
+"""On a GPU, with ``auto``'s threshold at 16 tokens: SDPA for 40, 20, 30 and the lone 2, one ``varlen_attn`` launch
+for each of (3, 5) and (1, 7), so 6 attention operators per layer, of both kinds."""
 
 
 class AttentionCount(TorchDispatchMode):
@@ -41,24 +45,27 @@ class AttentionCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _packed_row() -> dict:
+def _packed_row(lengths: tuple[int, ...], device: str) -> dict:
     g = torch.Generator().manual_seed(1)
-    samples = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in LENGTHS]
-    return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(samples)
+    samples = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+    row = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(samples)
+    return {key: value.to(device) if torch.is_tensor(value) else value for key, value in row.items()}
 
 
-def _forward_backward(checkpointing: str | None) -> tuple[dict[str, torch.Tensor], int]:
+def _forward_backward(
+    checkpointing: str | None, lengths: tuple[int, ...] = LENGTHS, device: str = "cpu", dtype=torch.float32
+) -> tuple[dict[str, torch.Tensor], int]:
     """The 2-layer model's gradients on one packed row, and how many attention operators ran in its forward and
     backward, with ``checkpointing`` ``"save"``, ``"recompute"`` or ``None`` (off)."""
-    model = tiny_model()
+    model = tiny_model().to(device, dtype)
     model.set_attn_implementation(PACKED_ATTENTION)
     if checkpointing is not None:
         kwargs = save_attention_checkpoint_kwargs() if checkpointing == "save" else {"use_reentrant": False}
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     with AttentionCount() as counted:
-        model(**_packed_row(), use_cache=False).loss.backward()
-    return {name: p.grad for name, p in model.named_parameters()}, counted.count
+        model(**_packed_row(lengths, device), use_cache=False).loss.backward()
+    return {name: p.grad.float() for name, p in model.named_parameters()}, counted.count
 
 
 def test_saving_the_attention_keeps_the_gradients_and_runs_it_once():
@@ -72,6 +79,21 @@ def test_saving_the_attention_keeps_the_gradients_and_runs_it_once():
         torch.testing.assert_close(grad, recomputed[name], rtol=1e-6, atol=1e-7, msg=name)
         torch.testing.assert_close(grad, plain[name], rtol=1e-6, atol=1e-7, msg=name)
     assert (saved_count, recomputed_count, plain_count) == (once, 2 * once, once)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_saves_both_kernels_outputs(monkeypatch):
+    """bf16 on a GPU, a row that takes SDPA and ``varlen_attn``: each runs once per layer with ``"save"`` and twice
+    with ``"recompute"``, and the gradients agree (within the kernels' non-deterministic backward)."""
+    monkeypatch.setattr(kernels, "ALONE_FROM", 16)
+    once = 6 * 2  # attention operators per layer x layers
+    saved, saved_count = _forward_backward("save", CUDA_LENGTHS, "cuda", torch.bfloat16)
+    recomputed, recomputed_count = _forward_backward("recompute", CUDA_LENGTHS, "cuda", torch.bfloat16)
+    for name, grad in saved.items():
+        error = ((grad - recomputed[name]).norm() / recomputed[name].norm()).item()
+        assert error < 1e-2, (name, error)
+    assert (saved_count, recomputed_count) == (once, 2 * once)
 
 
 def test_the_kwargs_refuse_what_cannot_save_the_attention():
