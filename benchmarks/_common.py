@@ -25,7 +25,7 @@ from transformers import LogitsProcessor
 
 from hf_odc.accelerate_plugin import shard_model
 from hf_odc.packing import DEFAULT_ATTENTION_SHAPE, DISTRIBUTIONS, idle_fraction, sample_lengths
-from hf_odc.trainer import PACKED_ATTENTION
+from hf_odc.trainer import PACKED_ATTENTION, save_attention_checkpoint_kwargs
 
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,7 +55,9 @@ TRAINER_SCHEMES = {  # name -> the flags of an example script (examples/*.py) th
 
 def build(args, device: torch.device, shard_size: int | None = None):
     """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
-    groups; ``None``: a host's ranks), its AdamW and its config."""
+    groups; ``None``: a host's ranks), its AdamW and its config. With ``args.checkpointing``, activation checkpointing
+    that keeps the attention, as the trainers' default ``checkpoint_attention="save"``; ``args.recompute_attention``:
+    the stock one, which recomputes it."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
     from trl.trainer.utils import add_fused_lm_head
 
@@ -67,7 +69,8 @@ def build(args, device: torch.device, shard_size: int | None = None):
     with device:
         model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False} if args.recompute_attention else save_attention_checkpoint_kwargs()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     add_fused_lm_head(model, outputs=("log_probs",))
     cuda = device.type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
@@ -131,6 +134,9 @@ def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], pr
     }
 
 
+RECOMPUTE_ATTENTION_HELP = "checkpoint as stock (the attention recomputed in the backward), not keeping it"
+
+
 def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
     """The arguments of the single-workload benchmarks (calibrated_balance.py, hybrid_step.py): one model, one
     distribution, one samples-per-device and packing ratio, timed steps per scheme."""
@@ -144,6 +150,7 @@ def workload_parser(description: str, steps: int, warmup: int, warmup_help: str 
     parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     return parser
