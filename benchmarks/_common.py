@@ -1,23 +1,31 @@
 """What the benchmarks share (each is a script, and no script imports another): the model shapes (``MODELS``), the
 sharded benchmark model (:func:`build`), the process group (:func:`init_distributed`), long-tailed minibatches
 (:func:`minibatches`), one optimizer step (:func:`run_step`), the timing summary every table reports
-(:func:`timing_summary`), the single-workload command line (:func:`workload_parser`), and the trainer schemes the
-trainer benchmarks compare (``TRAINER_SCHEMES``)."""
+(:func:`timing_summary`), the single-workload command line (:func:`workload_parser`), the trainer schemes the
+trainer benchmarks compare (``TRAINER_SCHEMES``), where a profiled span's device time went (:func:`device_time`), and
+the logits processor that ends generated completions at chosen lengths (:class:`EndAt`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import re
 import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import LogitsProcessor
 
 from hf_odc.accelerate_plugin import shard_model
 from hf_odc.packing import DEFAULT_ATTENTION_SHAPE, DISTRIBUTIONS, idle_fraction, sample_lengths
-from hf_odc.trainer import PACKED_ATTENTION
+from hf_odc.trainer import PACKED_ATTENTION, save_attention_checkpoint_kwargs
 
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -47,7 +55,9 @@ TRAINER_SCHEMES = {  # name -> the flags of an example script (examples/*.py) th
 
 def build(args, device: torch.device, shard_size: int | None = None):
     """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
-    groups; ``None``: a host's ranks), its AdamW and its config."""
+    groups; ``None``: a host's ranks), its AdamW and its config. With ``args.checkpointing``, activation checkpointing
+    that keeps the attention, as the trainers' default ``checkpoint_attention="save"``; ``args.recompute_attention``:
+    the stock one, which recomputes it."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
     from trl.trainer.utils import add_fused_lm_head
 
@@ -59,7 +69,8 @@ def build(args, device: torch.device, shard_size: int | None = None):
     with device:
         model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False} if args.recompute_attention else save_attention_checkpoint_kwargs()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     add_fused_lm_head(model, outputs=("log_probs",))
     cuda = device.type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
@@ -78,8 +89,9 @@ def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device
             if not odc:  # plain FSDP2: reduce-scatter once, in the last microbatch's backward (as the trainer does)
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
             inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
-            out = model(**inputs, use_cache=False, fused_lm_head=True)
-            (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
+            with torch.profiler.record_function(f"microbatch {index}"):  # a span for device_time
+                out = model(**inputs, use_cache=False, fused_lm_head=True)
+                (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
             runner.lap()
     model.set_requires_gradient_sync(True)
     optimizer.step()
@@ -122,6 +134,9 @@ def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], pr
     }
 
 
+RECOMPUTE_ATTENTION_HELP = "checkpoint as stock (the attention recomputed in the backward), not keeping it"
+
+
 def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
     """The arguments of the single-workload benchmarks (calibrated_balance.py, hybrid_step.py): one model, one
     distribution, one samples-per-device and packing ratio, timed steps per scheme."""
@@ -135,6 +150,7 @@ def workload_parser(description: str, steps: int, warmup: int, warmup_help: str 
     parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     return parser
@@ -154,3 +170,95 @@ def init_distributed(args) -> torch.device:
     if dist.get_world_size() < 2:
         raise SystemExit("Run on at least 2 processes (torchrun --nproc_per_node N): the schemes differ across ranks.")
     return device
+
+
+KERNEL_KINDS = (  # (kind, pattern of the kernel's name); the first that matches
+    ("odc push", r"_scatter_add_kernel"),
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|attn|cudnn|sdpa|varlen"),
+    ("gemm", r"gemm|xmma|cutlass|nvjet|cublas|matmul|splitk"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """Which of :data:`KERNEL_KINDS` a device kernel's name is ("other" for the rest)."""
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+@contextlib.contextmanager
+def device_time(result: dict, spans: str | None = None, top: int = 8):
+    """Profile the block (``torch.profiler``, CPU and CUDA); on exit ``result`` holds the seconds of device kernels by
+    kind (:func:`kernel_kind`), of copies (``"copy"``: ODC's one-sided reads and host transfers) and of memsets, the
+    span from the first kernel's start to the last one's end (``"span"``), the union of intervals in which any kernel
+    ran (``"kernels busy"``), the number of kernels, the host's blocking waits for the device (``"host waits"``:
+    seconds of CUDA runtime calls that synchronise), the ``top`` kernels by summed time (``"top kernels"``) and the
+    ``top`` longest gaps in which no kernel ran, each with the kernels on either side (``"gaps"``). With ``spans`` (a
+    prefix of ``torch.profiler.record_function`` names), ``result["spans"]`` holds the numbers for each such range as
+    the device ran it, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    work = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+        key=lambda e: e["ts"],
+    )
+    waits = [e for e in events if e.get("cat") == "cuda_runtime" and _SYNCHRONISING.search(e.get("name", ""))]
+    result.update(_kinds(work, waits, top))
+    if spans is not None:
+        ranges = sorted(
+            (e for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith(spans)),
+            key=lambda e: e["ts"],
+        )
+        result["spans"] = [
+            {"name": r["name"], **_kinds([e for e in work if r["ts"] <= e["ts"] < r["ts"] + r["dur"]], [], 0)}
+            for r in ranges
+        ]
+
+
+_SYNCHRONISING = re.compile(r"Synchronize|cudaMemcpy(?!Async)|cudaFree\b|cudaMalloc\b")
+
+
+def _kinds(work: list[dict], waits: list[dict], top: int) -> dict:
+    """:func:`device_time`'s numbers for ``work`` (device events sorted by start) and ``waits`` (host runtime calls)."""
+    seconds: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    kernels = [e for e in work if e["cat"] == "kernel"]
+    for event in work:
+        kind = {"gpu_memcpy": "copy", "gpu_memset": "memset"}.get(event["cat"]) or kernel_kind(event["name"])
+        seconds[kind] += event["dur"] / 1e6
+        by_name[event["name"][:80]] += event["dur"] / 1e6
+    busy, end, gaps, last = 0.0, float("-inf"), [], None
+    for event in kernels:
+        start, stop = event["ts"], event["ts"] + event["dur"]
+        if last is not None and start > end:
+            gaps.append(((start - end) / 1e6, last["name"][:60], event["name"][:60]))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, event
+    span = (max(e["ts"] + e["dur"] for e in work) - work[0]["ts"]) / 1e6 if work else 0.0
+    out = {**seconds, "span": span, "kernels busy": busy / 1e6, "kernels": len(kernels)}
+    if top:
+        out["host waits"] = sum(e["dur"] for e in waits) / 1e6
+        out["top kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+        out["gaps"] = sorted(gaps, reverse=True)[:top]
+    return out
+
+
+class EndAt(LogitsProcessor):
+    """Ends completion ``i`` after exactly ``lengths[i]`` tokens (``eos_token_id`` last), never before, so that a
+    random model's completion lengths are the ones chosen; the other tokens' scores are left as they are."""
+
+    def __init__(self, lengths: list[int], prompt_length: int, eos_token_id: int):
+        self.lengths, self.prompt_length, self.eos_token_id = torch.tensor(lengths), prompt_length, eos_token_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.lengths = self.lengths.to(scores.device)  # once: no host-to-device copy per decoded token
+        done = (self.lengths - 1) == (input_ids.shape[1] - self.prompt_length)
+        scores[:, self.eos_token_id] = torch.where(done, torch.finfo(scores.dtype).max, torch.finfo(scores.dtype).min)
+        return scores

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one lease: environment facts, the CUDA tests, the comm, end-to-end, packed-attention,
-# SFT-throughput, stock-TRL comparison, GRPO policy-update and generation, the other trainers' points, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
+# SFT-throughput, step profile, stock-TRL comparison, GRPO policy-update and generation, the other trainers' points, calibration, hybrid and meeting-cost benchmarks. Logs and JSON go to $OUT. Usage (2 GPUs of one host):
 # STEPS=env,tests,grpo bash benchmarks/gpu_suite.sh
 # The device image has no trl / datasets: carry them as wheels in .whl (see the device README).
 set -u
@@ -47,9 +47,16 @@ if [[ $STEPS == *headline* ]]; then
   timeout "${HEADLINE_TIMEOUT:-540}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/sft_throughput.py ${HEADLINE_ARGS:-} \
     --json "$OUT/sft_$name.json" --plot "$OUT/sft_$name.png" 2>&1 | tee "$OUT/sft_$name.log" | grep -v Warning | tail -16
 fi
+if [[ $STEPS == *profile* ]]; then
+  # Where an SFT step's device time goes per scheme, kind of kernel and microbatch; PROFILE_ARGS extra.
+  timeout "${PROFILE_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$nproc" benchmarks/profile_step.py ${PROFILE_ARGS:-} \
+    --json "$OUT/profile_step.json" 2>&1 | tee "$OUT/profile_step.log" | grep -v Warning | tail -40
+fi
 if [[ $STEPS == *vs_trl* ]]; then
   # Stock TRL SFTTrainer (defaults; padding-free with odc_packed) against ODCSFTTrainer, one accelerate launch per row;
   # VS_TRL_ARGS extra (e.g. "--trl-accumulation 1" for TRL's padded batches of all 8 samples, "--rows odc").
+  # VS_TRL_ARGS="--trainer dpo": DPOTrainer against ODCDPOTrainer on long-tailed pairs; "--trainer grpo": GRPOTrainer
+  # (transformers generate) against ODCGRPOTrainer, generation in the step, completions up to 256 tokens.
   timeout "${VS_TRL_TIMEOUT:-540}" python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b \
     --distribution longalign --samples-per-device 8 --steps 6 --warmup 3 --trl-accumulation 4 ${VS_TRL_ARGS:-} \
     --json "$OUT/vs_trl.json" 2>&1 | tee "$OUT/vs_trl.log" | grep -v Warning | tail -8

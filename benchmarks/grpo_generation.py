@@ -31,8 +31,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from _common import EndAt, device_time
 from accelerate import Accelerator
-from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.demo import MODEL_CONFIGS
@@ -41,19 +42,6 @@ from hf_odc.trainer import PACKED_ATTENTION
 from hf_odc.trainer.generation import GENERATION_MODES, StaticDecoder, decoding
 
 EOS = 2
-
-
-class EndAt(LogitsProcessor):
-    """Ends completion ``i`` after exactly ``lengths[i]`` tokens (greedy otherwise), so lengths are what we choose."""
-
-    def __init__(self, lengths: list[int], prompt_length: int):
-        self.lengths, self.prompt_length = torch.tensor(lengths), prompt_length
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.lengths = self.lengths.to(scores.device)  # once: no host-to-device copy per decoded token
-        done = (self.lengths - 1) == (input_ids.shape[1] - self.prompt_length)
-        scores[:, EOS] = torch.where(done, torch.finfo(scores.dtype).max, torch.finfo(scores.dtype).min)
-        return scores
 
 
 def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.Module, ODCRuntime]:
@@ -98,7 +86,7 @@ def generate(
     steps, out = [0], []
     target = decoder.model if mode == "static" else model
     hook = target.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
-    ending = {"logits_processor": LogitsProcessorList([EndAt(lengths, prompts.shape[1])]), "eos_token_id": EOS}
+    ending = {"logits_processor": LogitsProcessorList([EndAt(lengths, prompts.shape[1], EOS)]), "eos_token_id": EOS}
 
     def run() -> None:
         with decoding(model, runtime, mode), torch.no_grad():
@@ -165,6 +153,7 @@ def main() -> None:
         help="static: hf_odc's decoding loop (every completion decoded to the longest length), or transformers' "
         "generate (the lengths forced by a logits processor, which the loop leaves to generate)",
     )
+    parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -193,6 +182,11 @@ def main() -> None:
             first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
             first["refresh_s"] = timed(device, decoder.refresh)
         seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced)
+        if args.profile and device.type == "cuda":  # once more, profiled: is decoding kernel- or launch-bound?
+            profiled: dict = {}
+            with device_time(profiled):
+                first["profiled_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
+            first["device"] = profiled
         tokens = sum(capped)
         rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
                       "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
@@ -237,6 +231,11 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
                 estimate += f" (first batch +{row['compile_s']:.1f} compile; refresh {row['refresh_s']:.2f})"
             print(f"| {mode} | {rank} | {row['decode_s']:.2f}{estimate} | {row['steps']} | {row['ms_per_step']:.1f} | "
                   f"{row['tokens_per_s']:.0f} | {share:.0%} |")  # fmt: skip
+            if "device" in row:  # the profiled run: kernels' busy time against the run's, per decoding step
+                dev, steps = row["device"], max(row["steps"], 1)
+                kinds = ", ".join(f"{k} {1e3 * v / steps:.2f}" for k, v in dev.items() if isinstance(v, float))
+                print(f"|   profiled | {rank} | {row['profiled_s']:.2f} | {dev['kernels'] / steps:.0f} kernels/step "
+                      f"| ms/step: {kinds} | | |")  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

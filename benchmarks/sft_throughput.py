@@ -3,11 +3,11 @@ with the attention cost, and with the trainers' default, the calibrated cost), o
 
 One process per GPU builds the model once (random weights from a Qwen2.5 shape, or a Qwen3-MoE one whose 3-D expert
 weights are sharded like the rest, trained without the router's load-balancing loss; bf16 compute with fp32 master
-weights and reductions, activation checkpointing, hf_odc's packed attention, TRL's fused LM head: what
-``ODCSFTTrainer`` runs) and trains it on the same global minibatches under every scheme, interleaved minibatch by
-minibatch so that drift hits them alike, the schemes taking turns at going first. Plain FSDP2 is the ODC model outside
-``odc.minibatch()``, between the same two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with its
-reduce-scatter deferred to the last
+weights and reductions, activation checkpointing keeping the attention (``--recompute-attention``: recomputing it),
+hf_odc's packed attention, TRL's fused LM head: what ``ODCSFTTrainer`` runs) and trains it on the same global
+minibatches under every scheme, interleaved minibatch by minibatch so that drift hits them alike, the schemes taking
+turns at going first. Plain FSDP2 is the ODC model outside ``odc.minibatch()``, between the same two meeting points
+(:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
 microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.timing`)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
@@ -35,7 +35,16 @@ import json
 import numpy as np
 import torch
 import torch.distributed as dist
-from _common import MODELS, build, init_distributed, minibatches, run_step, scaled_lengths, timing_summary
+from _common import (
+    MODELS,
+    RECOMPUTE_ATTENTION_HELP,
+    build,
+    init_distributed,
+    minibatches,
+    run_step,
+    scaled_lengths,
+    timing_summary,
+)
 
 import hf_odc
 from hf_odc.cli.plan import LengthPool, simulate
@@ -248,6 +257,7 @@ def main() -> None:
     parser.add_argument("--schemes", default=",".join(NAMES), help=f"comma list of {NAMES}")
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
     parser.add_argument("--predict-world-sizes", default="8,32,128")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)

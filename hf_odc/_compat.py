@@ -12,7 +12,8 @@ Every other private name is read by a function of this module, which checks it f
 
 * torch: the default store (``distributed_c10d._get_default_store``), the job's process groups and their timeouts
   (``distributed_c10d._world``, ``_set_pg_timeout`` before torch 2.14), CUDA symmetric memory
-  (``torch.distributed._symmetric_memory``);
+  (``torch.distributed._symmetric_memory``), the attention operators (``aten._scaled_dot_product_*``,
+  ``torch_attn::_varlen_attn``);
 * transformers: ``generate``'s own preparation (``GenerationMixin._prepare_generation_config``,
   ``_prepare_special_tokens``, ``_get_logits_processor``, ``_get_stopping_criteria``), a config's
   ``_attn_implementation``, a model class's ``_from_config``, ``_no_split_modules`` and ``_can_record_outputs``, the
@@ -42,6 +43,7 @@ __all__ = [
     "CLASS_NAMES",
     "INSTANCE_NAMES",
     "UnsupportedLibraryError",
+    "attention_operators",
     "attn_implementation",
     "cache_argument",
     "check_classes",
@@ -395,3 +397,32 @@ def symmetric_memory() -> ModuleType:
     """torch's private ``torch.distributed._symmetric_memory`` (CUDA symmetric memory), with what the CUDA transport
     calls of it checked."""
     return _checked("torch.distributed._symmetric_memory", "empty", "rendezvous", "get_backend", "set_backend")
+
+
+SDPA_OPERATORS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+"""The aten operators ``scaled_dot_product_attention`` runs a fused kernel through (flash, memory-efficient, cuDNN,
+CPU flash), each returning the output and the softmax statistics its backward reads; every torch hf_odc supports has
+them."""
+
+
+def attention_operators() -> list[Any]:
+    """torch's attention operators as a dispatch mode sees them (the default overloads): :data:`SDPA_OPERATORS`,
+    ``aten._scaled_dot_product_fused_attention_overrideable`` (other backends) where this torch has it, and
+    ``torch_attn::_varlen_attn``, the custom operator ``torch.nn.attention.varlen.varlen_attn`` runs (opaque to a
+    dispatch mode: the aten kernels it calls are not seen apart from it), from torch 2.10. SDPA's unfused (math)
+    fallback decomposes into ordinary operators and has none."""
+    import torch
+
+    _require(torch.ops.aten, SDPA_OPERATORS, "torch.ops.aten", "")
+    names = [*SDPA_OPERATORS, "_scaled_dot_product_fused_attention_overrideable"]
+    operators = [getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)]
+    with contextlib.suppress(ImportError):
+        import torch.nn.attention.varlen  # registers torch_attn::_varlen_attn
+    if hasattr(torch.ops.torch_attn, "_varlen_attn"):
+        operators.append(torch.ops.torch_attn._varlen_attn.default)
+    return operators

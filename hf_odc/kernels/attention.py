@@ -43,10 +43,12 @@ import torch.nn.functional as F
 __all__ = [
     "ALONE_FROM",
     "BACKENDS",
+    "SDPA_LENGTHS_PER_OCTAVE",
     "Backend",
     "Piece",
     "attention_pieces",
     "packed_causal_attention",
+    "sdpa_length",
     "varlen_available",
 ]
 
@@ -178,6 +180,10 @@ def _attend(
 ) -> torch.Tensor:
     if piece.varlen:
         return _varlen(query, key, value, piece.lengths, scale)
+    length = piece.tokens
+    padded = sdpa_length(length) if query.device.type in _PADDED_ON else length
+    if padded != length:  # zeros after the document: causal, its own tokens never attend to them
+        query, key, value = (F.pad(t, (0, 0, 0, 0, 0, padded - length)) for t in (query, key, value))
     # (L, H, D) -> (1, H, L, D): views; SDPA returns (1, H, L, D) laid out as (1, L, H, D).
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None],
@@ -188,7 +194,27 @@ def _attend(
         scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1)[:length]
+
+
+def sdpa_length(tokens: int) -> int:
+    """The length a document of ``tokens`` tokens is attended at through SDPA on a GPU: rounded up to one of
+    :data:`SDPA_LENGTHS_PER_OCTAVE` steps per power of two (at least 64 tokens), so at most about 3% more.
+
+    Why: cuDNN's attention (what SDPA picks on Hopper) builds an execution plan for each new sequence length, tens
+    of milliseconds of host time in which the device runs dry, and long-context data brings a new length with nearly
+    every document. Rounded, a run meets a few hundred lengths in all, each planned once. The padding is exact:
+    attention is causal, so the document's tokens never attend to the zeros after them, and nothing of the padded
+    rows' outputs reaches a gradient."""
+    octave = 1 << (tokens.bit_length() - 1)  # the power of two at or below tokens
+    step = max(64, octave // SDPA_LENGTHS_PER_OCTAVE)
+    return -(-tokens // step) * step
+
+
+SDPA_LENGTHS_PER_OCTAVE = 32
+"""Lengths per power of two that :func:`sdpa_length` rounds to (a power of two itself)."""
+
+_PADDED_ON = ("cuda",)  # the devices whose SDPA plans per length (a CPU's does not: padding would only cost)
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,6 +61,9 @@ class HostBarrier:
         self.timeout = timeout
         self._names = names if names is not None else tuple(range(len(blocks)))
         self._watchers: list[Callable[[], None]] = []
+        self.segment_prefix: str | None = None
+        """The prefix of the shared-memory names holding the blocks, when :meth:`create` made them (to check that
+        none is left behind)."""
         self._arrivals = 0
         own = blocks[rank]
         own.zero_()
@@ -71,7 +74,9 @@ class HostBarrier:
         """Collective over ``group`` (``None``: the default group), whose ranks must share one host: a barrier among
         them, its control blocks in shared memory of its own. It refuses a group that spans hosts."""
         job = ShmJob(group)
-        return cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout, job.global_ranks)
+        barrier = cls(job.map_tensors(_BLOCK_SLOTS, torch.int64), job.rank, job.pids, timeout, job.global_ranks)
+        barrier.segment_prefix = job.prefix
+        return barrier
 
     def _text(self, r: int, start: int, end: int) -> str:
         raw = self._blocks[r][start:end].numpy().tobytes()

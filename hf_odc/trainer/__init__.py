@@ -6,17 +6,22 @@
 The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
 :mod:`hf_odc.trainer.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling,
 KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the
-other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`.
+other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`, with what activation
+checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
 """
 
 from .._compat import check_classes
 from ._step import PlannedStep, StepMetrics
 from .attention import (
+    CHECKPOINT_ATTENTION,
     PACKED_ATTENTION,
     PACKED_ATTENTION_IMPLEMENTATIONS,
+    attention_saving_context_fn,
     check_packed_attention,
     packed_attention_forward,
     register_packed_attention,
+    save_attention_checkpoint_kwargs,
+    save_attention_in_checkpoints,
     use_packed_attention,
 )
 from .data import (
@@ -45,6 +50,7 @@ from .sft_trainer import ODCSFTTrainer
 check_classes()  # the private TRL / transformers names the trainers rely on (hf_odc._compat)
 
 __all__ = [
+    "CHECKPOINT_ATTENTION",
     "PACKED_ATTENTION",
     "PACKED_ATTENTION_IMPLEMENTATIONS",
     "GlobalMinibatchSampler",
@@ -66,11 +72,14 @@ __all__ = [
     "PlannedMinibatchCollator",
     "PlannedStep",
     "StepMetrics",
+    "attention_saving_context_fn",
     "check_packed_attention",
     "count_target_tokens",
     "global_minibatch",
     "minibatch_loader",
     "packed_attention_forward",
     "register_packed_attention",
+    "save_attention_checkpoint_kwargs",
+    "save_attention_in_checkpoints",
     "use_packed_attention",
 ]

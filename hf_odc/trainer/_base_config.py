@@ -19,6 +19,7 @@ from ..accelerate_plugin import ODCPlugin
 from ..kernels import TRANSPORTS
 from ..liveness import DEFAULT_TIMEOUT_S, heartbeat
 from ..packing import COSTS, PLANNERS
+from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
 
 _COST_MODELS = (*COSTS, "calibrated")
 
@@ -80,6 +81,14 @@ _ODC_PARAMETERS = """
             microbatch costs the sum of its samples instead of the square of its length, with no `T x T` mask.
             `False` keeps the model's implementation (with a warning for `sdpa`/`eager` on a GPU). Flash and flex
             attention are always kept.
+        checkpoint_attention (`str`, *optional*, defaults to `"save"`):
+            What activation checkpointing (`gradient_checkpointing`) does with the attention. `"save"`: each layer
+            keeps its attention operators' outputs and softmax statistics (one `tokens x heads x head_dim` tensor per
+            layer) and recomputes the rest, so the backward does not run the attention forward again (selective
+            activation checkpointing: `hf_odc.trainer.attention.save_attention_checkpoint_kwargs`); the same gradients.
+            It needs non-reentrant checkpointing and replaces `gradient_checkpointing_kwargs`' `context_fn`, so a
+            `use_reentrant=True` or a `context_fn` of your own there is refused with it. `"recompute"`: the stock
+            behaviour, every operator recomputed. No effect without activation checkpointing.
 
     > [!NOTE]
     > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
@@ -220,6 +229,14 @@ class _ODCConfig:
             "own, no T x T mask). False keeps the model's implementation."
         },
     )
+    checkpoint_attention: str = field(
+        default="save",
+        metadata={
+            "help": "With activation checkpointing: 'save' keeps each layer's attention outputs, so the backward does "
+            "not recompute the attention (same gradients); 'recompute' reruns it (stock).",
+            "choices": list(CHECKPOINT_ATTENTION),
+        },
+    )
 
     def __post_init__(self):
         _refuse_cpu_offload(self)
@@ -273,6 +290,10 @@ class _ODCConfig:
             )
         if self.gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}.")
+        if self.checkpoint_attention not in CHECKPOINT_ATTENTION:
+            raise ValueError(
+                f"checkpoint_attention must be one of {CHECKPOINT_ATTENTION}, got {self.checkpoint_attention!r}."
+            )
         if getattr(self, "activation_checkpointing", False) is None:
             # transformers 5.23 renamed gradient_checkpointing, and warns when the old name is set: TRL's configs set
             # it by default, and the examples' documented flag is --gradient_checkpointing. Both names mean the same.
@@ -283,6 +304,12 @@ class _ODCConfig:
                 if getattr(self, new) is None:
                     setattr(self, new, getattr(self, old))
         super().__post_init__()
+        checkpointing = getattr(self, "activation_checkpointing", self.gradient_checkpointing)
+        if self.checkpoint_attention == "save" and checkpointing:
+            # what the trainer will pass, checked now (TrainingArguments has parsed the kwargs from JSON)
+            save_attention_checkpoint_kwargs(
+                getattr(self, "activation_checkpointing_kwargs", self.gradient_checkpointing_kwargs)
+            )
 
     def odc_plugin(self) -> ODCPlugin:
         """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe, built once, when the config was."""

@@ -31,7 +31,7 @@ from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics
-from .attention import use_packed_attention
+from .attention import save_attention_in_checkpoints, use_packed_attention
 
 
 class _ODCTrainer(_CheckpointHooks, ABC):
@@ -107,12 +107,15 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     # -- setup --------------------------------------------------------------------------------------------------------
 
     def _setup_odc(self, step_metrics: StepMetrics) -> None:
-        """Packed attention, then (with several processes) FSDP2 sharding and ODC; the planner's cost model; the
-        metrics the trainer's loss accumulates. Checks first that the TRL and transformers names hf_odc relies on are
-        there (:mod:`hf_odc._compat`)."""
+        """Packed attention and what activation checkpointing keeps of it (enabled later, by ``Trainer.train``), then
+        (with several processes) FSDP2 sharding and ODC; the planner's cost model; the metrics the trainer's loss
+        accumulates. Checks first that the TRL and transformers names hf_odc relies on are there
+        (:mod:`hf_odc._compat`)."""
         _compat.check_trainer(self)
         args = self.args
         use_packed_attention(self.model, args.packed_attention, args.device)
+        if args.checkpoint_attention == "save":
+            save_attention_in_checkpoints(self.model)
         self.odc = ODCRuntime(args.odc_plugin(), self.accelerator)
         if self.accelerator.num_processes > 1:
             fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)

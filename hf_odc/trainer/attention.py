@@ -17,32 +17,45 @@ boundaries and the implementation's mask function applies them), so these implem
 
 Anything else (``paged|...`` implementations for generation, custom kernels registered at run time) could silently
 attend across samples, so it is refused.
+
+Under activation checkpointing every layer's forward runs twice, the attention kernels included; on long packed rows
+those are the largest part of a step. :func:`attention_saving_context_fn` makes the checkpoint keep the attention
+operators' outputs (with the softmax statistics their backward reads) and recompute the rest: one extra
+``tokens x heads x head_dim`` tensor per layer, and the attention forward runs once. The ODC trainers apply it when
+they checkpoint (``checkpoint_attention="save"``, :func:`save_attention_in_checkpoints`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .._compat import attn_implementation
+from .._compat import attention_operators, attn_implementation
 from ..kernels.attention import Backend, packed_causal_attention
 
 __all__ = [
+    "CHECKPOINT_ATTENTION",
     "DENSE_MASK_IMPLEMENTATIONS",
     "PACKED_ATTENTION",
     "PACKED_ATTENTION_IMPLEMENTATIONS",
+    "attention_saving_context_fn",
     "check_packed_attention",
     "packed_attention_forward",
     "register_packed_attention",
+    "save_attention_checkpoint_kwargs",
+    "save_attention_in_checkpoints",
     "use_packed_attention",
 ]
 
@@ -224,6 +237,70 @@ def attention_implementation(model: nn.Module) -> str:
     config = _base_model(model).config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return attn_implementation(config) or "eager"
+
+
+CHECKPOINT_ATTENTION: tuple[str, ...] = ("save", "recompute")
+"""What activation checkpointing does with the attention: keep its outputs (``"save"``) or run it again in the
+backward like every other operator (``"recompute"``, the stock behaviour)."""
+
+
+def attention_saving_context_fn() -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for non-reentrant ``torch.utils.checkpoint.checkpoint``: selective activation checkpointing
+    that saves the outputs of every attention operator SDPA and ``varlen_attn`` run (the fused kernels'; see
+    :func:`hf_odc._compat.attention_operators`) and recomputes everything else, so the backward reruns a layer's
+    forward without its attention. Gradients are those of plain checkpointing: the saved tensors are what the
+    recomputation would produce."""
+    return functools.partial(create_selective_checkpoint_contexts, attention_operators())
+
+
+def save_attention_checkpoint_kwargs(checkpoint_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``checkpoint_kwargs`` (what ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` passes
+    to ``torch.utils.checkpoint.checkpoint``) with ``use_reentrant=False`` and :func:`attention_saving_context_fn`.
+    Refuses reentrant checkpointing (it has no ``context_fn``) and a ``context_fn`` of the caller's own, which this
+    would replace."""
+    checkpoint_kwargs = dict(checkpoint_kwargs or {})
+    if checkpoint_kwargs.get("use_reentrant"):
+        raise ValueError(
+            "Saving the attention in activation checkpoints needs non-reentrant checkpointing: unset use_reentrant in "
+            "gradient_checkpointing_kwargs, or set checkpoint_attention='recompute'."
+        )
+    if checkpoint_kwargs.get("context_fn") is not None:
+        raise ValueError(
+            "gradient_checkpointing_kwargs has a context_fn of its own, which saving the attention would replace: set "
+            "checkpoint_attention='recompute' to keep yours."
+        )
+    return {**checkpoint_kwargs, "use_reentrant": False, "context_fn": attention_saving_context_fn()}
+
+
+def save_attention_in_checkpoints(model: nn.Module) -> None:
+    """From now on, whenever activation checkpointing is enabled on ``model`` (a transformers model, or a PEFT model
+    around one), by the Trainer, TRL or the user, it saves the attention (:func:`save_attention_checkpoint_kwargs`).
+
+    The model's enabling method (``activation_checkpointing_enable``, ``gradient_checkpointing_enable`` before
+    transformers 5.23, which the other one calls) is wrapped on the instance: the callable stays out of the
+    serialised ``TrainingArguments``, and every caller gets it. Idempotent; a model without either is left as it is.
+    """
+    model = _base_model(model)
+    name = (
+        "activation_checkpointing_enable"
+        if hasattr(model, "activation_checkpointing_enable")
+        else "gradient_checkpointing_enable"
+    )
+    enable = getattr(model, name, None)
+    if enable is None or getattr(enable, "saves_attention", False):  # no checkpointing to enable, or wrapped already
+        return
+    keyword = next(iter(inspect.signature(enable).parameters))  # the checkpoint kwargs: the first parameter
+
+    @functools.wraps(enable)
+    def enable_saving_attention(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (save_attention_checkpoint_kwargs(args[0]), *args[1:])
+        else:
+            kwargs[keyword] = save_attention_checkpoint_kwargs(kwargs.get(keyword))
+        return enable(*args, **kwargs)
+
+    enable_saving_attention.saves_attention = True
+    setattr(model, name, enable_saving_attention)
 
 
 def _base_model(model: nn.Module) -> nn.Module:

@@ -64,25 +64,56 @@ def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(tmp_path):
     assert all(row["tokens_per_second"] > 0 for row in schemes.values())
 
 
-def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(tmp_path):
-    """benchmarks/vs_trl.py's three rows, each its own 2-process accelerate launch: every row trains the same
-    samples in each timed step, and only the ODC row logs a bubble."""
+def run_vs_trl(tmp_path: Path, *options: str) -> dict:
+    """benchmarks/vs_trl.py's rows on a tiny model, 2 CPU processes each, 1 warm-up and 2 timed steps: its JSON rows,
+    each checked to have run with tokens/s and MFU (``HF_ODC_PEAK_TFLOPS`` set)."""
     out = tmp_path / "vs_trl.json"
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--length-scale", "0.004",
-        "--samples-per-device", "2", "--steps", "2", "--warmup", "1", "--no-checkpointing", "--json", str(out),
+        sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--samples-per-device", "2",
+        "--steps", "2", "--warmup", "1", "--no-checkpointing", "--json", str(out), *options,
     ]  # fmt: skip
     env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
-    assert list(rows) == ["trl-default", "trl-best", "odc"], done.stdout[-4000:]
     for name, row in rows.items():
         assert "error" not in row, (name, row)
         assert row["tokens_per_second"] > 0 and row["mfu"] > 0 and len(row["step_s"]) == 2
+    return rows
+
+
+def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(tmp_path):
+    """benchmarks/vs_trl.py's three rows, each its own 2-process accelerate launch: every row trains the same
+    samples in each timed step, and only the ODC row logs a bubble."""
+    rows = run_vs_trl(tmp_path, "--length-scale", "0.004")
+    assert list(rows) == ["trl-default", "trl-best", "odc"]
+    for row in rows.values():
         assert row["tokens"] == rows["odc"]["tokens"]  # the same samples in each timed step
     assert rows["odc"]["bubble"] is not None and rows["trl-best"]["bubble"] is None
     assert rows["trl-best"]["x_trl-best"] == pytest.approx(1.0)
+
+
+def test_vs_trl_dpo_runs_stock_trl_and_odc_on_the_same_pairs_on_cpu(tmp_path):
+    """``--trainer dpo``: stock DPOTrainer and ODCDPOTrainer train the same pairs (chosen + rejected tokens) in each
+    timed step, each with its reference model's forward counted in MFU."""
+    rows = run_vs_trl(tmp_path, "--trainer", "dpo", "--length-scale", "0.004")
+    assert list(rows) == ["trl-default", "odc"]
+    assert rows["trl-default"]["tokens"] == rows["odc"]["tokens"]
+    assert rows["odc"]["bubble"] is not None and rows["trl-default"]["generation_share"] is None
+    refused = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--trainer", "dpo", "--rows", "trl-best"]
+    done = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(60, 2))
+    assert done.returncode == 2 and "--trainer dpo has no trl-best row" in done.stderr, done.stderr
+
+
+def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(tmp_path):
+    """``--trainer grpo``: stock GRPOTrainer (transformers generate) and ODCGRPOTrainer generate completions of the
+    same long-tailed lengths for the same prompts, so every timed step trains the same tokens, with generation's
+    share of the step recorded."""
+    rows = run_vs_trl(tmp_path, "--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "32")
+    assert list(rows) == ["trl-default", "odc"]
+    assert rows["trl-default"]["tokens"] == rows["odc"]["tokens"]
+    assert all(0 < row["generation_share"] < 1 for row in rows.values())
+    assert rows["odc"]["bubble"] is not None and rows["trl-default"]["bubble"] is None
 
 
 def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):

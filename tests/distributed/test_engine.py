@@ -73,9 +73,11 @@ def assert_all_close(actual: dict, expected: dict, **tol) -> None:
         torch.testing.assert_close(actual[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **tol)
 
 
-def assert_no_segments(prefix: str) -> None:
-    assert prefix and prefix.startswith("hf_odc_")
-    assert glob.glob(f"/dev/shm/{prefix}*") == []
+def assert_no_segments(prefixes: list[str]) -> None:
+    assert prefixes
+    for prefix in prefixes:
+        assert prefix and prefix.startswith("hf_odc_")
+        assert glob.glob(f"/dev/shm/{prefix}*") == []
 
 
 @pytest.mark.parametrize(

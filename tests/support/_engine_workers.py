@@ -143,9 +143,14 @@ def distributed(rank: int, world_size: int, case: Case) -> dict:
     final = {k: p.detach().full_tensor().float().cpu() for k, p in params.items()}
     prefix = None
     if odc is not None:
-        prefix = odc.transport.segment_prefix
+        prefix = shm_prefixes(odc)
         odc.close()
     return {"grads": grads0, "params": final, "times": times, "prefix": prefix}
+
+
+def shm_prefixes(odc) -> list[str]:
+    """The prefixes of every shared-memory name ``odc`` made: its host barrier's, and on CPUs its transport's."""
+    return [odc.host.segment_prefix, *filter(None, [getattr(odc.transport, "segment_prefix", None)])]
 
 
 def distributed_in_turn(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
@@ -168,7 +173,7 @@ def faulty(rank: int, world_size: int, case: Case) -> dict:
     culprit = case.extra.get("culprit", 1)
     model = shard(tiny_model(device=case.device), case)
     odc = hf_odc.enable(model, timeout=float(case.extra.get("timeout", 60)))
-    prefix = odc.transport.segment_prefix
+    prefix = shm_prefixes(odc)
     mbs = minibatch(0, case.n_micro, case.device)
     n = sum(target_tokens(m) for m in mbs)
     start = time.monotonic()

@@ -103,6 +103,21 @@ def test_a_renamed_private_name_is_named_where_it_is_read(monkeypatch, dropped, 
         call()
 
 
+def test_the_attention_operators_are_checked(monkeypatch):
+    """What activation checkpointing saves of the attention (hf_odc.trainer.attention): SDPA's fused operators, and
+    varlen_attn's custom operator; an SDPA operator a release renamed is named, not silently recomputed."""
+    import torch
+
+    operators = _compat.attention_operators()
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in operators
+    assert torch.ops.torch_attn._varlen_attn.default in operators
+    monkeypatch.setattr(_compat, "SDPA_OPERATORS", (*_compat.SDPA_OPERATORS, "_scaled_dot_product_renamed"))
+    with pytest.raises(
+        _compat.UnsupportedLibraryError, match=r"torch\.ops\.aten's _scaled_dot_product_renamed, which torch"
+    ):
+        _compat.attention_operators()
+
+
 def test_a_trainer_without_the_distributed_loading_flag_is_refused():
     class Stub(trl.SFTTrainer):
         def __init__(self):  # transformers' Trainer.__init__, which sets the flag, not run

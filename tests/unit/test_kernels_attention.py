@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import hf_odc.kernels.attention as kernels
-from hf_odc.kernels.attention import ALONE_FROM, Piece, attention_pieces, packed_causal_attention, varlen_available
+from hf_odc.kernels.attention import (
+    ALONE_FROM,
+    Piece,
+    attention_pieces,
+    packed_causal_attention,
+    sdpa_length,
+    varlen_available,
+)
 
 SPLITS = [(40,), (17, 1, 30, 16), (5,) * 12, (1, 1, 62)]
 
@@ -49,6 +56,39 @@ def test_sdpa_and_auto_equal_each_document_alone_forward_and_backward(lengths, h
     want = torch.autograd.grad(expected, (q, k, v), grad)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_documents_padded_to_few_lengths_attend_exactly_as_alone(monkeypatch):
+    """On a GPU each SDPA document is attended at a rounded length (cuDNN plans each new length once): the result and
+    the gradients of the document's own tokens are those of the document alone, and the lengths SDPA meets are the
+    rounded ones. Forced here on the CPU."""
+    monkeypatch.setattr(kernels, "_PADDED_ON", ("cpu",))
+    seen = []
+    real = kernels.F.scaled_dot_product_attention
+
+    def sdpa(query, *args, **kwargs):
+        seen.append(query.shape[2])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", sdpa)
+    lengths = (17, 1, 30, 70)
+    q, k, v = _inputs(sum(lengths), 4, 2, dtype=torch.float64)
+    out = packed_causal_attention(q, k, v, lengths, scale=0.3, backend="sdpa")
+    assert seen == [64, 64, 64, 128]
+    expected = _reference(q, k, v, lengths, scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_sdpa_lengths_are_few_and_close():
+    """Up to 64K tokens: under 200 lengths in all, each less than 64 tokens or 1/32 above the document's."""
+    rounded = [sdpa_length(n) for n in range(1, 65537)]
+    assert len(set(rounded)) < 200
+    assert all(n <= m < n + max(64, n // 32) for n, m in zip(range(1, 65537), rounded, strict=True))
+    assert sdpa_length(2049) == 2112 and sdpa_length(65536) == 65536
 
 
 def test_auto_attends_long_documents_alone_and_runs_of_short_ones_in_one_launch():
