@@ -175,7 +175,8 @@ def main() -> None:
         capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
         first, forced = {}, mode != "static" or args.static_decoding == "generate"
         if mode == "static":  # the copy made and refreshed, then the first batch, which compiles
-            decoder = StaticDecoder(model, runtime, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            decoder = StaticDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
             first["first_refresh_s"] = timed(device, decoder.refresh)
             if args.static_attention == "sdpa":
                 decoder.model.set_attn_implementation("sdpa")

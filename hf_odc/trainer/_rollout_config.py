@@ -22,6 +22,12 @@ _GENERATION_PARAMETERS = """
             (`"lockstep"` with plain FSDP2); on a CPU `"gathered"`. A rank that finishes decoding first waits for the
             others at the rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding
             times.
+        odc_decoding_loop (`bool`, *optional*, defaults to `False`):
+            With `odc_generation="static"`: decode with hf_odc's own loop (`hf_odc.trainer._static_decoding`: on a
+            GPU each step replayed from a CUDA graph, the host asking for the end every 16 steps instead of every
+            token) wherever it decodes what transformers' `generate` would (greedy or sampling with temperature,
+            top-k, top-p, min-p and repetition penalty; anything else still goes to `generate`). Off by default: its
+            CUDA graphs have not yet run on a GPU.
 """
 
 
@@ -46,6 +52,13 @@ class _ODCRolloutConfig(_ODCConfig):
             "or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of the free device memory, "
             "gathered in half, else sharded (lockstep with plain FSDP2); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
+        },
+    )
+    odc_decoding_loop: bool = field(
+        default=False,
+        metadata={
+            "help": "With odc_generation='static': decode with hf_odc's own loop (CUDA graphs, no host sync per "
+            "token) where it decodes what generate would. Off by default: not yet run on a GPU."
         },
     )
 

@@ -9,10 +9,12 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
 * ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
   kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group
   at a time, one-sided: :mod:`hf_odc.trainer.full_weights`), decodes with a static KV cache kept beside it, by
+  transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by
   hf_odc's own loop (:mod:`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
-  host synchronisation per token) where it decodes what transformers' ``generate`` would, else by ``generate`` with
-  the forward transformers compiles for it: CUDA graphs and compile are paid once per run, as the copy's weights and
-  the cache's tensors never move. Costs the full weights in the compute dtype for the whole run, plus the cache.
+  host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid once
+  per run, as the copy's weights and the cache's tensors never move. The loop is opt-in until it has been measured
+  on a GPU (its CUDA graphs have not run on one). Costs the full weights in the compute dtype for the whole run,
+  plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights
@@ -160,12 +162,14 @@ class StaticDecoder:
             the copy).
         runtime: the policy's :class:`~hf_odc.accelerate_plugin.ODCRuntime`.
         dtype: the copy's dtype, the policy's compute dtype.
+        loop: decode with hf_odc's loop where it decodes what ``generate`` would (``odc_decoding_loop``), else always
+            with transformers' ``generate``.
     """
 
     CACHE_LENGTH_MULTIPLE = 256
 
-    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype):
-        self._policy, self._runtime, self._dtype = model, runtime, dtype
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False):
+        self._policy, self._runtime, self._dtype, self._use_loop = model, runtime, dtype, loop
         self._model: PreTrainedModel | None = None
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
@@ -231,9 +235,9 @@ class StaticDecoder:
         return model
 
     def _generate(self, *args: Any, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
-        """The copy's ``generate``: hf_odc's decoding loop (:mod:`hf_odc.trainer._static_decoding`) where it decodes
-        what transformers' ``generate`` would, else transformers', with the kept static cache and compilation
-        allowed."""
+        """The copy's ``generate``: with ``loop``, hf_odc's decoding loop (:mod:`hf_odc.trainer._static_decoding`)
+        where it decodes what transformers' ``generate`` would, else transformers', with the kept static cache and
+        compilation allowed."""
         model = self.model
         config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
         kwargs = config.update(**kwargs)  # generation options given as arguments, as generate() takes them
@@ -244,8 +248,10 @@ class StaticDecoder:
             length = config.max_length or model.config.max_position_embeddings
         config.cache_implementation, config.disable_compile = None, False  # the cache is ours; compile where it pays
         cache = self._cache_for(input_ids.shape[0], length)
-        plan = _static_decoding.decoding_plan(model, cache, self._cache_shape[1], config, args, kwargs)
-        if plan is not None:
+        plan = self._use_loop and _static_decoding.decoding_plan(
+            model, cache, self._cache_shape[1], config, args, kwargs
+        )
+        if plan:
             if self._loop is None:
                 self._loop = _static_decoding.Loop(model, cache, *self._cache_shape)
             return self._loop.decode(plan)
@@ -379,7 +385,7 @@ class StaticGenerator(Generator):
     """The ``"static"`` mode: TRL generates on :attr:`decoder`'s copy, refreshed once per generation batch.
 
     Args:
-        trainer: as :class:`Generator`'s.
+        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop.
         dtype: the copy's dtype, the policy's compute dtype.
     """
 
@@ -393,7 +399,8 @@ class StaticGenerator(Generator):
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[None]:
         if self.decoder is None:
-            self.decoder = StaticDecoder(self.trainer.model, self.trainer.odc, self.dtype)
+            loop = self.trainer.args.odc_decoding_loop
+            self.decoder = StaticDecoder(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
         self.decoder.refresh()
         with _compat.generating_on(self.trainer, self.decoder.model):
             yield

@@ -18,7 +18,7 @@ from hf_odc.demo import build_tokenizer
 from hf_odc.trainer import _static_decoding
 
 pytestmark = pytest.mark.slow  # every test starts processes
-MODES = ("lockstep", "static", "gathered", "sharded", "gathered-fsdp2")
+MODES = ("lockstep", "static", "static-loop", "gathered", "sharded", "gathered-fsdp2")
 FSDP_GROUPS = 3  # two decoder layers and the root
 
 
@@ -46,25 +46,28 @@ def test_every_mode_decodes_the_same_tokens(traces):
 def test_no_all_gather_while_decoding_with_odc_and_one_per_group_without(traces):
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert all(traces["lockstep"][rank]["all_gathers"] >= FSDP_GROUPS * max(longest) for rank in (0, 1))  # traced
-    assert all(traces[mode][rank]["all_gathers"] == 0 for mode in ("static", "gathered", "sharded") for rank in (0, 1))
+    odc = ("static", "static-loop", "gathered", "sharded")
+    assert all(traces[mode][rank]["all_gathers"] == 0 for mode in odc for rank in (0, 1))
     assert all(traces["gathered-fsdp2"][rank]["all_gathers"] == FSDP_GROUPS for rank in (0, 1))
 
 
 def test_a_rank_stops_decoding_when_its_own_completions_end(traces):
-    """hf_odc's static decoding loop asks whether its rows have ended every ``_CHECK_EVERY`` steps: it stops at the
-    first check after its own completions end."""
+    """Every mode but lockstep stops when the rank's own completions end; hf_odc's static decoding loop asks whether
+    its rows have ended every ``_CHECK_EVERY`` steps, and stops at the first check after that."""
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert longest[0] < longest[1]  # the prompts make the ranks' completions end at different lengths
     assert traces["lockstep"][0]["forwards"] == traces["lockstep"][1]["forwards"] >= longest[1]  # lockstep
-    for mode in ("static", "gathered", "sharded", "gathered-fsdp2"):
+    for mode in ("static", "static-loop", "gathered", "sharded", "gathered-fsdp2"):
         forwards = [traces[mode][rank]["forwards"] for rank in (0, 1)]
-        every = _static_decoding._CHECK_EVERY if mode == "static" else 1
+        every = _static_decoding._CHECK_EVERY if mode == "static-loop" else 1
         bound = math.ceil((longest[0] + 1) / every) * every
         assert forwards[0] < forwards[1] and forwards[0] <= bound, (mode, forwards, longest)
 
 
-def test_the_static_copy_is_refreshed_each_time_the_trainer_generates(traces):
+@pytest.mark.parametrize("mode", ["static", "static-loop"])
+def test_the_static_copy_is_refreshed_each_time_the_trainer_generates(traces, mode):
     for rank in (0, 1):
-        record = traces["static"][rank]
+        record = traces[mode][rank]
+        assert record["loop"] == (mode == "static-loop")  # odc_decoding_loop chooses hf_odc's loop
         assert record["stale"] > 1e-4  # the step's update moved the policy away from the copy it decoded with
         assert record["refreshed"] == 0.0, rank

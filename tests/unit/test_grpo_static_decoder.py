@@ -112,7 +112,7 @@ def test_tied_weights_given_under_either_name_fill_the_copy(monkeypatch):
 
 def test_the_cache_is_kept_for_every_batch_it_fits():
     policy = tiny_model().eval()
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True)
     decoder.refresh()
     caches, loops = [], []
     for batch, length in [(3, 10), (3, 6), (3, 30), (2, 6), (2, 8)]:
@@ -236,7 +236,7 @@ def _copy(attention: str = "eager") -> StaticDecoder:
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter.mul_(10 if parameter.ndim == 2 else 1)
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True)
     decoder.refresh()
     return decoder
 
