@@ -532,11 +532,20 @@ def main() -> None:
             record = launch_row(args, row, argv, Path(workdir))
             device = record.get("device_name", device)
             summary[row] = summarize(record)
+            report(args, summary, device)  # after every row: a run cut short keeps the rows it finished
+    print_table(args, summary, device or "?")
+
+
+def report(args, summary: dict, device: str | None) -> None:
+    """Each finished row's ratios to the reference rows finished so far, one line for the last one, and the JSON."""
     for row in summary.values():
         for ref in ("trl-best", "trl-default"):
             if "error" not in row and ref in summary and "error" not in summary[ref]:
                 row[f"x_{ref}"] = row["tokens_per_second"] / summary[ref]["tokens_per_second"]
-    print_table(args, summary, device or "?")
+    name, last = next(reversed(summary.items()))
+    if "error" not in last:
+        print(f"   {name}: median step {last['step_s_median']:.3f} s, {last['tokens_per_second']:.0f} tokens/s, "
+              f"peak {last['peak_gib']:.2f} GiB", flush=True)  # fmt: skip
     if args.json:
         record = {"args": vars(args), "device": device, "torch": torch.__version__, "rows": summary}
         Path(args.json).write_text(json.dumps(record, indent=1))
