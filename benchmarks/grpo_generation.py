@@ -3,7 +3,8 @@ and JSON.
 
 Every rank decodes its own prompts greedily with transformers' ``generate`` on the FSDP2-sharded policy (ODC
 installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep),
-``static`` (a kept copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``gathered`` (full weights
+``static`` (a kept copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``tensor-parallel`` (each
+rank's slice of a kept copy, the shard group's ranks decoding their prompts together), ``gathered`` (full weights
 assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` runs
 twice on the same prompts: the first batch pays the compile (reported as ``compile_s``, with the refresh's time), the
 second is the one timed, as every later generation batch of a run. ``--static-attention sdpa`` decodes the copy with
@@ -39,7 +40,7 @@ from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.demo import MODEL_CONFIGS
 from hf_odc.packing import sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
-from hf_odc.trainer.generation import GENERATION_MODES, StaticDecoder, decoding
+from hf_odc.trainer.generation import GENERATION_MODES, StaticDecoder, TensorParallelDecoder, decoding, shard_group
 
 EOS = 2
 
@@ -76,17 +77,21 @@ def generate(
     mode: str,
     prompts: torch.Tensor,
     lengths: list[int],
-    decoder: StaticDecoder | None = None,
+    decoder: StaticDecoder | TensorParallelDecoder | None = None,
     forced: bool = True,
+    group_lengths: list[int] | None = None,
 ) -> tuple[float, int, torch.Tensor]:
-    """Decode ``prompts`` in ``mode`` (``"static"``: on ``decoder``'s copy), each completion ended at its length by
-    :class:`EndAt` (``forced``), or every one decoded to the longest length (hf_odc's static decoding loop leaves a
-    call with a logits processor of the caller's to transformers' ``generate``; its fixed batch steps at the same cost
-    whether rows ended or not); returns (seconds, decoding steps, prompt + completion ids)."""
+    """Decode ``prompts`` in ``mode`` (``"static"``, ``"tensor-parallel"``: on ``decoder``'s copy), each completion
+    ended at its length by :class:`EndAt` (``forced``), or every one decoded to the longest length (hf_odc's static
+    decoding loop leaves a call with a logits processor of the caller's to transformers' ``generate``; its fixed batch
+    steps at the same cost whether rows ended or not); returns (seconds, decoding steps, prompt + completion ids).
+    ``group_lengths``: every completion's length in the batch ``generate`` decodes (tensor-parallel: the shard
+    group's, rank by rank), where not ``lengths``."""
     steps, out = [0], []
-    target = decoder.model if mode == "static" else model
+    target = decoder.model if mode in ("static", "tensor-parallel") else model
     hook = target.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
-    ending = {"logits_processor": LogitsProcessorList([EndAt(lengths, prompts.shape[1], EOS)]), "eos_token_id": EOS}
+    end_at = EndAt(group_lengths or lengths, prompts.shape[1], EOS)
+    ending = {"logits_processor": LogitsProcessorList([end_at]), "eos_token_id": EOS}
 
     def run() -> None:
         with decoding(model, runtime, mode), torch.no_grad():
@@ -94,7 +99,7 @@ def generate(
                 target.generate(
                     input_ids=prompts,
                     attention_mask=torch.ones_like(prompts),
-                    max_new_tokens=max(lengths),
+                    max_new_tokens=max(group_lengths or lengths),
                     do_sample=False,
                     pad_token_id=0,
                     **(ending if forced else {"eos_token_id": None}),
@@ -174,24 +179,32 @@ def main() -> None:
     for mode in args.modes.split(","):
         capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
         first, forced = {}, mode != "static" or args.static_decoding == "generate"
-        if mode == "static":  # the copy made and refreshed, then the first batch, which compiles
+        group_lengths = None
+        if mode in ("static", "tensor-parallel"):  # the copy made and refreshed (static: the first batch compiles)
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            decoder = StaticDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
+            if mode == "static":
+                decoder = StaticDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
+            else:
+                decoder = TensorParallelDecoder(model, runtime, dtype)
+                group = shard_group(model)
+                ranks = dist.get_process_group_ranks(group) if group is not None else [rank]
+                group_lengths = [n for r in ranks for n in all_lengths[r * args.prompts : (r + 1) * args.prompts]]
             first["first_refresh_s"] = timed(device, decoder.refresh)
-            if args.static_attention == "sdpa":
-                decoder.model.set_attn_implementation("sdpa")
-            first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
+            if mode == "static":
+                if args.static_attention == "sdpa":
+                    decoder.model.set_attn_implementation("sdpa")
+                first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
             first["refresh_s"] = timed(device, decoder.refresh)
-        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced)
+        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)
         if args.profile and device.type == "cuda":  # once more, profiled: is decoding kernel- or launch-bound?
             profiled: dict = {}
             with device_time(profiled):
-                first["profiled_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
+                first["profiled_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)[0]
             first["device"] = profiled
         tokens = sum(capped)
         rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
                       "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
-        if first:
+        if "first_batch_s" in first:
             rows[mode]["compile_s"] = first["first_batch_s"] - seconds
         if mode == "lockstep":  # the full-length time, at the measured rate (every rank steps to the global longest)
             rows[mode]["decode_s_estimated"] = rows[mode]["ms_per_step"] * max(all_lengths) / 1e3
@@ -219,7 +232,7 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     summary = {}
     for mode in [m for m in per_rank[0] if m != "update"]:
-        # a generation batch's time: decoding, and in "static" the copy's refresh before it
+        # a generation batch's time: decoding, and with a decoding copy its refresh before it
         slowest = max(
             r[mode].get("decode_s_estimated", r[mode]["decode_s"]) + r[mode].get("refresh_s", 0.0) for r in per_rank
         )

@@ -15,13 +15,16 @@ _GENERATION_PARAMETERS = """
         odc_generation (`str`, *optional*):
             How each rank decodes its prompts with transformers, never in lockstep but for `"lockstep"`: `"static"`
             (a kept copy of the policy, refreshed once per generation batch), `"gathered"` (the full weights held
-            while decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC) or `"lockstep"` (TRL's
-            path, the baseline); the modes, their costs and vLLM's (`use_vllm`, with which this stays unset) are
-            described in `hf_odc.trainer.generation`. `None`: on a GPU, `"static"` when the copy takes at most a
-            quarter of the device's free memory, else `"gathered"` when it takes at most half, else `"sharded"`
-            (`"lockstep"` with plain FSDP2); on a CPU `"gathered"`. A rank that finishes decoding first waits for the
-            others at the rollouts' gather, within `odc_timeout`: set it above the spread of the ranks' decoding
-            times.
+            while decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC), `"tensor-parallel"`
+            (each rank of the shard group holds a slice of a kept copy and they decode their prompts together, the
+            activations all-reduced; Llama/Mistral/Qwen2/Qwen3 dense models whose heads and intermediate size the
+            group's size divides, no tools; opt-in, not yet measured on a GPU) or `"lockstep"` (TRL's path, the
+            baseline); the modes, their costs and vLLM's (`use_vllm`, with which this stays unset) are described in
+            `hf_odc.trainer.generation`. `None`: on a GPU, `"static"` when the copy takes at most a quarter of the
+            device's free memory, else `"gathered"` when it takes at most half, else `"sharded"` (`"lockstep"` with
+            plain FSDP2); on a CPU `"gathered"` (`"tensor-parallel"` is never chosen by default). A rank that
+            finishes decoding first waits for the others at the rollouts' gather, within `odc_timeout`: set it above
+            the spread of the ranks' decoding times.
         odc_decoding_loop (`bool`, *optional*, defaults to `False`):
             With `odc_generation="static"`: decode with hf_odc's own loop (`hf_odc.trainer._static_decoding`: on a
             GPU each step replayed from a CUDA graph, the host asking for the end every 16 steps instead of every
@@ -48,9 +51,9 @@ class _ODCRolloutConfig(_ODCConfig):
     odc_generation: str | None = field(
         default=None,
         metadata={
-            "help": "How each rank decodes its prompts (hf_odc.trainer.generation): 'static', 'gathered', 'sharded' "
-            "or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of the free device memory, "
-            "gathered in half, else sharded (lockstep with plain FSDP2); on a CPU gathered.",
+            "help": "How each rank decodes its prompts (hf_odc.trainer.generation): 'static', 'gathered', 'sharded', "
+            "'tensor-parallel' (opt-in) or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of "
+            "the free device memory, gathered in half, else sharded (lockstep with plain FSDP2); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
         },
     )

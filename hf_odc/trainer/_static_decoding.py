@@ -134,7 +134,7 @@ def decoding_plan(
     if new_tokens is None or not 0 < new_tokens <= cache_length - input_ids.shape[1]:
         return None
     sampling = _sampling(setup.processors, bool(prepared.do_sample))
-    eos = _eos_token_ids(setup.criteria)
+    eos = eos_token_ids(setup.criteria)
     if sampling is None or eos is None:
         return None
     pad = None if setup.pad_token_id is None else int(setup.pad_token_id)
@@ -196,7 +196,7 @@ def _sampling(processors: list, do_sample: bool) -> Sampling | None:
     )
 
 
-def _eos_token_ids(criteria: list) -> tuple[int, ...] | None:
+def eos_token_ids(criteria: list) -> tuple[int, ...] | None:
     """The EOS ids among transformers' stopping ``criteria`` (the length is the loop's own), or ``None`` where there
     is any other criterion."""
     eos: tuple[int, ...] = ()

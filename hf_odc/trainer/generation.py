@@ -22,6 +22,19 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
 * ``"sharded"`` (:class:`ShardedGenerator`): decoding inside one forward-only ODC minibatch: each forward reads the
   layer shards it needs from the peers one-sidedly, as in training, so no copy is held and no collective runs; each
   token pays the reads. Needs ODC.
+* ``"tensor-parallel"`` (:class:`TensorParallelGenerator`, :class:`TensorParallelDecoder`): for a policy whose copy
+  does not fit beside it, a copy kept for the whole run of which each rank of the shard group holds a 1/N slice of
+  every decoder layer (query and key/value heads and MLP rows column-parallel; ``o_proj`` and ``down_proj``
+  row-parallel, their outputs all-reduced over the group; embeddings, norms and head whole), refreshed in place once
+  per generation batch as the static copy is. The group's ranks decode their prompts together (gathered once per
+  ``generate`` call), sampling alike from a seed they agree on, so the weights never move per token: two all-reduces
+  of the activations per layer per token instead. Each rank keeps its own rows, ended where they would have ended
+  alone, but every rank steps until the longest completion of the group ends. Decodes with transformers'
+  ``generate`` and a dynamic KV cache. Llama, Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads
+  and intermediate size the group's size divides, without bias on ``o_proj`` or ``down_proj``
+  (:func:`check_tensor_parallel`); not with tools (the ranks decode different numbers of turns); with one process it
+  is the whole copy. Opt-in: never chosen by default until measured on a GPU. Costs 1/N of the weights in the compute
+  dtype (plus the embeddings and head whole) for the whole run, plus the group's KV cache sliced by heads.
 * ``"lockstep"`` (:class:`Generator`): TRL's own path, kept as the baseline the others are measured against.
 * ``"vllm"`` (:class:`VLLMGenerator`, ``use_vllm=True``): TRL's vLLM generation, ``vllm_mode="colocate"`` (an engine
   on each rank) or ``"server"`` (rank 0 sends TRL's requests to a vLLM server), with hf_odc's weight sync
@@ -42,9 +55,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import is_peft_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from transformers import AttentionInterface, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -66,15 +81,19 @@ __all__ = [
     "ShardedGenerator",
     "StaticDecoder",
     "StaticGenerator",
+    "TensorParallelDecoder",
+    "TensorParallelGenerator",
     "VLLMGenerator",
     "check_generation_mode",
+    "check_tensor_parallel",
     "choose_generation_mode",
     "decoding",
     "grouped_decoding_attention",
     "make_generator",
+    "shard_group",
 ]
 
-GENERATION_MODES = ("static", "gathered", "sharded", "lockstep")
+GENERATION_MODES = ("static", "gathered", "sharded", "lockstep", "tensor-parallel")
 """The transformers modes ``odc_generation`` takes (``"vllm"`` is chosen by ``use_vllm``)."""
 
 # The share of the device's free memory the full weights may take, by mode, when the mode is chosen: the static copy
@@ -91,7 +110,9 @@ def check_generation_mode(
 ) -> None:
     """Raise ``ValueError``, naming what to set, for a generation mode the run cannot use: ``requested``
     (``odc_generation``) is not one of :data:`GENERATION_MODES`, or is set with ``use_vllm`` (vLLM decodes then), or
-    is ``"sharded"`` for a ``model`` sharded by plain FSDP2 (``runtime`` not active; checked once the model is)."""
+    is ``"sharded"`` for a ``model`` sharded by plain FSDP2 (``runtime`` not active), or is ``"tensor-parallel"`` for a
+    ``model`` it cannot slice over its shard group (:func:`check_tensor_parallel`); the last two checked once the model
+    is known."""
     if requested is None:
         return
     if requested not in GENERATION_MODES:
@@ -107,6 +128,9 @@ def check_generation_mode(
             "(its per-layer all-gathers would need every rank's forwards in lockstep). Use 'gathered' or "
             "'lockstep'."
         )
+    if requested == "tensor-parallel" and model is not None:
+        group = shard_group(model)
+        check_tensor_parallel(model, 1 if group is None else dist.get_world_size(group))
 
 
 def choose_generation_mode(
@@ -134,8 +158,9 @@ def choose_generation_mode(
 @contextlib.contextmanager
 def decoding(model: nn.Module, runtime: ODCRuntime, mode: str) -> Iterator[None]:
     """The context in which ``model`` decodes a generation batch in ``mode`` (see the module docstring); nothing
-    changes for a model that is not sharded, in ``"lockstep"``, or in ``"static"`` (its copy is decoded instead)."""
-    if mode in ("lockstep", "static") or not isinstance(model, FSDPModule):
+    changes for a model that is not sharded, in ``"lockstep"``, or in ``"static"`` and ``"tensor-parallel"`` (their
+    copy is decoded instead)."""
+    if mode in ("lockstep", "static", "tensor-parallel") or not isinstance(model, FSDPModule):
         yield
         return
     with _compat.decoding_alone(model):
@@ -147,39 +172,27 @@ def decoding(model: nn.Module, runtime: ODCRuntime, mode: str) -> Iterator[None]
                 yield
 
 
-class StaticDecoder:
-    """The ``"static"`` mode (see the module docstring): :attr:`model`, a plain copy of the policy, refreshed by
-    :meth:`refresh` and decoded by hf_odc's loop (or transformers' ``generate``) with a static KV cache held here.
-
-    Why it is kept: a decoding step's CUDA graphs (the loop's, or those transformers' default compile records) are
-    bound to the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation
-    batch on the graphs recorded for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen
-    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (its graphs recorded again) only for a
-    longer one or another batch size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
+class _DecodingCopy:
+    """A plain copy of the policy in the compute dtype that decodes in its place (:attr:`model`), refreshed in place
+    from the policy's full weights (:meth:`refresh`); its ``generate`` is :meth:`_generate`. What a mode's copy holds
+    of each weight (:meth:`_local`) and its config (:meth:`_copy_config`) are the mode's.
 
     Args:
         model: the policy as the trainer runs it (sharded by hf_odc, or not; a PEFT model's adapters are merged into
             the copy).
         runtime: the policy's :class:`~hf_odc.accelerate_plugin.ODCRuntime`.
         dtype: the copy's dtype, the policy's compute dtype.
-        loop: decode with hf_odc's loop where it decodes what ``generate`` would (``odc_decoding_loop``), else always
-            with transformers' ``generate``.
     """
 
-    CACHE_LENGTH_MULTIPLE = 256
-
-    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False):
-        self._policy, self._runtime, self._dtype, self._use_loop = model, runtime, dtype, loop
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype):
+        self._policy, self._runtime, self._dtype = model, runtime, dtype
         self._model: PreTrainedModel | None = None
-        self._cache: StaticCache | None = None
-        self._cache_shape = (0, 0)  # batch size, length
-        self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
 
     @property
     def model(self) -> PreTrainedModel:
         """The copy (made by the first :meth:`refresh`)."""
         if self._model is None:
-            raise RuntimeError("StaticDecoder.refresh() makes the copy before it decodes.")
+            raise RuntimeError(f"{type(self).__name__}.refresh() makes the copy before it decodes.")
         return self._model
 
     def refresh(self) -> None:
@@ -193,16 +206,24 @@ class StaticDecoder:
         with torch.no_grad():
             for name, tensor in full_named_weights(self._policy, self._runtime):
                 if name not in parameters:
-                    raise RuntimeError(f"hf_odc: the policy's weight {name} has no place in its static-decoding copy.")
+                    raise RuntimeError(f"hf_odc: the policy's weight {name} has no place in its decoding copy.")
                 if id(parameters[name]) in loaded:
                     # The policy holds apart what its config ties, and the copy ties: the copy holds them apart too,
                     # from the first refresh on, before anything is compiled for it.
                     parameters[name] = self._untie(name)
-                parameters[name].copy_(tensor)
+                parameters[name].copy_(self._local(name, tensor))
                 loaded.add(id(parameters[name]))
         missing = sorted(name for name, parameter in self._model.named_parameters() if id(parameter) not in loaded)
         if missing:
-            raise RuntimeError(f"hf_odc: the policy gave no weights for {missing} of its static-decoding copy.")
+            raise RuntimeError(f"hf_odc: the policy gave no weights for {missing} of its decoding copy.")
+
+    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What the copy holds of the policy's full weight ``name``: all of it."""
+        return tensor
+
+    def _copy_config(self, config: Any) -> Any:
+        """The config the copy is made from: a copy of the policy's ``config``."""
+        return copy.deepcopy(config)
 
     def _untie(self, name: str) -> nn.Parameter:
         """The copy's parameter ``name``, tied to another, given a tensor of its own."""
@@ -213,16 +234,18 @@ class StaticDecoder:
         return parameter
 
     def _make_copy(self) -> PreTrainedModel:
-        """An uninitialised copy of the policy's (base) model class on its device in :attr:`_dtype`, its buffers
-        (rotary frequencies) taken from the policy; the weights come from :meth:`refresh`."""
-        base = self._policy.get_base_model() if hasattr(self._policy, "get_base_model") else self._policy
-        cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))  # below FSDP2's dynamic class
-        config = copy.deepcopy(base.config)
+        """An uninitialised copy of the policy's (base) model class on its device in :attr:`_dtype`, made from
+        :meth:`_copy_config`, its buffers (rotary frequencies) taken from the policy; the weights come from
+        :meth:`refresh`."""
+        base = _base_model(self._policy)
+        config = self._copy_config(base.config)
         # With a KV cache hf_odc's packed attention is SDPA, which decodes faster grouped.
         attention = _compat.attn_implementation(config)
         attention = DECODING_ATTENTION if attention in ("sdpa", PACKED_ATTENTION) else attention
         with torch.device("meta"):
-            model = _compat.model_from_config(cls, config, dtype=self._dtype, attn_implementation=attention)
+            model = _compat.model_from_config(
+                _model_class(base), config, dtype=self._dtype, attn_implementation=attention
+            )
         device = next(self._policy.parameters()).device
         model.to_empty(device=device).eval().requires_grad_(False)
         model.tie_weights()  # to_empty gave tied weights (embeddings and head) storages of their own
@@ -231,8 +254,47 @@ class StaticDecoder:
             for name, buffer in self._policy.named_buffers():
                 buffers[checkpoint_name(name)].copy_(buffer)
         model.generation_config = copy.deepcopy(base.generation_config)
-        model.generate = self._generate  # every call, TRL's included, decodes with the kept cache
+        model.generate = self._generate  # every call, TRL's included, decodes as this copy's mode does
         return model
+
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def _base_model(policy: nn.Module) -> nn.Module:
+    """The model a PEFT ``policy`` wraps, or ``policy``."""
+    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+
+
+def _model_class(base: nn.Module) -> type:
+    """``base``'s transformers class, below FSDP2's dynamic class."""
+    return next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
+
+
+class StaticDecoder(_DecodingCopy):
+    """The ``"static"`` mode (see the module docstring): :attr:`model`, a plain copy of the policy, refreshed by
+    :meth:`refresh` and decoded by hf_odc's loop (or transformers' ``generate``) with a static KV cache held here.
+
+    Why it is kept: a decoding step's CUDA graphs (the loop's, or those transformers' default compile records) are
+    bound to the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation
+    batch on the graphs recorded for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen
+    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (its graphs recorded again) only for a
+    longer one or another batch size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
+
+    Args:
+        model, runtime, dtype: as :class:`_DecodingCopy`'s.
+        loop: decode with hf_odc's loop where it decodes what ``generate`` would (``odc_decoding_loop``), else always
+            with transformers' ``generate``.
+    """
+
+    CACHE_LENGTH_MULTIPLE = 256
+
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False):
+        super().__init__(model, runtime, dtype)
+        self._use_loop = loop
+        self._cache: StaticCache | None = None
+        self._cache_shape = (0, 0)  # batch size, length
+        self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
 
     def _generate(self, *args: Any, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
         """The copy's ``generate``: with ``loop``, hf_odc's decoding loop (:mod:`hf_odc.trainer._static_decoding`)
@@ -269,6 +331,144 @@ class StaticDecoder:
         self._cache_shape = (batch_size, length)
         self._loop = None
         return self._cache
+
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_TENSOR_PARALLEL_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+_TENSOR_PARALLEL_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group ``model``'s parameters are sharded over (FSDP2's mesh's shard dimension, its last), or
+    ``None`` for a model that is not sharded."""
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            mesh = parameter.device_mesh
+            return mesh.get_group(mesh.ndim - 1)
+    return None
+
+
+def check_tensor_parallel(model: nn.Module, size: int) -> None:
+    """Raise ``ValueError``, naming the modes to use instead, where ``model`` (the policy) cannot decode
+    tensor-parallel over ``size`` ranks: not a Llama/Mistral/Qwen2/Qwen3 decoder (MoE models included), its attention
+    heads, key/value heads or intermediate size not divisible by ``size``, or a bias on ``o_proj`` or ``down_proj``
+    (a row-parallel bias would be summed ``size`` times)."""
+    instead = "Use odc_generation='static', 'gathered' or 'sharded'."
+    config = _base_model(model).config
+    if config.model_type not in _TENSOR_PARALLEL_MODELS:
+        raise ValueError(
+            f"odc_generation='tensor-parallel' slices the decoder layers of {'/'.join(_TENSOR_PARALLEL_MODELS)} "
+            f"models (dense: self_attn.q/k/v/o_proj, mlp.gate/up/down_proj); the policy is {config.model_type!r}. "
+            + instead
+        )
+    indivisible = {name: getattr(config, name) for name in _TENSOR_PARALLEL_SIZES if getattr(config, name) % size}
+    if indivisible:
+        raise ValueError(
+            f"odc_generation='tensor-parallel' splits the attention heads, key/value heads and MLP rows over the "
+            f"shard group's {size} ranks; the policy's {indivisible} are not divisible by {size}. " + instead
+        )
+    with torch.device("meta"):
+        layer = _compat.model_from_config(_model_class(_base_model(model)), copy.deepcopy(config)).model.layers[0]
+    row_parallel = {"self_attn.o_proj": layer.self_attn.o_proj, "mlp.down_proj": layer.mlp.down_proj}
+    biased = [name for name, module in row_parallel.items() if module.bias is not None]
+    if biased:
+        raise ValueError(
+            f"odc_generation='tensor-parallel' sums {biased} over the shard group's ranks, which a bias there "
+            "would enter once per rank. " + instead
+        )
+
+
+class TensorParallelDecoder(_DecodingCopy):
+    """The ``"tensor-parallel"`` mode (see the module docstring): :attr:`model`, a copy of the policy whose decoder
+    layers hold this rank's slice of the shard group's: query and key/value heads, and MLP rows (column-parallel
+    ``q/k/v_proj``, ``gate/up_proj``), the matching input columns of ``o_proj`` and ``down_proj`` (row-parallel, their
+    outputs summed over the group by an all-reduce); embeddings, norms and head whole. Its config says the local head
+    and row counts (the head dimension kept), so transformers' attention, the KV cache and the grouping of query heads
+    per key/value head (the same ratio) are the local layer's. Every rank of the group decodes the group's prompts
+    together (:meth:`_generate`) and keeps its own rows.
+
+    Args:
+        model, runtime, dtype: as :class:`_DecodingCopy`'s.
+    """
+
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype):
+        super().__init__(model, runtime, dtype)
+        self.group = shard_group(model)
+        self.size = 1 if self.group is None else dist.get_world_size(self.group)
+        self.rank = 0 if self.group is None else dist.get_rank(self.group)
+        check_tensor_parallel(model, self.size)
+
+    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full weight ``name``: a column-parallel projection's rows (its heads are
+        consecutive rows), a row-parallel one's input columns, else all of it."""
+        module = name.rsplit(".", 2)[-2] if ".layers." in name else None
+        if module in _COLUMN_PARALLEL:
+            return tensor.chunk(self.size, dim=0)[self.rank]
+        if module in _ROW_PARALLEL and name.endswith(".weight"):
+            return tensor.chunk(self.size, dim=1)[self.rank]
+        return tensor
+
+    def _copy_config(self, config: Any) -> Any:
+        config = copy.deepcopy(config)
+        config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for name in _TENSOR_PARALLEL_SIZES:
+            setattr(config, name, getattr(config, name) // self.size)
+        return config
+
+    def _make_copy(self) -> PreTrainedModel:
+        model = super()._make_copy()
+        if self.size > 1:
+            for name, module in model.named_modules():
+                if name.rpartition(".")[2] in _ROW_PARALLEL:
+                    module.register_forward_hook(self._sum_over_group)
+        return model
+
+    def _sum_over_group(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: the sum of every rank's partial output."""
+        dist.all_reduce(output, group=self.group)
+        return output
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The copy's ``generate``: every rank of the group decodes the group's left-padded prompts together
+        (gathered, padded on the left to the longest), sampling from a generator seeded alike on every rank (drawn
+        on each, rank 0's taken), so all compute the same logits and tokens and end together. Each returns what it
+        would have decoded alone: its own rows, its own prompt width, and the new tokens up to where its own rows
+        have all ended (at an EOS; only EOS and length end them here). Every rank of the group calls it with the same
+        generation options (TRL's). transformers' ``generate``, with a dynamic KV cache, not compiled."""
+        model = self.model
+        if self.group is None:
+            return type(model).generate(model, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
+        config = inputs.pop("generation_config", None)
+        eos = _static_decoding.eos_token_ids(_compat.generation_setup(model, config, inputs).criteria)
+        if eos is None:
+            raise NotImplementedError(
+                "odc_generation='tensor-parallel' ends a rank's completions at an EOS token or the length; the "
+                "generation has another stopping criterion (stop strings, max_time, custom). Use 'static' or "
+                "'gathered'."
+            )
+        device = input_ids.device
+        shapes = [torch.zeros(2, dtype=torch.long, device=device) for _ in range(self.size)]
+        dist.all_gather(shapes, torch.tensor(input_ids.shape, device=device), group=self.group)
+        rows, width = max(int(s[0]) for s in shapes), max(int(s[1]) for s in shapes)
+        batch = []
+        for tensor in (input_ids, attention_mask):
+            padded = F.pad(tensor, (width - tensor.shape[1], 0, 0, rows - tensor.shape[0]))
+            gathered = [torch.empty_like(padded) for _ in range(self.size)]
+            dist.all_gather(gathered, padded, group=self.group)
+            batch.append(torch.cat([g[: int(s[0])] for g, s in zip(gathered, shapes, strict=True)]))
+        seed = torch.randint(2**62, (1,), device=device)
+        dist.broadcast(seed, group=self.group, group_src=0)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(int(seed))
+            out = type(model).generate(model, input_ids=batch[0], attention_mask=batch[1], **kwargs)
+        start = sum(int(s[0]) for s in shapes[: self.rank])
+        out = out[start : start + input_ids.shape[0], width - input_ids.shape[1] :]
+        new = out[:, input_ids.shape[1] :]
+        ended = torch.isin(new, torch.tensor(eos, dtype=new.dtype, device=device))
+        ends = torch.where(ended.any(dim=1), ended.int().argmax(dim=1) + 1, new.shape[1])
+        return out[:, : input_ids.shape[1] + (int(ends.max()) if len(ends) else 0)]
 
 
 def grouped_decoding_attention(
@@ -406,6 +606,38 @@ class StaticGenerator(Generator):
             yield
 
 
+class TensorParallelGenerator(Generator):
+    """The ``"tensor-parallel"`` mode: TRL generates on :attr:`decoder`'s sliced copy, refreshed once per generation
+    batch, every rank of the shard group decoding the group's prompts together. Refused with tools (TRL's tool loop
+    decodes as many turns on each rank as its own completions need, so the ranks' ``generate`` calls would not meet).
+
+    Args:
+        trainer: as :class:`Generator`'s.
+        dtype: the copy's dtype, the policy's compute dtype.
+    """
+
+    mode = "tensor-parallel"
+
+    def __init__(self, trainer: Any, dtype: torch.dtype):
+        super().__init__(trainer)
+        if getattr(trainer, "tools", None) or getattr(trainer, "environments", None):
+            raise ValueError(
+                "odc_generation='tensor-parallel' decodes every rank's prompts together, one generate call per turn "
+                "on every rank; with tools the ranks decode different numbers of turns. Use 'static', 'gathered' or "
+                "'sharded'."
+            )
+        self.dtype = dtype
+        self.decoder: TensorParallelDecoder | None = None  # made at the first generation, on the prepared model
+
+    @contextlib.contextmanager
+    def generation_batch(self) -> Iterator[None]:
+        if self.decoder is None:
+            self.decoder = TensorParallelDecoder(self.trainer.model, self.trainer.odc, self.dtype)
+        self.decoder.refresh()
+        with _compat.generating_on(self.trainer, self.decoder.model):
+            yield
+
+
 class VLLMGenerator(Generator):
     """The ``"vllm"`` mode (``use_vllm=True``; ``vllm_mode`` colocate or server): TRL's engine decodes, with hf_odc's
     weight sync installed in TRL's ``VLLMGeneration`` when this is built; a colocated engine is shut down at
@@ -431,4 +663,6 @@ def make_generator(trainer: Any) -> Generator:
     mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, trainer.accelerator.device)
     if mode == "static":
         return StaticGenerator(trainer, dtype)
+    if mode == "tensor-parallel":
+        return TensorParallelGenerator(trainer, dtype)
     return {"gathered": GatheredGenerator, "sharded": ShardedGenerator, "lockstep": Generator}[mode](trainer)

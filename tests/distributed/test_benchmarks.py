@@ -163,7 +163,8 @@ def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert set(result["summary"]) == {"static", "gathered", "sharded", "lockstep"} and result["update_s"] > 0
+    assert set(result["summary"]) == {"static", "gathered", "sharded", "lockstep", "tensor-parallel"}
+    assert result["update_s"] > 0
     ranks = result["per_rank"]
     # Each rank decodes to its own longest completion, except in lockstep (capped), where both step together.
     for mode in ("static", "gathered", "sharded"):
@@ -171,6 +172,9 @@ def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
         assert ranks[0][mode]["steps"] < ranks[1][mode]["steps"], mode
     assert all({"first_batch_s", "refresh_s", "compile_s"} <= set(r["static"]) for r in ranks)
     assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
+    # Tensor-parallel: the ranks decode their prompts together, to the longest completion of either.
+    longest = max(r["tensor-parallel"]["longest"] for r in ranks)
+    assert [r["tensor-parallel"]["steps"] for r in ranks] == [longest - 1] * 2
 
 
 @pytest.mark.parametrize("mode", ["model", "forward"])

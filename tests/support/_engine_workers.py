@@ -345,3 +345,53 @@ def vllm_sync(rank: int, world_size: int, case: Case) -> dict:
         "streamed": streamed,
         "reference": {name: param.detach().clone() for name, param in reference.named_parameters()},
     }
+
+
+def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> dict:
+    """:class:`~hf_odc.trainer.generation.TensorParallelDecoder` on the ODC-sharded tiny policy (LoRA merged with
+    ``case.lora``): the logits of one forward of the sliced copy on prompts every rank shares, and each rank's own
+    prompts (a different number and width per rank) decoded together, greedily and sampled (each rank's generator
+    seeded apart); with what the whole policy gives for each: the same forward, greedy decoding of the rank's prompts
+    alone, and sampling of every rank's prompts in one batch from the seed rank 0 draws."""
+    import copy
+
+    import torch.distributed as dist
+
+    from hf_odc.accelerate_plugin import ODCRuntime
+    from hf_odc.trainer.generation import TensorParallelDecoder
+
+    def prompts(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones_like(ids)
+        for row in range(1, batch):
+            mask[row, :row], ids[row, :row] = 0, 0
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def decode(model, inputs: dict, sample: bool) -> torch.Tensor:
+        return model.generate(**inputs, max_new_tokens=8, do_sample=sample, pad_token_id=0, eos_token_id=None)
+
+    model = tiny_model(lora=case.lora).eval()
+    whole = copy.deepcopy(model)
+    whole = whole.merge_and_unload() if case.lora else whole
+    runtime = ODCRuntime()
+    runtime.enable(shard(model, case))
+    decoder = TensorParallelDecoder(model, runtime, torch.float32)
+    decoder.refresh()
+    shared, own = prompts(2, 9, seed=7), prompts(3 - rank, 10 - 3 * rank, seed=rank)
+    with torch.no_grad():
+        result = {"logits": decoder.model(**shared).logits, "whole_logits": whole(**shared).logits}
+    result["greedy"], result["whole_greedy"] = decode(decoder.model, own, False), decode(whole, own, False)
+    torch.manual_seed(100 + rank)
+    result["sampled"] = decode(decoder.model, own, True)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, own)
+    width = max(p["input_ids"].shape[1] for p in everyone)
+    batch = {key: torch.cat([F.pad(p[key], (width - p[key].shape[1], 0)) for p in everyone]) for key in own}
+    torch.manual_seed(100)
+    seed = int(torch.randint(2**62, (1,)))  # rank 0's draw
+    torch.manual_seed(seed)
+    start = sum(p["input_ids"].shape[0] for p in everyone[:rank])
+    rows = decode(whole, batch, True)[start : start + own["input_ids"].shape[0]]
+    result["whole_sampled"] = rows[:, width - own["input_ids"].shape[1] :]
+    result["local_shapes"] = {name: tuple(p.shape) for name, p in decoder.model.named_parameters()}
+    return result

@@ -2,9 +2,10 @@
 
 ``accelerate launch ... tests/support/_grpo_generation.py MODEL_DIR OUT MODE...`` (a mode of ``odc_generation``, or
 ``<mode>-fsdp2`` for the plain FSDP2 baseline) records, per mode and rank, the completions TRL's generation returned,
-the all-gathers (:data:`GATHERS`) and the policy's forwards (of the static copy in ``"static"``) while decoding, and
-saves every rank's record on rank 0. In ``"static"`` it also records how far the copy is from the policy's full
-weights once the step's update has run (``stale``) and after the trainer generates again (``refreshed``).
+the all-gathers (:data:`GATHERS`), the all-reduces and the policy's forwards (of the decoding copy in ``"static"`` and
+``"tensor-parallel"``) while decoding, and saves every rank's record on rank 0. With a decoding copy it also records
+how far the copy is from (its slice of) the policy's full weights once the step's update has run (``stale``) and after
+the trainer generates again (``refreshed``).
 Generation stops at any token of a large stop set, so that prompts stop at different lengths and the ranks' longest
 completions differ.
 """
@@ -32,15 +33,16 @@ minibatch."""
 
 @contextlib.contextmanager
 def traced(trainer, record: dict):
-    """Count all-gathers and policy forwards inside ``_generate_single_turn`` and keep what ``_generate`` returned."""
-    originals = {name: getattr(dist, name) for name in GATHERS}
+    """Count all-gathers, all-reduces and policy forwards inside ``_generate_single_turn`` and keep what ``_generate``
+    returned."""
+    originals = {name: getattr(dist, name) for name in (*GATHERS, "all_reduce")}
     generate_single, generate = trainer._generate_single_turn, trainer._generate
     inside = [False]
 
-    def counting(gather):
+    def counting(collective, key):
         def counted(*args, **kwargs):
-            record["all_gathers"] += inside[0]
-            return gather(*args, **kwargs)
+            record[key] += inside[0]
+            return collective(*args, **kwargs)
 
         return counted
 
@@ -61,14 +63,14 @@ def traced(trainer, record: dict):
         record["forwards"] += inside[0] and isinstance(module, Qwen2ForCausalLM)  # the policy, or its static copy
 
     handle = register_module_forward_pre_hook(count_forward)
-    for name, gather in originals.items():
-        setattr(dist, name, counting(gather))
+    for name, collective in originals.items():
+        setattr(dist, name, counting(collective, "all_reduces" if name == "all_reduce" else "all_gathers"))
     trainer._generate_single_turn, trainer._generate = single, whole
     try:
         yield
     finally:
-        for name, gather in originals.items():
-            setattr(dist, name, gather)
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
         handle.remove()
 
 
@@ -93,11 +95,11 @@ def run(model_dir: str, mode: str, out: str) -> dict:
         model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=[length_reward], args=args,
         train_dataset=prompt_dataset(16, MAX_COMPLETION, "swe-smith", seed=0), processing_class=tokenizer,
     )  # fmt: skip
-    record = {"all_gathers": 0, "forwards": 0}
+    record = {"all_gathers": 0, "all_reduces": 0, "forwards": 0}
     with traced(trainer, record):
         trainer.train()
     if getattr(trainer._generator, "decoder", None) is not None:
-        record["loop"] = trainer._generator.decoder._loop is not None  # hf_odc's decoding loop decoded
+        record["loop"] = getattr(trainer._generator.decoder, "_loop", None) is not None  # hf_odc's loop decoded
         record["stale"] = copy_distance(trainer)
         trainer._generate(record["prompts"])
         record["refreshed"] = copy_distance(trainer)
@@ -107,12 +109,14 @@ def run(model_dir: str, mode: str, out: str) -> dict:
 
 
 def copy_distance(trainer) -> float:
-    """The largest difference between a weight of the static copy and the policy's (assembled as vLLM's are)."""
+    """The largest difference between a weight of the decoding copy and what it holds of the policy's (assembled as
+    vLLM's are; in ``"tensor-parallel"`` the rank's slice)."""
     from hf_odc.trainer.full_weights import full_named_weights
 
-    copy = dict(trainer._generator.decoder.model.named_parameters())
+    decoder = trainer._generator.decoder
+    copy = dict(decoder.model.named_parameters())
     weights = full_named_weights(trainer.model, trainer.odc)
-    return max((copy[name] - tensor).abs().max().item() for name, tensor in weights)
+    return max((copy[name] - decoder._local(name, tensor)).abs().max().item() for name, tensor in weights)
 
 
 def main() -> None:
