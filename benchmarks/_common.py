@@ -1,7 +1,8 @@
 """What the benchmarks share (each is a script, and no script imports another): the model shapes (``MODELS``), the
 sharded benchmark model (:func:`build`), the process group (:func:`init_distributed`), long-tailed minibatches
 (:func:`minibatches`), one optimizer step (:func:`run_step`), the timing summary every table reports
-(:func:`timing_summary`), the single-workload command line (:func:`workload_parser`), the trainer schemes the
+(:func:`timing_summary`), the single-workload command line (:func:`workload_parser`), the SFT schemes and their
+planners (``SCHEME_SYNC``, :func:`scheme_planners`, :func:`calibrate`, :func:`in_turn`), the trainer schemes the
 trainer benchmarks compare (``TRAINER_SCHEMES``), where a profiled span's device time went (:func:`device_time`), and
 the logits processor that ends generated completions at chosen lengths (:class:`EndAt`)."""
 
@@ -24,7 +25,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import LogitsProcessor
 
 from hf_odc.accelerate_plugin import shard_model
-from hf_odc.packing import DEFAULT_ATTENTION_SHAPE, DISTRIBUTIONS, idle_fraction, sample_lengths
+from hf_odc.packing import (
+    DEFAULT_ATTENTION_SHAPE,
+    DISTRIBUTIONS,
+    SCHEMES,
+    Calibrator,
+    CostModel,
+    MinibatchPlanner,
+    idle_fraction,
+    sample_lengths,
+)
 from hf_odc.trainer import PACKED_ATTENTION, save_attention_checkpoint_kwargs
 
 MODELS = {
@@ -45,6 +55,39 @@ MODELS = {
                              num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                              vocab_size=151936, tie_word_embeddings=False),
 }  # fmt: skip
+
+CALIBRATED = "ODC+LB-Mini calibrated"
+"""ODC+LB-Mini planned as the trainers plan by default (``cost_model="calibrated"``)."""
+SCHEME_SYNC = {scheme.name: scheme.sync for scheme in SCHEMES} | {CALIBRATED: "minibatch"}
+"""Every SFT scheme the benchmarks run, by name, with how its ranks synchronise (``"minibatch"``: ODC)."""
+
+
+def scheme_planners(names, world_size: int, cost: CostModel) -> dict[str, MinibatchPlanner]:
+    """A planner for each scheme of ``names`` (keys of ``SCHEME_SYNC``), in that order; :data:`CALIBRATED`'s with a
+    ``Calibrator`` to feed (:func:`calibrate`)."""
+    schemes = {scheme.name: scheme for scheme in SCHEMES}
+    return {
+        name: MinibatchPlanner("lb-mini", world_size, "minibatch", cost, Calibrator(world_size))
+        if name == CALIBRATED
+        else MinibatchPlanner(schemes[name].balance, world_size, schemes[name].sync, cost)
+        for name in names
+    }
+
+
+def calibrate(planner: MinibatchPlanner, batch, seconds: list[float]) -> None:
+    """Feed a step's microbatch times, every rank's (one gather), to ``planner``'s calibration, as the trainers do."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, seconds)
+    planner.record(batch.microbatch_lengths, gathered)
+
+
+def in_turn(names: list[str], step: int) -> list[str]:
+    """``names`` starting from the ``step``-th: the schemes take turns at going first, each following each other one
+    equally often, so that what a scheme leaves behind (the caching allocator's blocks, cuDNN's plans, warm clocks)
+    favours none."""
+    first = step % len(names)
+    return names[first:] + names[:first]
+
 
 TRAINER_SCHEMES = {  # name -> the flags of an example script (examples/*.py) that select it
     "FSDP2 + TRL's split (local-sort)": ["--odc", "false", "--balance", "local-sort"],

@@ -22,16 +22,26 @@ import contextlib
 import json
 
 import torch.distributed as dist
-from _common import build, device_time, init_distributed, minibatches, run_step, workload_parser
+from _common import (
+    CALIBRATED,
+    SCHEME_SYNC,
+    build,
+    calibrate,
+    device_time,
+    in_turn,
+    init_distributed,
+    minibatches,
+    run_step,
+    scheme_planners,
+    workload_parser,
+)
 
 import hf_odc
 from hf_odc.engine import CollectiveMinibatch
-from hf_odc.packing import SCHEMES, Calibrator, MinibatchPlanner, named_cost
+from hf_odc.packing import named_cost
 from hf_odc.packing.distributions import DISTRIBUTIONS
 from hf_odc.trainer import PlannedMinibatchCollator
 
-CALIBRATED = "ODC+LB-Mini calibrated"
-SYNC = {scheme.name: scheme.sync for scheme in SCHEMES} | {CALIBRATED: "minibatch"}
 KINDS = ("gemm", "attention", "other", "odc push", "copy", "nccl", "optimizer")
 
 
@@ -40,23 +50,15 @@ def main() -> None:
     parser.add_argument("--schemes", default="Collective+LB-Micro,ODC+LB-Micro," + CALIBRATED)
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
-    if unknown := set(args.schemes) - set(SYNC):
-        parser.error(f"unknown schemes {sorted(unknown)}: choose from {list(SYNC)}")
+    if unknown := set(args.schemes) - set(SCHEME_SYNC):
+        parser.error(f"unknown schemes {sorted(unknown)}: choose from {list(SCHEME_SYNC)}")
     device = init_distributed(args)
     if device.type != "cuda":
         raise SystemExit("profile_step.py profiles CUDA kernels: run it on GPUs.")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer, config = build(args, device)
     odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
-    cost = named_cost("attention", config)
-    planners = {}
-    for name in args.schemes:
-        scheme = next((s for s in SCHEMES if s.name == name), None)
-        planners[name] = (
-            MinibatchPlanner("lb-mini", world_size, "minibatch", cost, Calibrator(world_size))
-            if name == CALIBRATED
-            else MinibatchPlanner(scheme.balance, world_size, scheme.sync, cost)
-        )
+    planners = scheme_planners(args.schemes, world_size, named_cost("attention", config))
     cap = int(args.packing_ratio * DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
     collators = {name: PlannedMinibatchCollator(rank, planner, cap, 0) for name, planner in planners.items()}
     names, records = list(collators), {name: [] for name in collators}
@@ -64,8 +66,8 @@ def main() -> None:
     for step, (_, examples) in enumerate(
         minibatches(args, config.vocab_size, args.samples_per_device * world_size, steps)
     ):
-        for name in names[step % len(names) :] + names[: step % len(names)]:
-            odc_sync = SYNC[name] == "minibatch"
+        for name in in_turn(names, step):
+            odc_sync = SCHEME_SYNC[name] == "minibatch"
             batch = collators[name](examples)
             profiled: dict = {}
             with device_time(profiled, spans="microbatch") if step >= args.warmup else contextlib.nullcontext():
@@ -73,9 +75,7 @@ def main() -> None:
                     model, optimizer, odc if odc_sync else collective, batch, world_size, odc_sync, device
                 )
             if planners[name].calibrator is not None:
-                gathered: list = [None] * world_size
-                dist.all_gather_object(gathered, result["microbatch_s"])
-                planners[name].record(batch.microbatch_lengths, gathered)
+                calibrate(planners[name], batch, result["microbatch_s"])
             if step >= args.warmup:
                 records[name].append({**result, "device": profiled})
         if rank == 0:

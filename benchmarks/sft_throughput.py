@@ -38,11 +38,15 @@ import torch.distributed as dist
 from _common import (
     MODELS,
     RECOMPUTE_ATTENTION_HELP,
+    SCHEME_SYNC,
     build,
+    calibrate,
+    in_turn,
     init_distributed,
     minibatches,
     run_step,
     scaled_lengths,
+    scheme_planners,
     timing_summary,
 )
 
@@ -52,10 +56,7 @@ from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import (
     BASELINE,
     DISTRIBUTIONS,
-    SCHEMES,
     Calibration,
-    Calibrator,
-    MinibatchPlanner,
     microbatch_features,
     named_cost,
     plan_costs,
@@ -65,9 +66,8 @@ from hf_odc.packing.distributions import get_distribution
 from hf_odc.packing.flops import mfu, peak_flops, training_flops
 from hf_odc.trainer import PlannedMinibatchCollator
 
-UNBALANCED, HEADLINE, CALIBRATED = "Collective+LocalSort", "ODC+LB-Mini", "ODC+LB-Mini calibrated"
-SYNC = {scheme.name: scheme.sync for scheme in SCHEMES} | {CALIBRATED: "minibatch"}
-NAMES = list(SYNC)
+UNBALANCED, HEADLINE = "Collective+LocalSort", "ODC+LB-Mini"
+NAMES = list(SCHEME_SYNC)
 
 
 def run_config(args, model, optimizer, odc, collective, device, samples_per_device: int, packing_ratio: float) -> dict:
@@ -77,20 +77,14 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     steps = args.warmup + args.steps
     cap = int(packing_ratio * dist_info.max_length * args.length_scale)
     cost = named_cost("attention", model.config)
-    planners = {
-        s.name: MinibatchPlanner(s.balance, world_size, s.sync, cost) for s in SCHEMES if s.name in args.schemes
-    }
-    if CALIBRATED in args.schemes:  # the trainers' default
-        planners[CALIBRATED] = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, Calibrator(world_size))
+    planners = scheme_planners([name for name in NAMES if name in args.schemes], world_size, cost)
     collators = {name: PlannedMinibatchCollator(rank, planner, cap, 0) for name, planner in planners.items()}
     records: dict[str, list[dict]] = {name: [] for name in collators}
     names = list(collators)
     for step, (chunk, examples) in enumerate(minibatches(args, model.config.vocab_size, minibatch_size, steps)):
-        # The schemes take turns at going first: each follows each other one equally often, so that what a scheme
-        # leaves behind (the caching allocator's blocks, warm clocks) favours none.
-        for name in names[step % len(names) :] + names[: step % len(names)]:
+        for name in in_turn(names, step):
             collator = collators[name]
-            uses_odc = SYNC[name] == "minibatch"
+            uses_odc = SCHEME_SYNC[name] == "minibatch"
             batch = collator(examples)
             result = run_step(model, optimizer, odc if uses_odc else collective, batch, world_size, uses_odc, device)
             if planners[name].calibrator is not None:
@@ -113,13 +107,6 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
     }
 
 
-def calibrate(planner: MinibatchPlanner, batch, seconds: list[float]) -> None:
-    """Feed a step's microbatch times, every rank's (one gather), to ``planner``'s calibration, as the trainers do."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, seconds)
-    planner.record(batch.microbatch_lengths, gathered)
-
-
 def summarize(config: dict, args, world_size: int) -> dict:
     """Per scheme: measured and predicted numbers over the timed steps (every rank's records, gathered)."""
     per_rank = config["records"]  # [rank][scheme] -> steps
@@ -135,7 +122,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
     summary: dict[str, dict] = {}
     peak = peak_flops(args.device_name)
     for name in names:
-        sync = SYNC[name]
+        sync = SCHEME_SYNC[name]
         steps = list(zip(*(rank_records[name] for rank_records in per_rank), strict=True))  # [step][rank]
         step_s = [max(r["busy"] + r["wait"] for r in ranks) for ranks in steps]
         busy = [sum(ranks[rank]["busy"] for ranks in steps) for rank in range(world_size)]  # per rank, all steps

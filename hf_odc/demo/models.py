@@ -41,18 +41,8 @@ MODEL_CONFIGS = {
     "tiny-vllm": _TINY | dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False),
     # A tiny Qwen3-MoE: every layer sparse, 4 experts of width 64, top-2; TRL trains it with the router's
     # load-balancing loss (the config's router_aux_loss_coef), which hf_odc takes over each global minibatch.
-    "tiny-moe": dict(
-        model_type="qwen3_moe",
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
+    "tiny-moe": _TINY
+    | dict(model_type="qwen3_moe", moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16),
     # The shape of Qwen2-0.5B (random weights): what `hf_odc.packing.DEFAULT_ATTENTION_SHAPE` models.
     "qwen2-0.5b": dict(
         model_type="qwen2",
