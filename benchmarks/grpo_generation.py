@@ -5,12 +5,13 @@ Every rank decodes its own prompts greedily with transformers' ``generate`` on t
 installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep),
 ``static`` (a kept copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``tensor-parallel`` (each
 rank's slice of a kept copy, the shard group's ranks decoding their prompts together), ``gathered`` (full weights
-assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` runs
-twice on the same prompts: the first batch pays the compile (reported as ``compile_s``, with the refresh's time), the
+assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` and
+``tensor-parallel`` run twice on the same prompts: the first batch pays the compile and the CUDA graphs' recording (reported as ``compile_s``, with the refresh's time), the
 second is the one timed, as every later generation batch of a run. ``--static-attention sdpa`` decodes the copy with
 transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison; ``static`` decodes with hf_odc's
 decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
-with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes.
+with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does
+``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest.
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -59,6 +60,11 @@ def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.
         model = model.to(torch.bfloat16)  # unsharded: compute in bf16 as FSDP2's policy does when sharded
     runtime.enable(model)
     return model, runtime
+
+
+def meet(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
 
 
 def timed(device: torch.device, fn) -> float:
@@ -177,23 +183,27 @@ def main() -> None:
     generate(model, runtime, "gathered", prompts[:2, :8], [4, 4])  # warm-up: kernels, the first unshard
     rows, sequences, decoder = {}, None, None
     for mode in args.modes.split(","):
+        meet(world_size)  # each mode's times start together: a rank's wait for a slower one is not counted
         capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
-        first, forced = {}, mode != "static" or args.static_decoding == "generate"
+        # The loop (static, tensor-parallel) leaves a call with the caller's logits processor to generate: its rows
+        # are decoded to the longest length, at the cost of a fixed batch.
+        first, forced = {}, mode not in ("static", "tensor-parallel") or args.static_decoding == "generate"
         group_lengths = None
-        if mode in ("static", "tensor-parallel"):  # the copy made and refreshed (static: the first batch compiles)
+        if mode in ("static", "tensor-parallel"):  # the copy made and refreshed (the first batch compiles, records)
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             if mode == "static":
                 decoder = StaticDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
             else:
-                decoder = TensorParallelDecoder(model, runtime, dtype)
+                decoder = TensorParallelDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
                 group = shard_group(model)
                 ranks = dist.get_process_group_ranks(group) if group is not None else [rank]
                 group_lengths = [n for r in ranks for n in all_lengths[r * args.prompts : (r + 1) * args.prompts]]
             first["first_refresh_s"] = timed(device, decoder.refresh)
-            if mode == "static":
-                if args.static_attention == "sdpa":
-                    decoder.model.set_attn_implementation("sdpa")
-                first["first_batch_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced)[0]
+            if mode == "static" and args.static_attention == "sdpa":
+                decoder.model.set_attn_implementation("sdpa")
+            batch = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)
+            first["first_batch_s"] = batch[0]
+            meet(world_size)  # (a rank whose first batch ended first would count its wait in the refresh)
             first["refresh_s"] = timed(device, decoder.refresh)
         seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)
         if args.profile and device.type == "cuda":  # once more, profiled: is decoding kernel- or launch-bound?
@@ -211,6 +221,7 @@ def main() -> None:
         if mode != "lockstep" and sequences is None:
             sequences = [o[: args.prompt_length + n] for o, n in zip(out, lengths, strict=True)]
     if sequences is not None:
+        meet(world_size)
         rows["update"] = {"update_s": update(model, runtime, sequences, args.row_tokens)}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, rows) if world_size > 1 else gathered.__setitem__(0, rows)

@@ -8,7 +8,11 @@ KV cache, the next token chosen from its logits, finished rows given the pad tok
 static shape that live as long as the cache, so on a GPU it is recorded once in a CUDA graph and replayed per token;
 the host asks whether every row has finished only every :data:`_CHECK_EVERY` steps and cuts the steps run past that.
 The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULTIPLE` slots beyond the filled part
-(one graph per such width). On a CPU the same step runs eagerly.
+(one graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
+(``torch.compile``, one static graph per width, made by the eager warm-up steps before the recording), so the graph
+replays fused kernels rather than the eager forward's many small ones; a copy whose forward holds collectives
+(:class:`~hf_odc.trainer.generation.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU the same
+step runs eagerly.
 
 It decodes only what it decodes exactly as ``generate`` does (:func:`decoding_plan`): greedy or multinomial sampling
 with any of a repetition penalty, temperature, top-k, top-p and min-p as transformers' processors define them, and
@@ -17,9 +21,6 @@ stopping at EOS or ``max_new_tokens``. transformers itself builds the processors
 (beam search, several return sequences, a dict output, a streamer, logits processors or stopping criteria passed by
 the caller...), another attention or cache layout, another model input, or a ``generate`` other than
 transformers' own (a model's, or one wrapped around it) is left to ``generate``.
-
-The forward runs eagerly inside the graph: a compiled forward (``torch.compile``) could replace :meth:`Loop._forward`
-without changing the loop.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ _CHECK_EVERY = 16
 run after that are cut from the output."""
 
 _WIDTH_MULTIPLE = 256
-"""The attention's cache width is the filled length rounded up to this (one CUDA graph per width)."""
+"""The attention's cache width is the filled length rounded up to this, or to a larger multiple of it where the cache
+would otherwise have more than :data:`_MAX_WIDTHS` widths (one CUDA graph, and one compiled forward, per width)."""
+
+_MAX_WIDTHS = 8
+"""The most widths a cache is read at: each is compiled once (within ``torch.compile``'s default recompile limit)."""
 
 _WARMUP_STEPS = 2
 """Eager steps on a side stream before a step is recorded in a CUDA graph, as CUDA graphs require (they are real
@@ -252,15 +257,21 @@ class Loop:
         cache: the kept static cache.
         batch_size: the cache's rows.
         length: the cache's slots.
+        compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int):
+    def __init__(
+        self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int, compile: bool = True
+    ):
         self.model, self.cache, self.length = model, cache, length
         device = model.device
         self._cache_kwargs = {_compat.cache_argument(model): cache}
         attention = _compat.attn_implementation(model.config)
         self._additive_mask = attention == "eager"
         self._narrow = attention == "odc_decoding"  # reads only the mask's width of the cache: see _ATTENTIONS
+        multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
+        self._width_multiple = max(_WIDTH_MULTIPLE, multiple) if self._narrow else length
+        self._forward = torch.compile(self._eager_forward, dynamic=False) if compile else self._eager_forward
         self._ids = torch.zeros(batch_size, length, dtype=torch.long, device=device)  # prompt, then completion
         self._attended = torch.zeros(batch_size, length, dtype=torch.bool, device=device)  # the 2-D mask
         self._token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the last chosen token
@@ -287,7 +298,7 @@ class Loop:
         logits = self._prefill(plan)
         self._start(plan, logits.shape[-1])
         self._choose(logits)
-        width_multiple = _WIDTH_MULTIPLE if self._narrow else self.length
+        width_multiple = self._width_multiple
         for chosen in range(1, plan.max_new_tokens):
             if plan.eos_token_ids and chosen % _CHECK_EVERY == 0 and not bool(self._unfinished.any()):
                 break
@@ -357,7 +368,7 @@ class Loop:
             self._seen.scatter_(1, tokens[:, None], True)
         self._next_slot.add_(1)
 
-    def _forward(self, width: int) -> torch.Tensor:
+    def _eager_forward(self, width: int) -> torch.Tensor:
         """The last chosen token's forward into the cache, attending to its first ``width`` slots: its logits, in
         float32. Passing the 4-D mask the model would build (the 2-D mask already holds the causal order: no slot
         beyond the token is filled) keeps transformers' mask code, which reads values on the host, out of the step."""

@@ -29,8 +29,8 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   per generation batch as the static copy is. The group's ranks decode their prompts together (gathered once per
   ``generate`` call), sampling alike from a seed they agree on, so the weights never move per token: two all-reduces
   of the activations per layer per token instead. Each rank keeps its own rows, ended where they would have ended
-  alone, but every rank steps until the longest completion of the group ends. Decodes with transformers'
-  ``generate`` and a dynamic KV cache. Llama, Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads
+  alone, but every rank steps until the longest completion of the group ends. Decodes as ``"static"`` does (a kept
+  static cache, hf_odc's loop, its CUDA graphs recording the all-reduces), with the forward not compiled. Llama, Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads
   and intermediate size the group's size divides, without bias on ``o_proj`` or ``down_proj``
   (:func:`check_tensor_parallel`); not with tools (the ranks decode different numbers of turns); with one process it
   is the whole copy. Opt-in: never chosen by default until measured on a GPU. Costs 1/N of the weights in the compute
@@ -288,6 +288,8 @@ class StaticDecoder(_DecodingCopy):
     """
 
     CACHE_LENGTH_MULTIPLE = 256
+    _COMPILE = True
+    """Whether the copy's forward is compiled on a GPU (by the loop, or by transformers' ``generate``)."""
 
     def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False):
         super().__init__(model, runtime, dtype)
@@ -308,14 +310,16 @@ class StaticDecoder(_DecodingCopy):
             length = input_ids.shape[1] + config.max_new_tokens
         else:
             length = config.max_length or model.config.max_position_embeddings
-        config.cache_implementation, config.disable_compile = None, False  # the cache is ours; compile where it pays
+        config.cache_implementation = None  # the cache is ours
+        config.disable_compile = not self._COMPILE  # (transformers compiles where it pays)
         cache = self._cache_for(input_ids.shape[0], length)
         plan = self._use_loop and _static_decoding.decoding_plan(
             model, cache, self._cache_shape[1], config, args, kwargs
         )
         if plan:
             if self._loop is None:
-                self._loop = _static_decoding.Loop(model, cache, *self._cache_shape)
+                compile = self._COMPILE and model.device.type == "cuda"
+                self._loop = _static_decoding.Loop(model, cache, *self._cache_shape, compile=compile)
             return self._loop.decode(plan)
         kwargs[_compat.cache_argument(model)] = cache
         return type(model).generate(model, *args, generation_config=config, **kwargs)
@@ -379,21 +383,25 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         )
 
 
-class TensorParallelDecoder(_DecodingCopy):
+class TensorParallelDecoder(StaticDecoder):
     """The ``"tensor-parallel"`` mode (see the module docstring): :attr:`model`, a copy of the policy whose decoder
     layers hold this rank's slice of the shard group's: query and key/value heads, and MLP rows (column-parallel
     ``q/k/v_proj``, ``gate/up_proj``), the matching input columns of ``o_proj`` and ``down_proj`` (row-parallel, their
     outputs summed over the group by an all-reduce); embeddings, norms and head whole. Its config says the local head
     and row counts (the head dimension kept), so transformers' attention, the KV cache and the grouping of query heads
     per key/value head (the same ratio) are the local layer's. Every rank of the group decodes the group's prompts
-    together (:meth:`_generate`) and keeps its own rows.
+    together (:meth:`_generate`) and keeps its own rows, with the static cache and decoding loop of
+    :class:`StaticDecoder` (the loop's CUDA graphs record the all-reduces; the forward is not compiled).
 
     Args:
         model, runtime, dtype: as :class:`_DecodingCopy`'s.
+        loop: as :class:`StaticDecoder`'s.
     """
 
-    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype):
-        super().__init__(model, runtime, dtype)
+    _COMPILE = False  # the row-parallel projections' all-reduces run in forward hooks
+
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False):
+        super().__init__(model, runtime, dtype, loop)
         self.group = shard_group(model)
         self.size = 1 if self.group is None else dist.get_world_size(self.group)
         self.rank = 0 if self.group is None else dist.get_rank(self.group)
@@ -435,10 +443,10 @@ class TensorParallelDecoder(_DecodingCopy):
         on each, rank 0's taken), so all compute the same logits and tokens and end together. Each returns what it
         would have decoded alone: its own rows, its own prompt width, and the new tokens up to where its own rows
         have all ended (at an EOS; only EOS and length end them here). Every rank of the group calls it with the same
-        generation options (TRL's). transformers' ``generate``, with a dynamic KV cache, not compiled."""
+        generation options (TRL's). Decoded as :class:`StaticDecoder` decodes."""
         model = self.model
         if self.group is None:
-            return type(model).generate(model, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            return super()._generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, **kwargs}
         config = inputs.pop("generation_config", None)
         eos = _static_decoding.eos_token_ids(_compat.generation_setup(model, config, inputs).criteria)
@@ -462,7 +470,7 @@ class TensorParallelDecoder(_DecodingCopy):
         dist.broadcast(seed, group=self.group, group_src=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
             torch.manual_seed(int(seed))
-            out = type(model).generate(model, input_ids=batch[0], attention_mask=batch[1], **kwargs)
+            out = super()._generate(input_ids=batch[0], attention_mask=batch[1], **kwargs)
         start = sum(int(s[0]) for s in shapes[: self.rank])
         out = out[start : start + input_ids.shape[0], width - input_ids.shape[1] :]
         new = out[:, input_ids.shape[1] :]
@@ -612,7 +620,7 @@ class TensorParallelGenerator(Generator):
     decodes as many turns on each rank as its own completions need, so the ranks' ``generate`` calls would not meet).
 
     Args:
-        trainer: as :class:`Generator`'s.
+        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop.
         dtype: the copy's dtype, the policy's compute dtype.
     """
 
@@ -632,7 +640,8 @@ class TensorParallelGenerator(Generator):
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[None]:
         if self.decoder is None:
-            self.decoder = TensorParallelDecoder(self.trainer.model, self.trainer.odc, self.dtype)
+            loop = self.trainer.args.odc_decoding_loop
+            self.decoder = TensorParallelDecoder(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
         self.decoder.refresh()
         with _compat.generating_on(self.trainer, self.decoder.model):
             yield

@@ -276,6 +276,7 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
     attention reading only the filled part of the cache (``width``), transformers' SDPA all of it."""
     if width is not None:
         monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", width)
+        monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 256 // width)  # each multiple of 8 up to the cache's 256
     decoder = _copy("eager" if attention == "eager" else "sdpa")
     decoder.model.set_attn_implementation(attention)
     prompts = _prompts(4, 9, seed=3)
@@ -298,6 +299,32 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
         _generate(decoder, monkeypatch, True, **prompts, max_new_tokens=5, eos_token_id=eos, pad_token_id=1)
         filled = 16 if attention == DECODING_ATTENTION else 256  # slots 9 to 12 rounded up to 8, or the cache's 256
         assert read[2:] == [filled] * 8  # 4 steps of 2 layers, after the prefill's
+
+
+def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths(monkeypatch):
+    """The loop's forward compiled (as on a GPU, here by inductor for the CPU): the same greedy tokens as
+    transformers' ``generate``, one compiled graph per width read, and a long cache read at no more than
+    ``_MAX_WIDTHS`` widths (the multiple raised from 8 to 128 for a 256-slot cache)."""
+    monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", 8)
+    monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 2)
+    decoder = _copy("sdpa")
+    decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    prompts = _prompts(3, 9, seed=4)
+    options = dict(max_new_tokens=140, do_sample=False, eos_token_id=None, pad_token_id=1)
+    expected = _generate(decoder, monkeypatch, False, **prompts, **options)
+    widths, make = [], _static_decoding.Loop.__init__
+
+    def compiled(self, *args, **kwargs):
+        make(self, *args, **{**kwargs, "compile": True})
+        forward = self._forward
+        self._forward = lambda width: widths.append(width) or forward(width)
+
+    monkeypatch.setattr(_static_decoding.Loop, "__init__", compiled)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), expected)
+    assert sorted(set(widths)) == [128, 256]  # slots 9 to 148: two widths of 128, not 19 of 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # compiled: a graph per width at least
 
 
 def test_the_loop_samples_what_generate_samples(monkeypatch):
