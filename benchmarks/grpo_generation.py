@@ -6,8 +6,9 @@ installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer grou
 ``static`` (a kept copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``tensor-parallel`` (each
 rank's slice of a kept copy, the shard group's ranks decoding their prompts together), ``gathered`` (full weights
 assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` and
-``tensor-parallel`` run twice on the same prompts: the first batch pays the compile and the CUDA graphs' recording (reported as ``compile_s``, with the refresh's time), the
-second is the one timed, as every later generation batch of a run. ``--static-attention sdpa`` decodes the copy with
+``tensor-parallel`` run twice on the same prompts: the first batch pays the compile and the CUDA graphs' recording
+(reported as ``compile_s``, with the refresh's time), the second is the one timed, as every later generation batch of
+a run. ``--static-attention sdpa`` decodes the copy with
 transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison; ``static`` decodes with hf_odc's
 decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
 with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does

@@ -30,11 +30,12 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   ``generate`` call), sampling alike from a seed they agree on, so the weights never move per token: two all-reduces
   of the activations per layer per token instead. Each rank keeps its own rows, ended where they would have ended
   alone, but every rank steps until the longest completion of the group ends. Decodes as ``"static"`` does (a kept
-  static cache, hf_odc's loop, its CUDA graphs recording the all-reduces), with the forward not compiled. Llama, Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads
-  and intermediate size the group's size divides, without bias on ``o_proj`` or ``down_proj``
-  (:func:`check_tensor_parallel`); not with tools (the ranks decode different numbers of turns); with one process it
-  is the whole copy. Opt-in: never chosen by default until measured on a GPU. Costs 1/N of the weights in the compute
-  dtype (plus the embeddings and head whole) for the whole run, plus the group's KV cache sliced by heads.
+  static cache, hf_odc's loop, its CUDA graphs recording the all-reduces), with the forward not compiled. Llama,
+  Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads and intermediate size the group's size
+  divides, without bias on ``o_proj`` or ``down_proj`` (:func:`check_tensor_parallel`); not with tools (the ranks
+  decode different numbers of turns); with one process it is the whole copy. Opt-in: never chosen by default until
+  measured on a GPU. Costs 1/N of the weights in the compute dtype (plus the embeddings and head whole) for the whole
+  run, plus the group's KV cache sliced by heads.
 * ``"lockstep"`` (:class:`Generator`): TRL's own path, kept as the baseline the others are measured against.
 * ``"vllm"`` (:class:`VLLMGenerator`, ``use_vllm=True``): TRL's vLLM generation, ``vllm_mode="colocate"`` (an engine
   on each rank) or ``"server"`` (rank 0 sends TRL's requests to a vLLM server), with hf_odc's weight sync
