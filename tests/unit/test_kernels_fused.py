@@ -13,6 +13,7 @@ import copy
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,41 @@ def test_other_norms_and_activations_are_left_alone():
     assert install_fused_kernels(gelu) == 5  # the norms only
     assert all("forward" not in vars(layer.mlp) for layer in gelu.model.layers)
     assert install_fused_kernels(nn.Sequential(Qwen2RMSNorm())) == 0
+
+
+def _patched_count(model: nn.Module) -> int:
+    fused_forwards = (fused._fused_rms_norm_forward, fused._fused_mlp_forward)
+    return sum(getattr(vars(module).get("forward"), "__func__", None) in fused_forwards for module in model.modules())
+
+
+def test_the_trainers_patch_cuda_runs_only(tmp_path, monkeypatch):
+    """``fused_kernels`` (default true) patches the model on a GPU only: a CPU trainer keeps the stock forwards."""
+    from transformers import HfArgumentParser
+
+    from hf_odc.demo import build_tokenizer, chat_dataset
+    from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+    from hf_odc.trainer._base_trainer import _ODCTrainer
+
+    (parsed,) = HfArgumentParser(ODCSFTConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--fused_kernels", "false"]
+    )
+    assert parsed.fused_kernels is False
+    args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=64, use_cpu=True)
+    assert args.fused_kernels is True
+    tokenizer = build_tokenizer()
+    model = _tiny_qwen2(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    asked = []
+    install = _ODCTrainer._install_fused_kernels
+    monkeypatch.setattr(_ODCTrainer, "_install_fused_kernels", lambda self, m: asked.append(m) or install(self, m))
+    trainer = ODCSFTTrainer(model=model, args=args, train_dataset=chat_dataset(4, 64, "swe-smith", seed=0),
+                            processing_class=tokenizer)  # fmt: skip
+    trainer.end()
+    assert asked == [model] and _patched_count(trainer.model) == 0  # asked, before sharding; nothing done on CPU
+    # the trainers' rule, on a model of its own for each case
+    for fused_kernels, device, patched in [(True, "cuda", 7), (False, "cuda", 0), (True, "cpu", 0)]:
+        model = _tiny_qwen2()
+        run = types.SimpleNamespace(
+            args=types.SimpleNamespace(fused_kernels=fused_kernels, device=torch.device(device))
+        )
+        _ODCTrainer._install_fused_kernels(run, model)
+        assert _patched_count(model) == patched, (fused_kernels, device)
