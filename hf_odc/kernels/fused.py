@@ -34,11 +34,21 @@ from torch import nn
 
 __all__ = ["MAX_NORM_COLUMNS", "RMS_NORM_CLASSES", "SILU_MLP_CLASSES", "install_fused_kernels", "rms_norm", "silu_mul"]
 
-RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+RMS_NORM_CLASSES = frozenset(
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2MoeRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen3MoeRMSNorm",
+        "Qwen3RMSNorm",
+    }
+)
 """transformers' RMSNorm classes whose forward is ``weight * normalise(x.float()).to(x.dtype)`` with ``weight`` and
 ``variance_epsilon``: the ones :func:`install_fused_kernels` patches."""
 
-SILU_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+SILU_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP"})
 """transformers' gated MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the ones
 :func:`install_fused_kernels` patches when their ``act_fn`` is a SiLU."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import VOCAB, tiny_qwen2_config
+from _models import VOCAB, tiny_moe_config, tiny_qwen2_config
 from torch import nn
 
 from hf_odc.kernels import fused, install_fused_kernels, rms_norm, silu_mul
@@ -167,6 +167,16 @@ def test_install_patches_the_instances_once():
     norm = model.model.norm
     assert norm.forward.__func__ is fused._fused_rms_norm_forward
     assert "forward" not in vars(other.model.norm)  # the class is untouched
+
+
+@pytest.mark.parametrize(("family", "norms"), [("qwen3_moe", 9), ("mixtral", 5)])
+def test_moe_models_get_their_norms_fused(family, norms):
+    """Qwen3-MoE: each layer's two norms, its query and key norms, the final norm; Mixtral: the layers' and the final
+    norms. Their experts are not MLP modules and keep their activation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_moe_config(family))
+    assert install_fused_kernels(model) == norms == _patched_count(model)
 
 
 class Qwen2RMSNorm(nn.Module):
