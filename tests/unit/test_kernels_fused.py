@@ -245,3 +245,29 @@ def test_the_trainers_patch_cuda_runs_only(tmp_path, monkeypatch):
         )
         _ODCTrainer._install_fused_kernels(run, model)
         assert _patched_count(model) == patched, (fused_kernels, device)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_hopper(dtype):
+    """Without a GPU: the four kernels compile for sm_90, the norms at the widest row they take."""
+    triton = pytest.importorskip("triton")
+    if fused._INTERPRET:
+        pytest.skip("the interpreter compiles nothing")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_odc.kernels import _triton_fused as kernels
+
+    t, f32, i32 = f"*{dtype}", "*fp32", "i32"
+    norm_block = {"BLOCK": triton.next_power_of_2(fused.MAX_NORM_COLUMNS)}
+    cases = [
+        (kernels._rms_norm_forward_kernel, [t, t, t, f32, i32, "fp32"], norm_block),
+        (kernels._rms_norm_backward_kernel, [t, t, t, f32, t, f32, i32, i32, i32], {**norm_block, "WEIGHT_GRAD": True}),
+        (kernels._silu_mul_forward_kernel, [t, t, t, "i64"], {"BLOCK": 1024}),
+        (kernels._silu_mul_backward_kernel, [t, t, t, t, t, "i64"], {"BLOCK": 1024}),
+    ]
+    for kernel, types_, constexprs in cases:
+        signature = dict(zip(kernel.arg_names, types_ + ["constexpr"] * len(constexprs), strict=True))
+        source = ASTSource(kernel, signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+        assert "cubin" in compiled.asm, kernel.fn.__name__
