@@ -2,9 +2,9 @@
 CPU tensors, give the PyTorch formula's values and gradients; a patched tiny Qwen2 and Llama give the stock model's
 loss and gradients, through the kernels and through the CPU fallback; other norms and activations are left alone.
 
-The interpreter must be switched on before Triton defines the kernels, so the ``test_interpreted_*`` tests run in one
-pytest subprocess with ``TRITON_INTERPRET=1`` (:func:`test_kernels_under_the_triton_interpreter`) and are skipped in
-this process.
+The interpreter must be switched on before Triton defines the kernels, so the kernel tests' ``interpreted`` cases run
+in one pytest subprocess with ``TRITON_INTERPRET=1`` (:func:`test_kernels_under_the_triton_interpreter`) and are
+skipped in this process; their ``cuda`` cases run the compiled kernels on a GPU.
 """
 
 from __future__ import annotations
@@ -27,9 +27,24 @@ from hf_odc.trainer.attention import save_attention_checkpoint_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 
-interpreted = pytest.mark.skipif(
-    not fused._INTERPRET, reason="runs with TRITON_INTERPRET=1, in test_kernels_under_the_triton_interpreter"
-)
+KERNEL_DEVICES = [
+    pytest.param(
+        "cpu",
+        id="interpreted",
+        marks=pytest.mark.skipif(
+            not fused._INTERPRET, reason="runs with TRITON_INTERPRET=1, in test_kernels_under_the_triton_interpreter"
+        ),
+    ),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available() or fused._INTERPRET, reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+"""Where the Triton kernels run: CPU tensors under the interpreter, CUDA ones on a GPU."""
 
 
 def test_kernels_under_the_triton_interpreter():
@@ -37,7 +52,7 @@ def test_kernels_under_the_triton_interpreter():
     if fused._INTERPRET:
         pytest.skip("already interpreted")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreted_"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
         cwd=ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
@@ -75,34 +90,34 @@ def _same_values_and_grads(out, expected, inputs: tuple[torch.Tensor, ...], dtyp
 SHAPES = [(5, 96), (2, 3, 200), (3, 1536)]
 
 
-@interpreted
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize(
     ("dtype", "weight_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, None)],
 )
-def test_interpreted_rms_norm_equals_the_formula(shape, dtype, weight_dtype):
+def test_rms_norm_equals_the_formula(device, shape, dtype, weight_dtype):
     torch.manual_seed(0)
-    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
     # weight_dtype None: an fp32 weight on bf16 activations (the output is fp32, as the formula's)
-    weight = (1 + 0.1 * torch.randn(shape[-1])).to(weight_dtype or torch.float32).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(shape[-1], device=device)).to(weight_dtype or torch.float32).requires_grad_()
     _same_values_and_grads(rms_norm(x, weight, 1e-6), _reference_rms_norm(x, weight, 1e-6), (x, weight), dtype)
 
 
-@interpreted
-def test_interpreted_rms_norm_of_a_frozen_weight():
-    x = torch.randn(4, 40, requires_grad=True)
-    weight = torch.rand(40) + 0.5
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_rms_norm_of_a_frozen_weight(device):
+    x = torch.randn(4, 40, device=device, requires_grad=True)
+    weight = torch.rand(40, device=device) + 0.5
     _same_values_and_grads(rms_norm(x, weight, 1e-5), _reference_rms_norm(x, weight, 1e-5), (x,), torch.float32)
 
 
-@interpreted
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_interpreted_silu_mul_equals_the_formula(shape, dtype):
+def test_silu_mul_equals_the_formula(device, shape, dtype):
     torch.manual_seed(0)
-    gate = (3 * torch.randn(shape)).to(dtype).requires_grad_()
-    up = torch.randn(shape, dtype=dtype, requires_grad=True)
+    gate = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
+    up = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
     _same_values_and_grads(silu_mul(gate, up), F.silu(gate) * up, (gate, up), dtype)
 
 
@@ -124,14 +139,14 @@ def _tiny_qwen2(seed: int = 0, **overrides) -> nn.Module:
 
 def _loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(1)
-    ids = torch.randint(0, VOCAB, (2, 24))
+    ids = torch.randint(0, VOCAB, (2, 24)).to(model.device)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def _check_patched_model_equals_stock(build, checkpointing: bool) -> None:
-    stock = build().train()
+def _check_patched_model_equals_stock(build, checkpointing: bool, device: str = "cpu") -> None:
+    stock = build().to(device).train()
     patched = copy.deepcopy(stock)
     # 2 layers: input and post-attention norms, an MLP each; the final norm
     assert install_fused_kernels(patched) == 7
@@ -148,10 +163,10 @@ def _check_patched_model_equals_stock(build, checkpointing: bool) -> None:
 MODELS = {"qwen2": lambda: _tiny_qwen2(attn_implementation="sdpa"), "llama": _tiny_llama}
 
 
-@interpreted
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize(("family", "checkpointing"), [("qwen2", True), ("llama", False)])
-def test_interpreted_patched_model_equals_stock(family, checkpointing):
-    _check_patched_model_equals_stock(MODELS[family], checkpointing)
+def test_patched_model_equals_stock(device, family, checkpointing):
+    _check_patched_model_equals_stock(MODELS[family], checkpointing, device)
 
 
 @pytest.mark.parametrize(("family", "checkpointing"), [("qwen2", True), ("llama", False)])
