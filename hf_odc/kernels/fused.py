@@ -103,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x.float() * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype)`` over the last dimension of ``x``
     (transformers' Llama-family RMSNorm), in the dtype ``weight * x`` would have; differentiable in ``x`` and
     ``weight``. One Triton kernel each way where :func:`_use_triton` (rows up to :data:`MAX_NORM_COLUMNS` wide)."""
-    if _use_triton(x) and 0 < x.shape[-1] <= MAX_NORM_COLUMNS and x.numel() > 0:
+    if _use_triton(x) and x.numel() > 0 and x.shape[-1] <= MAX_NORM_COLUMNS:
         return _RMSNorm.apply(x, weight, eps)
     upcast = x.float()
     return weight * (upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

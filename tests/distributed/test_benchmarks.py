@@ -138,12 +138,13 @@ def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_p
 
 
 def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
-    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step."""
+    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step
+    (with transformers' own norms and MLPs, ``--unfused``, the workload benchmarks' flag)."""
     out = tmp_path / "hybrid.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "hybrid_step.py"), "--model", "tiny", "--samples-per-device", "4",
-        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--json", str(out),
+        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--unfused", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
