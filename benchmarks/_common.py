@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import LogitsProcessor
 
 from hf_odc.accelerate_plugin import shard_model
+from hf_odc.kernels import install_fused_kernels
 from hf_odc.packing import (
     DEFAULT_ATTENTION_SHAPE,
     DISTRIBUTIONS,
@@ -100,7 +101,8 @@ def build(args, device: torch.device, shard_size: int | None = None):
     """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
     groups; ``None``: a host's ranks), its AdamW and its config. With ``args.checkpointing``, activation checkpointing
     that keeps the attention, as the trainers' default ``checkpoint_attention="save"``; ``args.recompute_attention``:
-    the stock one, which recomputes it."""
+    the stock one, which recomputes it. The fused RMSNorm and MLP kernels, as the trainers' default
+    ``fused_kernels=True`` (on CPU they are the stock formulas), unless ``args.unfused``."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
     from trl.trainer.utils import add_fused_lm_head
 
@@ -111,6 +113,8 @@ def build(args, device: torch.device, shard_size: int | None = None):
     torch.manual_seed(0)
     with device:
         model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    if not getattr(args, "unfused", False):
+        install_fused_kernels(model)
     if args.checkpointing:
         kwargs = {"use_reentrant": False} if args.recompute_attention else save_attention_checkpoint_kwargs()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -178,6 +182,7 @@ def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], pr
 
 
 RECOMPUTE_ATTENTION_HELP = "checkpoint as stock (the attention recomputed in the backward), not keeping it"
+UNFUSED_HELP = "keep transformers' RMSNorm and MLP forwards, not hf_odc's fused kernels (fused_kernels=False)"
 
 
 def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
@@ -194,6 +199,7 @@ def workload_parser(description: str, steps: int, warmup: int, warmup_help: str 
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
+    parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     return parser

@@ -4,11 +4,12 @@ with the attention cost, and with the trainers' default, the calibrated cost), o
 One process per GPU builds the model once (random weights from a Qwen2.5 shape, or a Qwen3-MoE one whose 3-D expert
 weights are sharded like the rest, trained without the router's load-balancing loss; bf16 compute with fp32 master
 weights and reductions, activation checkpointing keeping the attention (``--recompute-attention``: recomputing it),
-hf_odc's packed attention, TRL's fused LM head: what ``ODCSFTTrainer`` runs) and trains it on the same global
-minibatches under every scheme, interleaved minibatch by minibatch so that drift hits them alike, the schemes taking
-turns at going first. Plain FSDP2 is the ODC model outside ``odc.minibatch()``, between the same two meeting points
-(:class:`hf_odc.engine.CollectiveMinibatch`), with its reduce-scatter deferred to the last
-microbatch as the trainer does. Timings are device-timed (:mod:`hf_odc.engine.timing`)::
+hf_odc's packed attention and fused RMSNorm/MLP kernels (``--unfused``: transformers' forwards), TRL's fused LM head:
+what ``ODCSFTTrainer`` runs) and trains it on the same global minibatches under every scheme, interleaved minibatch by
+minibatch so that drift hits them alike, the schemes taking turns at going first. Plain FSDP2 is the ODC model
+outside ``odc.minibatch()``, between the same two meeting points (:class:`hf_odc.engine.CollectiveMinibatch`), with
+its reduce-scatter deferred to the last microbatch as the trainer does. Timings are device-timed
+(:mod:`hf_odc.engine.timing`)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \\
         --nproc_per_node 2 \\
@@ -39,6 +40,7 @@ from _common import (
     MODELS,
     RECOMPUTE_ATTENTION_HELP,
     SCHEME_SYNC,
+    UNFUSED_HELP,
     build,
     calibrate,
     in_turn,
@@ -245,6 +247,7 @@ def main() -> None:
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
+    parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     parser.add_argument("--predict-world-sizes", default="8,32,128")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)

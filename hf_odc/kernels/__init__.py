@@ -1,12 +1,25 @@
 """What ODC runs on the device: the transports (:mod:`hf_odc.kernels.transports`: memory every rank can reach,
-one-sided gather and scatter-accumulate) and the packed-attention kernel (:mod:`hf_odc.kernels.attention`).
+one-sided gather and scatter-accumulate), the packed-attention kernel (:mod:`hf_odc.kernels.attention`) and the fused
+RMSNorm and SiLU-gated activation of transformers' decoders (:mod:`hf_odc.kernels.fused`).
 
 Nothing here imports :mod:`hf_odc.liveness`, which sits above: how ranks meet and name a failed peer is not a
 kernel's concern.
 
-The transports' public names are re-exported here, where the engine and users import them from.
+The transports' and the fused kernels' public names are re-exported here, where the engine, the trainers and users
+import them from.
 """
 
+from .fused import install_fused_kernels, rms_norm, silu_mul
 from .transports import TRANSPORTS, CpuShmTransport, SymmetricTensor, Transport, host_ranks, make_transport
 
-__all__ = ["TRANSPORTS", "CpuShmTransport", "SymmetricTensor", "Transport", "host_ranks", "make_transport"]
+__all__ = [
+    "TRANSPORTS",
+    "CpuShmTransport",
+    "SymmetricTensor",
+    "Transport",
+    "host_ranks",
+    "install_fused_kernels",
+    "make_transport",
+    "rms_norm",
+    "silu_mul",
+]

@@ -89,6 +89,11 @@ _ODC_PARAMETERS = """
             It needs non-reentrant checkpointing and replaces `gradient_checkpointing_kwargs`' `context_fn`, so a
             `use_reentrant=True` or a `context_fn` of your own there is refused with it. `"recompute"`: the stock
             behaviour, every operator recomputed. No effect without activation checkpointing.
+        fused_kernels (`bool`, *optional*, defaults to `True`):
+            On a GPU, give the model's RMSNorms and SiLU-gated MLPs (Llama, Mistral, Qwen2, Qwen3; the norms of
+            Mixtral, Qwen2-MoE and Qwen3-MoE) one Triton kernel each way in place of their chains of elementwise
+            kernels (`hf_odc.kernels.install_fused_kernels`): the same formulas and roundings, up to the order of
+            fp32 sums. Other modules, and CPU runs, are left as they are. `False` keeps transformers' forwards.
 
     > [!NOTE]
     > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
@@ -235,6 +240,13 @@ class _ODCConfig:
             "help": "With activation checkpointing: 'save' keeps each layer's attention outputs, so the backward does "
             "not recompute the attention (same gradients); 'recompute' reruns it (stock).",
             "choices": list(CHECKPOINT_ATTENTION),
+        },
+    )
+    fused_kernels: bool = field(
+        default=True,
+        metadata={
+            "help": "On a GPU, run the RMSNorms and SiLU-gated MLPs of Llama/Mistral/Qwen2/Qwen3 models as fused "
+            "Triton kernels (same formulas). False keeps transformers' forwards."
         },
     )
 

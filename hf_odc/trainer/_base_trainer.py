@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
+from ..kernels import install_fused_kernels
 from ..packing import MinibatchPlanner, idle_fraction, named_cost
 from ..packing.calibration import FEATURES, Calibration, Calibrator
 from ..packing.flops import mfu, peak_flops, training_flops
@@ -107,15 +108,16 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     # -- setup --------------------------------------------------------------------------------------------------------
 
     def _setup_odc(self, step_metrics: StepMetrics) -> None:
-        """Packed attention and what activation checkpointing keeps of it (enabled later, by ``Trainer.train``), then
-        (with several processes) FSDP2 sharding and ODC; the planner's cost model; the metrics the trainer's loss
-        accumulates. Checks first that the TRL and transformers names hf_odc relies on are there
+        """Packed attention and what activation checkpointing keeps of it (enabled later, by ``Trainer.train``), the
+        fused kernels, then (with several processes) FSDP2 sharding and ODC; the planner's cost model; the metrics the
+        trainer's loss accumulates. Checks first that the TRL and transformers names hf_odc relies on are there
         (:mod:`hf_odc._compat`)."""
         _compat.check_trainer(self)
         args = self.args
         use_packed_attention(self.model, args.packed_attention, args.device)
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
+        self._install_fused_kernels(self.model)
         self.odc = ODCRuntime(args.odc_plugin(), self.accelerator)
         if self.accelerator.num_processes > 1:
             fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -145,6 +147,12 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         device = self.args.device
         self._peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
+    def _install_fused_kernels(self, model: nn.Module) -> None:
+        """``fused_kernels``: the fused RMSNorm and MLP forwards on ``model``, before it is sharded, in a CUDA run (the
+        kernels are Triton's; a CPU run keeps transformers' forwards, which they equal)."""
+        if self.args.fused_kernels and self.args.device.type == "cuda":
+            install_fused_kernels(model)
+
     def _moe_load_balancing(self) -> ExpertLoad | None:
         """The router's load-balancing loss over each step's global minibatch (:mod:`hf_odc.trainer._moe`), when TRL
         enabled it for this model (a MoE model with ``router_aux_loss_coef != 0``); ``None`` otherwise. Refused by a
@@ -161,10 +169,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     def _shard_frozen(self, model: nn.Module) -> tuple[nn.Module, ODCRuntime]:
         """A frozen model the trainer reads beside the trained one (a reference policy), set up like it: packed
-        attention, sharded, with ODC of its own (run it in ``runtime.minibatch(backward=False)``), released by
-        :meth:`close_odc`. Returns the sharded model and its runtime. Call it after :meth:`_setup_odc`."""
+        attention, fused kernels, sharded, with ODC of its own (run it in ``runtime.minibatch(backward=False)``),
+        released by :meth:`close_odc`. Returns the sharded model and its runtime. Call it after :meth:`_setup_odc`."""
         model.requires_grad_(False)  # no gradient buffers: it is only read
         use_packed_attention(model, self.args.packed_attention, self.args.device)
+        self._install_fused_kernels(model)
         runtime = ODCRuntime(self.args.odc_plugin(), self.accelerator)
         model = runtime.shard(model)
         runtime.enable(model)

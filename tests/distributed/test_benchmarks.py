@@ -46,19 +46,20 @@ def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
 
 def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(tmp_path):
     """The MoE shapes (``--model tiny-moe`` here, ``qwen3-30b-a3b-8l`` on GPUs) build through the same path: a
-    Qwen3-MoE, its expert weights sharded, trained by ODC and by plain FSDP2."""
+    Qwen3-MoE, its expert weights sharded, trained by ODC and by plain FSDP2; here with transformers' own norms
+    (``--unfused``; the other run has the fused ones)."""
     out = tmp_path / "moe.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny-moe", "--num-layers", "1",
         "--distribution", "longalign", "--samples-per-device", "2", "--length-scale", "0.004", "--steps", "1",
-        "--warmup", "1", "--schemes", "Collective+LB-Micro,ODC+LB-Mini", "--predict-world-sizes", "8",
+        "--warmup", "1", "--schemes", "Collective+LB-Micro,ODC+LB-Mini", "--predict-world-sizes", "8", "--unfused",
         "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["model_type"] == "qwen3_moe" and result["args"]["num_layers"] == 1
+    assert result["model_type"] == "qwen3_moe" and result["args"]["num_layers"] == 1 and result["args"]["unfused"]
     schemes = result["results"][0]["summary"]["schemes"]
     assert list(schemes) == ["Collective+LB-Micro", "ODC+LB-Mini"]
     assert all(row["tokens_per_second"] > 0 for row in schemes.values())
@@ -137,12 +138,13 @@ def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_p
 
 
 def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
-    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step."""
+    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step
+    (with transformers' own norms and MLPs, ``--unfused``, the workload benchmarks' flag)."""
     out = tmp_path / "hybrid.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "hybrid_step.py"), "--model", "tiny", "--samples-per-device", "4",
-        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--json", str(out),
+        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--unfused", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
