@@ -260,9 +260,7 @@ class Loop:
         compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
     """
 
-    def __init__(
-        self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int, compile: bool = True
-    ):
+    def __init__(self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int, compile: bool = True):
         self.model, self.cache, self.length = model, cache, length
         device = model.device
         self._cache_kwargs = {_compat.cache_argument(model): cache}
