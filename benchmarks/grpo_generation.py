@@ -192,6 +192,8 @@ def main() -> None:
         group_lengths = None
         if mode in ("static", "tensor-parallel"):  # the copy made and refreshed (the first batch compiles, records)
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            if decoder is not None:
+                decoder.close()
             if mode == "static":
                 decoder = StaticDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
             else:
@@ -224,6 +226,8 @@ def main() -> None:
     if sequences is not None:
         meet(world_size)
         rows["update"] = {"update_s": update(model, runtime, sequences, args.row_tokens)}
+    if decoder is not None:
+        decoder.close()  # before the process groups go: its CUDA graphs may hold tensor-parallel's communicator
     gathered = [None] * world_size
     dist.all_gather_object(gathered, rows) if world_size > 1 else gathered.__setitem__(0, rows)
     runtime.close()

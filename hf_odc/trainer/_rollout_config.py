@@ -18,19 +18,23 @@ _GENERATION_PARAMETERS = """
             while decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC), `"tensor-parallel"`
             (each rank of the shard group holds a slice of a kept copy and they decode their prompts together, the
             activations all-reduced; Llama/Mistral/Qwen2/Qwen3 dense models whose heads and intermediate size the
-            group's size divides, no tools; opt-in, not yet measured on a GPU) or `"lockstep"` (TRL's path, the
-            baseline); the modes, their costs and vLLM's (`use_vllm`, with which this stays unset) are described in
-            `hf_odc.trainer.generation`. `None`: on a GPU, `"static"` when the copy takes at most a quarter of the
-            device's free memory, else `"gathered"` when it takes at most half, else `"sharded"` (`"lockstep"` with
-            plain FSDP2); on a CPU `"gathered"` (`"tensor-parallel"` is never chosen by default). A rank that
+            group's size divides, no tools) or `"lockstep"` (TRL's path, the baseline); the modes, their costs and
+            vLLM's (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation`. `None`:
+            on a GPU, by measured decoding speed, `"static"` when the copy takes at most a quarter of the device's
+            free memory, else `"tensor-parallel"` when its 1/N slice does (a model it slices, no tools), else
+            `"gathered"` when the copy takes at most half, else `"sharded"` (`"lockstep"` with plain FSDP2); on a
+            CPU `"gathered"`. A rank that
             finishes decoding first waits for the others at the rollouts' gather, within `odc_timeout`: set it above
             the spread of the ranks' decoding times.
-        odc_decoding_loop (`bool`, *optional*, defaults to `False`):
-            With `odc_generation="static"`: decode with hf_odc's own loop (`hf_odc.trainer._static_decoding`: on a
-            GPU each step replayed from a CUDA graph, the host asking for the end every 16 steps instead of every
-            token) wherever it decodes what transformers' `generate` would (greedy or sampling with temperature,
-            top-k, top-p, min-p and repetition penalty; anything else still goes to `generate`). Off by default: its
-            CUDA graphs have not yet run on a GPU.
+        odc_decoding_loop (`bool`, *optional*):
+            With `odc_generation="static"` or `"tensor-parallel"`: decode with hf_odc's own loop
+            (`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, the host asking for
+            the end every 16 steps instead of every token) wherever it decodes what transformers' `generate` would
+            (greedy or sampling with temperature, top-k, top-p, min-p and repetition penalty; anything else still
+            goes to `generate`), or not (`False`). `None`: the loop for `"tensor-parallel"` (whose forward, holding
+            collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
+            `generate` for `"static"` (the loop is faster per step there, but compiles a graph per cache width
+            where `generate` compiles one: it pays over long runs, not short ones).
 """
 
 
@@ -52,16 +56,18 @@ class _ODCRolloutConfig(_ODCConfig):
         default=None,
         metadata={
             "help": "How each rank decodes its prompts (hf_odc.trainer.generation): 'static', 'gathered', 'sharded', "
-            "'tensor-parallel' (opt-in) or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of "
-            "the free device memory, gathered in half, else sharded (lockstep with plain FSDP2); on a CPU gathered.",
+            "'tensor-parallel' or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of the free "
+            "device memory, tensor-parallel when its slice does, gathered when the copy fits in half, else sharded "
+            "(lockstep with plain FSDP2); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
         },
     )
-    odc_decoding_loop: bool = field(
-        default=False,
+    odc_decoding_loop: bool | None = field(
+        default=None,
         metadata={
-            "help": "With odc_generation='static': decode with hf_odc's own loop (CUDA graphs, no host sync per "
-            "token) where it decodes what generate would. Off by default: not yet run on a GPU."
+            "help": "With odc_generation='static' or 'tensor-parallel': decode with hf_odc's own loop (CUDA graphs, "
+            "no host sync per token) where it decodes what generate would. Unset: the loop for tensor-parallel, "
+            "generate for static."
         },
     )
 

@@ -286,6 +286,18 @@ class Loop:
         self._pool: Any = None  # the graphs' shared memory pool: they replay one at a time
         self._side_stream: torch.cuda.Stream | None = None
 
+    def release(self) -> None:
+        """Free the CUDA graphs. A graph that recorded a collective (tensor-parallel's all-reduces) holds its NCCL
+        communicator, which the process group then cannot destroy (``destroy_process_group`` waits for ever): release
+        the loop before the process groups go."""
+        if self._graphs:
+            torch.cuda.synchronize(self._ids.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._warmups.clear()
+        self._pool = None
+
     @torch.no_grad()
     def decode(self, plan: DecodingPlan) -> torch.Tensor:
         """The prompts and their completions, as transformers' ``generate`` returns them for ``plan``: ``[batch,

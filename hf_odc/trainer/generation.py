@@ -12,9 +12,9 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by
   hf_odc's own loop (:mod:`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
   host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid once
-  per run, as the copy's weights and the cache's tensors never move. The loop is opt-in until it has been measured
-  on a GPU (its CUDA graphs have not run on one). Costs the full weights in the compute dtype for the whole run,
-  plus the cache.
+  per run, as the copy's weights and the cache's tensors never move. The loop is faster per step but compiles one
+  forward per cache width, so it is not this mode's default. Costs the full weights in the compute dtype for the
+  whole run, plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights
@@ -33,9 +33,9 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   static cache, hf_odc's loop, its CUDA graphs recording the all-reduces), with the forward not compiled. Llama,
   Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads and intermediate size the group's size
   divides, without bias on ``o_proj`` or ``down_proj`` (:func:`check_tensor_parallel`); not with tools (the ranks
-  decode different numbers of turns); with one process it is the whole copy. Opt-in: never chosen by default until
-  measured on a GPU. Costs 1/N of the weights in the compute dtype (plus the embeddings and head whole) for the whole
-  run, plus the group's KV cache sliced by heads.
+  decode different numbers of turns); with one process it is the whole copy. Chosen by default where the static copy
+  does not fit and its slice does (:func:`choose_generation_mode`). Costs 1/N of the weights in the compute dtype
+  (plus the embeddings and head whole) for the whole run, plus the group's KV cache sliced by heads.
 * ``"lockstep"`` (:class:`Generator`): TRL's own path, kept as the baseline the others are measured against.
 * ``"vllm"`` (:class:`VLLMGenerator`, ``use_vllm=True``): TRL's vLLM generation, ``vllm_mode="colocate"`` (an engine
   on each rank) or ``"server"`` (rank 0 sends TRL's requests to a vLLM server), with hf_odc's weight sync
@@ -135,13 +135,21 @@ def check_generation_mode(
 
 
 def choose_generation_mode(
-    requested: str | None, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, device: torch.device
+    requested: str | None,
+    model: nn.Module,
+    runtime: ODCRuntime,
+    dtype: torch.dtype,
+    device: torch.device,
+    tools: bool = False,
 ) -> str:
-    """``requested`` checked against the run (:func:`check_generation_mode`), or (``None``) on a GPU ``device`` the
-    first of ``"static"`` and ``"gathered"`` whose copy of the full weights in ``dtype`` fits its share of the
-    device's free memory (:data:`_COPY_SHARE_OF_FREE_MEMORY`), else ``"sharded"`` with ODC, ``"lockstep"`` with plain
-    FSDP2; on a CPU ``"gathered"`` (a CPU compiles nothing for the static cache). ``device`` is where the model
-    trains, which it may not have reached yet: with one process the Trainer places it when training starts."""
+    """``requested`` checked against the run (:func:`check_generation_mode`), or (``None``) on a GPU ``device``, by
+    measured speed per decoding step: ``"static"`` where its copy of the full weights in ``dtype`` fits its share of
+    the device's free memory (:data:`_COPY_SHARE_OF_FREE_MEMORY`); else ``"tensor-parallel"`` where a 1/N slice of it
+    fits that share, the model decodes tensor-parallel over its shard group of N > 1 ranks
+    (:func:`check_tensor_parallel`) and the run has no ``tools``; else ``"gathered"`` where the full weights fit
+    theirs; else ``"sharded"`` with ODC, ``"lockstep"`` with plain FSDP2. On a CPU ``"gathered"`` (a CPU compiles
+    nothing for the static cache). ``device`` is where the model trains, which it may not have reached yet: with one
+    process the Trainer places it when training starts."""
     sharded = isinstance(model, FSDPModule)
     if requested is not None:
         check_generation_mode(requested, model=model, runtime=runtime)
@@ -150,10 +158,31 @@ def choose_generation_mode(
         return "gathered"
     copy_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     free_bytes, _ = torch.cuda.mem_get_info(device)
-    fitting = [mode for mode, share in _COPY_SHARE_OF_FREE_MEMORY.items() if copy_bytes <= share * free_bytes]
-    if fitting:
-        return fitting[0]
+    kept_share = _COPY_SHARE_OF_FREE_MEMORY["static"]
+    if copy_bytes <= kept_share * free_bytes:
+        return "static"
+    size = 1 if tools else _tensor_parallel_size(model)
+    if size > 1 and copy_bytes / size <= kept_share * free_bytes:
+        return "tensor-parallel"
+    if copy_bytes <= _COPY_SHARE_OF_FREE_MEMORY["gathered"] * free_bytes:
+        return "gathered"
     return "gathered" if not sharded else "sharded" if runtime.active else "lockstep"
+
+
+def _tensor_parallel_size(model: nn.Module) -> int:
+    """The size of ``model``'s shard group where it can decode tensor-parallel over it, else 1."""
+    group = shard_group(model)
+    size = 1 if group is None else dist.get_world_size(group)
+    try:
+        check_tensor_parallel(model, size)
+    except ValueError:
+        return 1
+    return size
+
+
+def _uses_tools(trainer: Any) -> bool:
+    """Whether ``trainer`` generates with tools or environments (TRL's tool loop: a number of turns per rank)."""
+    return bool(getattr(trainer, "tools", None) or getattr(trainer, "environments", None))
 
 
 @contextlib.contextmanager
@@ -325,6 +354,13 @@ class StaticDecoder(_DecodingCopy):
         kwargs[_compat.cache_argument(model)] = cache
         return type(model).generate(model, *args, generation_config=config, **kwargs)
 
+    def close(self) -> None:
+        """Release the decoding loop's CUDA graphs and the cache (at the run's end, before the process groups are
+        destroyed: see :meth:`~hf_odc.trainer._static_decoding.Loop.release`); a later call decodes anew."""
+        if self._loop is not None:
+            self._loop.release()
+        self._loop, self._cache, self._cache_shape = None, None, (0, 0)
+
     def _cache_for(self, batch_size: int, length: int) -> StaticCache:
         """The kept cache, emptied, or a new one where it is too short or of another batch size (and with it a new
         decoding loop: the loop's CUDA graphs are bound to the cache's tensors)."""
@@ -332,9 +368,9 @@ class StaticDecoder(_DecodingCopy):
             self._cache.reset()
             return self._cache
         length = max(math.ceil(length / self.CACHE_LENGTH_MULTIPLE) * self.CACHE_LENGTH_MULTIPLE, self._cache_shape[1])
+        self.close()
         self._cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._cache_shape = (batch_size, length)
-        self._loop = None
         return self._cache
 
 
@@ -590,62 +626,62 @@ class ShardedGenerator(GatheredGenerator):
     mode = "sharded"
 
 
-class StaticGenerator(Generator):
-    """The ``"static"`` mode: TRL generates on :attr:`decoder`'s copy, refreshed once per generation batch.
+class _CopyGenerator(Generator):
+    """A mode that generates on a decoding copy (:attr:`decoder`, of :attr:`decoder_class`), made at the first
+    generation on the prepared model, refreshed once per generation batch, closed at the run's end.
 
     Args:
-        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop.
+        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop (unset:
+            :attr:`loop_by_default`).
         dtype: the copy's dtype, the policy's compute dtype.
     """
 
-    mode = "static"
+    decoder_class: type[StaticDecoder] = StaticDecoder
+    loop_by_default = False
 
     def __init__(self, trainer: Any, dtype: torch.dtype):
         super().__init__(trainer)
         self.dtype = dtype
-        self.decoder: StaticDecoder | None = None  # made at the first generation, on the prepared model
+        self.decoder: StaticDecoder | None = None
 
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[None]:
         if self.decoder is None:
             loop = self.trainer.args.odc_decoding_loop
-            self.decoder = StaticDecoder(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
+            loop = self.loop_by_default if loop is None else loop
+            self.decoder = self.decoder_class(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
         self.decoder.refresh()
         with _compat.generating_on(self.trainer, self.decoder.model):
             yield
 
+    def end(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
 
-class TensorParallelGenerator(Generator):
-    """The ``"tensor-parallel"`` mode: TRL generates on :attr:`decoder`'s sliced copy, refreshed once per generation
-    batch, every rank of the shard group decoding the group's prompts together. Refused with tools (TRL's tool loop
-    decodes as many turns on each rank as its own completions need, so the ranks' ``generate`` calls would not meet).
 
-    Args:
-        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop.
-        dtype: the copy's dtype, the policy's compute dtype.
-    """
+class StaticGenerator(_CopyGenerator):
+    """The ``"static"`` mode: TRL generates on :attr:`decoder`'s copy."""
+
+    mode = "static"
+
+
+class TensorParallelGenerator(_CopyGenerator):
+    """The ``"tensor-parallel"`` mode: TRL generates on :attr:`decoder`'s sliced copy, every rank of the shard group
+    decoding the group's prompts together. Refused with tools (TRL's tool loop decodes as many turns on each rank as
+    its own completions need, so the ranks' ``generate`` calls would not meet)."""
 
     mode = "tensor-parallel"
+    decoder_class = TensorParallelDecoder
+    loop_by_default = True  # its forward is not compiled: only the loop's graphs take the host out of each step
 
     def __init__(self, trainer: Any, dtype: torch.dtype):
-        super().__init__(trainer)
-        if getattr(trainer, "tools", None) or getattr(trainer, "environments", None):
+        if _uses_tools(trainer):
             raise ValueError(
                 "odc_generation='tensor-parallel' decodes every rank's prompts together, one generate call per turn "
                 "on every rank; with tools the ranks decode different numbers of turns. Use 'static', 'gathered' or "
                 "'sharded'."
             )
-        self.dtype = dtype
-        self.decoder: TensorParallelDecoder | None = None  # made at the first generation, on the prepared model
-
-    @contextlib.contextmanager
-    def generation_batch(self) -> Iterator[None]:
-        if self.decoder is None:
-            loop = self.trainer.args.odc_decoding_loop
-            self.decoder = TensorParallelDecoder(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
-        self.decoder.refresh()
-        with _compat.generating_on(self.trainer, self.decoder.model):
-            yield
+        super().__init__(trainer, dtype)
 
 
 class VLLMGenerator(Generator):
@@ -670,7 +706,8 @@ def make_generator(trainer: Any) -> Generator:
     if args.use_vllm:
         return VLLMGenerator(trainer)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, trainer.accelerator.device)
+    device, tools = trainer.accelerator.device, _uses_tools(trainer)
+    mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, device, tools)
     if mode == "static":
         return StaticGenerator(trainer, dtype)
     if mode == "tensor-parallel":

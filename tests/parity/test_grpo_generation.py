@@ -21,7 +21,7 @@ from hf_odc.trainer import _static_decoding
 pytestmark = pytest.mark.slow  # every test starts processes
 MODES = (
     "lockstep", "static", "static-loop", "gathered", "sharded", "gathered-fsdp2", "tensor-parallel",
-    "tensor-parallel-loop",
+    "tensor-parallel-generate",
 )  # fmt: skip
 FSDP_GROUPS = 3  # two decoder layers and the root
 
@@ -50,7 +50,7 @@ def test_every_mode_decodes_the_same_tokens(traces):
 def test_no_all_gather_while_decoding_with_odc_and_one_per_group_without(traces):
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert all(traces["lockstep"][rank]["all_gathers"] >= FSDP_GROUPS * max(longest) for rank in (0, 1))  # traced
-    odc = ("static", "static-loop", "gathered", "sharded", "tensor-parallel", "tensor-parallel-loop")
+    odc = ("static", "static-loop", "gathered", "sharded", "tensor-parallel", "tensor-parallel-generate")
     assert all(traces[mode][rank]["all_gathers"] == 0 for mode in odc for rank in (0, 1))
     assert all(traces["gathered-fsdp2"][rank]["all_gathers"] == FSDP_GROUPS for rank in (0, 1))
 
@@ -67,24 +67,25 @@ def test_a_rank_stops_decoding_when_its_own_completions_end(traces):
         bound = math.ceil((longest[0] + 1) / every) * every
         assert forwards[0] < forwards[1] and forwards[0] <= bound, (mode, forwards, longest)
     # Tensor-parallel: the ranks decode the group's prompts together, until the longest completion of either ends.
-    for mode in ("tensor-parallel", "tensor-parallel-loop"):
+    for mode in ("tensor-parallel", "tensor-parallel-generate"):
         forwards = [traces[mode][rank]["forwards"] for rank in (0, 1)]
-        every = _static_decoding._CHECK_EVERY if mode.endswith("-loop") else 1
+        every = 1 if mode.endswith("-generate") else _static_decoding._CHECK_EVERY  # the loop is its default
         assert forwards[0] == forwards[1] <= math.ceil((longest[1] + 1) / every) * every, (mode, forwards, longest)
 
 
 def test_tensor_parallel_decoding_sums_the_row_parallel_outputs_over_the_ranks(traces):
     """Two all-reduces (after ``o_proj`` and ``down_proj``) per decoder layer per forward, on every rank."""
     for rank in (0, 1):
-        for mode in ("tensor-parallel", "tensor-parallel-loop"):
+        for mode in ("tensor-parallel", "tensor-parallel-generate"):
             record = traces[mode][rank]
             assert record["forwards"] and record["all_reduces"] == 2 * 2 * record["forwards"], (mode, rank)
 
 
-@pytest.mark.parametrize("mode", ["static", "static-loop", "tensor-parallel", "tensor-parallel-loop"])
+@pytest.mark.parametrize("mode", ["static", "static-loop", "tensor-parallel", "tensor-parallel-generate"])
 def test_the_decoding_copy_is_refreshed_each_time_the_trainer_generates(traces, mode):
     for rank in (0, 1):
         record = traces[mode][rank]
-        assert record["loop"] == mode.endswith("-loop")  # odc_decoding_loop chooses hf_odc's loop
+        # odc_decoding_loop chooses hf_odc's loop; unset, tensor-parallel decodes with it, static with generate
+        assert record["loop"] == (mode in ("static-loop", "tensor-parallel")), mode
         assert record["stale"] > 1e-4  # the step's update moved the policy away from the copy it decoded with
         assert record["refreshed"] == 0.0, rank

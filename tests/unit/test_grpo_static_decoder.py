@@ -327,6 +327,23 @@ def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_wid
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # compiled: a graph per width at least
 
 
+def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(monkeypatch):
+    """``close`` (the generator's ``end``, before the process groups go) releases the loop's graphs and drops the
+    cache; a later ``generate`` makes both again and decodes the same tokens."""
+    decoder = _copy()
+    prompts = _prompts(2, 6)
+    options = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    first = _generate(decoder, monkeypatch, True, **prompts, **options)
+    loop, released = decoder._loop, []
+    monkeypatch.setattr(loop, "release", lambda: released.append(loop))
+    generator = generation.StaticGenerator(SimpleNamespace(), torch.float32)
+    generator.decoder = decoder
+    generator.end()
+    assert released == [loop] and decoder._loop is None and decoder._cache is None
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), first)
+    assert decoder._loop is not None and decoder._loop is not loop
+
+
 def test_the_loop_samples_what_generate_samples(monkeypatch):
     """Sampling with temperature, top-k, top-p, min-p and a repetition penalty: from the same generator state the
     loop draws the tokens transformers' generate draws (one exponential race per step, as ``torch.multinomial``);

@@ -99,3 +99,30 @@ def test_the_mode_has_its_owner_and_is_refused_with_tools_and_with_vllm():
         make_generator(_trainer(tools=[print]))
     with pytest.raises(ValueError, match="use_vllm=False"):
         check_generation_mode("tensor-parallel", use_vllm=True)
+
+
+@pytest.mark.parametrize(
+    ("free_copies", "size", "tools", "mode"),
+    [
+        (4, 2, False, "static"),  # the copy fits its quarter
+        (2, 2, False, "tensor-parallel"),  # only a half does: the slice over 2 ranks
+        (2, 2, True, "gathered"),  # with tools the ranks decode different numbers of turns
+        (2, 3, False, "gathered"),  # 4 heads do not split over 3 ranks
+        (1, 2, False, "gathered"),  # not even the slice fits: an unsharded model decodes itself
+        (1, 1, False, "gathered"),  # no shard group: nothing to slice over
+    ],
+)
+def test_by_default_tensor_parallel_is_chosen_where_the_copy_does_not_fit_and_its_slice_does(
+    monkeypatch, free_copies, size, tools, mode
+):
+    from hf_odc.trainer import generation
+
+    policy = tiny_model()
+    free = free_copies * sum(p.numel() for p in policy.parameters()) * 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 10 * free))
+    monkeypatch.setattr(generation, "shard_group", lambda model: None if size == 1 else SimpleNamespace(size=size))
+    monkeypatch.setattr(generation.dist, "get_world_size", lambda group: group.size)
+    chosen = generation.choose_generation_mode(
+        None, policy, ODCRuntime(), torch.bfloat16, torch.device("cuda", 0), tools=tools
+    )
+    assert chosen == mode
