@@ -20,9 +20,11 @@ if [[ $STEPS == *env* ]]; then
   python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 fi
 if [[ $STEPS == *tests* ]]; then
-  # The CUDA tests, and the packed-attention and timing tests on this image's transformers (CI has a newer one).
+  # The CUDA tests (the fused kernels' too), and the packed-attention and timing tests on this image's transformers
+  # (CI has a newer one).
   timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/distributed/test_engine.py \
     tests/distributed/test_engine_timing.py tests/unit/test_kernels_attention.py tests/unit/test_trainer_attention.py \
+    tests/unit/test_kernels_fused.py \
     -k "cuda or attention or timing or bubble${TESTS_K:+ and ($TESTS_K)}" \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
 fi
