@@ -26,6 +26,7 @@ from transformers import LogitsProcessor
 
 from hf_odc.accelerate_plugin import shard_model
 from hf_odc.kernels import install_fused_kernels
+from hf_odc.kernels.attention import warm_sdpa_plans
 from hf_odc.packing import (
     DEFAULT_ATTENTION_SHAPE,
     DISTRIBUTIONS,
@@ -102,7 +103,9 @@ def build(args, device: torch.device, shard_size: int | None = None):
     groups; ``None``: a host's ranks), its AdamW and its config. With ``args.checkpointing``, activation checkpointing
     that keeps the attention, as the trainers' default ``checkpoint_attention="save"``; ``args.recompute_attention``:
     the stock one, which recomputes it. The fused RMSNorm and MLP kernels, as the trainers' default
-    ``fused_kernels=True`` (on CPU they are the stock formulas), unless ``args.unfused``."""
+    ``fused_kernels=True`` (on CPU they are the stock formulas), unless ``args.unfused``. On a GPU with
+    ``args.warm_attention_plans``, cuDNN's plans for every rounded length of the distribution's documents built
+    first (:func:`~hf_odc.kernels.attention.warm_sdpa_plans`)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
     from trl.trainer.utils import add_fused_lm_head
 
@@ -123,6 +126,10 @@ def build(args, device: torch.device, shard_size: int | None = None):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
     model = shard_model(model, mp_policy=mp or MixedPrecisionPolicy(), shard_size=shard_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    if cuda and getattr(args, "warm_attention_plans", False):
+        longest = int(DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        warm_sdpa_plans(heads, kv_heads, config.hidden_size // heads, longest, device, torch.bfloat16)
     return model, optimizer, config
 
 
@@ -183,6 +190,10 @@ def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], pr
 
 RECOMPUTE_ATTENTION_HELP = "checkpoint as stock (the attention recomputed in the backward), not keeping it"
 UNFUSED_HELP = "keep transformers' RMSNorm and MLP forwards, not hf_odc's fused kernels (fused_kernels=False)"
+WARM_HELP = (
+    "on a GPU, attend once at every rounded document length before the first step, so that cuDNN's per-length plans "
+    "are built before any scheme is timed (hf_odc.kernels.attention.warm_sdpa_plans)"
+)
 
 
 def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
@@ -200,6 +211,7 @@ def workload_parser(description: str, steps: int, warmup: int, warmup_help: str 
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
     parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
+    parser.add_argument("--warm-attention-plans", action="store_true", help=WARM_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     return parser

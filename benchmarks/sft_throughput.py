@@ -41,6 +41,7 @@ from _common import (
     RECOMPUTE_ATTENTION_HELP,
     SCHEME_SYNC,
     UNFUSED_HELP,
+    WARM_HELP,
     build,
     calibrate,
     in_turn,
@@ -248,6 +249,7 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
     parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
+    parser.add_argument("--warm-attention-plans", action="store_true", help=WARM_HELP)
     parser.add_argument("--predict-world-sizes", default="8,32,128")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)

@@ -50,6 +50,7 @@ __all__ = [
     "packed_causal_attention",
     "sdpa_length",
     "varlen_available",
+    "warm_sdpa_plans",
 ]
 
 Backend = Literal["auto", "sdpa", "varlen"]
@@ -213,6 +214,35 @@ def sdpa_length(tokens: int) -> int:
 
 SDPA_LENGTHS_PER_OCTAVE = 32
 """Lengths per power of two that :func:`sdpa_length` rounds to (a power of two itself)."""
+
+
+def warm_sdpa_plans(
+    query_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    longest: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    shortest: int = ALONE_FROM,
+) -> list[int]:
+    """Attend once, forward and backward, at every length :func:`sdpa_length` rounds a document of ``shortest`` to
+    ``longest`` tokens to, as :func:`packed_causal_attention` attends a document alone (padded, grouped-query,
+    scaled by ``head_dim ** -0.5``); returns those lengths.
+
+    Why: cuDNN plans each new length on the host the first time it meets it, on each rank. A run of a few steps (a
+    benchmark) meets most of its lengths for the first time, and a plan that moves documents to other ranks meets more
+    of them than one that keeps them where another scheme already ran them; warmed first, every scheme finds them
+    planned, as every step of a long run does."""
+    lengths = sorted({sdpa_length(n) for n in range(max(1, shortest), longest + 1)})
+    for padded in lengths:
+        tokens = padded - 1 if sdpa_length(padded - 1) == padded else padded  # padded, as most documents are
+        query = torch.randn(tokens, query_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+        key, value = (
+            torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+        )
+        _attend(Piece((tokens,), tokens, False), query, key, value, head_dim**-0.5, 0.0).sum().backward()
+    return lengths
+
 
 _PADDED_ON = ("cuda",)  # the devices whose SDPA plans per length (a CPU's does not: padding would only cost)
 

@@ -83,6 +83,26 @@ def test_documents_padded_to_few_lengths_attend_exactly_as_alone(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_warming_attends_every_rounded_length_once_forward_and_backward(monkeypatch):
+    """``warm_sdpa_plans`` runs SDPA at each length documents of ``shortest``..``longest`` tokens are attended at
+    (a padded document each, grouped-query, the model's scale), once, and backpropagates it. Forced on the CPU."""
+    monkeypatch.setattr(kernels, "_PADDED_ON", ("cpu",))
+    calls, backwards = [], []
+    real = kernels.F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, **kwargs):
+        calls.append((query.shape[1:], key.shape[1], kwargs["scale"], kwargs["enable_gqa"]))
+        out = real(query, key, value, **kwargs)
+        out.register_hook(lambda grad: backwards.append(grad.shape[2]))
+        return out
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", sdpa)
+    lengths = kernels.warm_sdpa_plans(4, 2, 8, 300, torch.device("cpu"), torch.float32, shortest=64)
+    assert lengths == [64, 128, 192, 256, 320] == sorted({sdpa_length(n) for n in range(64, 301)})
+    assert calls == [((4, n, 8), 2, 8**-0.5, True) for n in lengths]
+    assert backwards == lengths
+
+
 def test_sdpa_lengths_are_few_and_close():
     """Up to 64K tokens: under 200 lengths in all, each less than 64 tokens or 1/32 above the document's."""
     rounded = [sdpa_length(n) for n in range(1, 65537)]
