@@ -49,9 +49,11 @@ need, alone. A rank that finishes decoding first waits for the others at the rol
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -327,6 +329,9 @@ class StaticDecoder(_DecodingCopy):
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
         self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
+        # Closed at the latest when Python exits, before the process groups are torn down: a script that never calls
+        # the trainer's end() still exits.
+        atexit.register(_close_if_alive, weakref.ref(self))
 
     def _generate(self, *args: Any, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
         """The copy's ``generate``: with ``loop``, hf_odc's decoding loop (:mod:`hf_odc.trainer._static_decoding`)
@@ -372,6 +377,12 @@ class StaticDecoder(_DecodingCopy):
         self._cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._cache_shape = (batch_size, length)
         return self._cache
+
+
+def _close_if_alive(decoder: weakref.ref) -> None:
+    alive = decoder()
+    if alive is not None:
+        alive.close()
 
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

@@ -344,6 +344,19 @@ def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(m
     assert decoder._loop is not None and decoder._loop is not loop
 
 
+def test_a_decoder_is_closed_when_python_exits(monkeypatch):
+    """A script that never calls the trainer's ``end()``: the decoder closes at exit (before the process groups are
+    torn down), and a decoder already gone leaves nothing to do."""
+    hooks = []
+    monkeypatch.setattr(generation.atexit, "register", lambda hook, *args: hooks.append((hook, args)))
+    decoder, closed = StaticDecoder(tiny_model(), ODCRuntime(), torch.float32), []
+    monkeypatch.setattr(decoder, "close", lambda: closed.append(decoder))
+    StaticDecoder(tiny_model(), ODCRuntime(), torch.float32)  # dropped at once
+    for hook, args in hooks:
+        hook(*args)
+    assert len(hooks) == 2 and closed == [decoder]
+
+
 def test_the_loop_samples_what_generate_samples(monkeypatch):
     """Sampling with temperature, top-k, top-p, min-p and a repetition penalty: from the same generator state the
     loop draws the tokens transformers' generate draws (one exponential race per step, as ``torch.multinomial``);
