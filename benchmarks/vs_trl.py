@@ -31,11 +31,14 @@ unshuffled), so step ``s`` of every row trains the same samples:
   load it from), frozen, whose forward runs every step in both rows (no precompute, the trainers' default); TRL's
   defaults otherwise (sigmoid loss, ``beta`` 0.1). A pair's documents are its two sequences;
 * GRPO: a sample is a completion, ``--num-generations`` per prompt (``hf_odc.demo.prompt_dataset``'s short
-  prompts), scored by ``hf_odc.demo.echo_reward``, TRL's defaults otherwise (``beta`` 0: no reference model). In
-  every row's process each transformers ``generate`` call ends completion ``i`` with the end-of-sequence token after
-  exactly a length drawn from ``--distribution`` scaled to ``--max-completion-length`` (``_common.EndAt``), seeded by
-  the completion's prompt: the random model's completions are long-tailed, and the same in every row. A completion's
-  document is its prompt and completion. ``--trl-accumulation k`` generates the step's completions at once and
+  prompts), scored by ``hf_odc.demo.echo_reward``, TRL's defaults otherwise (``beta`` 0: no reference model). With
+  ``--completions forced`` (the default) each transformers ``generate`` call in every row's process ends completion
+  ``i`` with the end-of-sequence token after exactly a length drawn from ``--distribution`` scaled to
+  ``--max-completion-length`` (``_common.EndAt``), seeded by the completion's prompt: the random model's completions
+  are long-tailed, and the same in every row. With ``--completions free`` every completion runs to
+  ``--max-completion-length``, and ``--decoding-loop`` lets ODC decode with its own loop (``odc_decoding_loop``),
+  which a forced end (a logits processor) would send back to ``generate``. A completion's document is its prompt
+  and completion. ``--trl-accumulation k`` generates the step's completions at once and
   trains them in ``k`` passes (TRL's ``steps_per_generation`` follows ``gradient_accumulation_steps``).
 
 ``--trl-accumulation k`` splits the stock rows' per-device samples into ``k`` forward passes (the global batch stays
@@ -48,9 +51,10 @@ over their summed time), the peak memory (``torch.cuda.max_memory_allocated``, l
 (``hf_odc.packing.flops``: the documents' training FLOPs, plus for DPO the reference model's forward over them, a
 third of that, over time x GPUs x the device's peak; GRPO's generation FLOPs are not counted; none on CPU unless
 ``HF_ODC_PEAK_TFLOPS`` is set), ODC's measured bubble, for GRPO generation's share of the step time (the slowest
-rank's synchronised time inside ``generate``, per step, measured here alike in both rows: TRL reports its own only to
-experiment trackers, and ODC's logged ``generation_s`` includes scoring), and each row's tokens/s over ``trl-best``'s
-and ``trl-default``'s. A row that fails (out of memory) is reported as failed and the others still run::
+rank's synchronised time in the trainer's ``_generate_single_turn``, per step, measured here alike in both rows: TRL
+reports its own only to experiment trackers, and ODC's logged ``generation_s`` includes scoring), and each row's
+tokens/s over ``trl-best``'s and ``trl-default``'s. A row that fails (out of memory) is reported as failed and the
+others still run::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python benchmarks/vs_trl.py \\
         --num-processes 2 --model qwen2.5-1.5b --distribution longalign --samples-per-device 8 --steps 6 \\
@@ -86,7 +90,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import MODELS, EndAt  # noqa: E402
+from _common import MODELS, RECOMPUTE_ATTENTION_HELP, EndAt  # noqa: E402
 
 from hf_odc.packing import DISTRIBUTIONS  # noqa: E402
 from hf_odc.packing.flops import mfu, peak_flops, training_flops  # noqa: E402
@@ -132,6 +136,12 @@ use_cpu: {cpu}
 """
 
 
+COMPLETIONS_HELP = (
+    "GRPO: forced (each completion ends at a long-tailed length, the same in every row) or free (every completion "
+    "runs to --max-completion-length)"
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--trainer", default="sft", choices=sorted(TRAINER_ROWS))
@@ -143,11 +153,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-accumulation", type=int, default=1, help="forward passes per device per stock TRL step")
     parser.add_argument("--num-generations", type=int, default=8, help="GRPO: completions per prompt")
     parser.add_argument("--max-completion-length", type=int, default=256, help="GRPO: the longest completion")
+    parser.add_argument("--completions", choices=["forced", "free"], default="forced", help=COMPLETIONS_HELP)
+    parser.add_argument("--decoding-loop", action="store_true", help="GRPO: ODC decodes with its loop (free only)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (>= 1; ODC fits its cost after 3)")
     parser.add_argument("--rows", default=None, help="comma list of the trainer's rows (default: all of them)")
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--recompute-attention", action="store_true", help=f"ODC: {RECOMPUTE_ATTENTION_HELP}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--logs", default=None, help="a folder for each row's full output (<row>.log)")
@@ -166,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--warmup must be at least 1: the first timed step starts at a warm-up step's end")
     if args.samples_per_device % args.trl_accumulation:
         parser.error("--trl-accumulation must divide --samples-per-device")
+    if args.decoding_loop and (args.trainer != "grpo" or args.completions != "free"):
+        parser.error("--decoding-loop needs --trainer grpo --completions free: the loop takes no logits processor, so "
+                     "forced completions would be decoded by generate")  # fmt: skip
     if args.trainer == "grpo" and args.samples_per_device * args.num_processes % args.num_generations:
         parser.error("--num-generations must divide --samples-per-device x --num-processes (whole groups per step)")
     return args
@@ -222,12 +238,15 @@ class StepTimer:
         self.callback = Callback()
 
 
-class EndedGeneration:
-    """While :meth:`installed`, every transformers ``generate`` call of this process (TRL's, and ODC's decoding
-    copies', whose classes inherit it) ends each completion at a length drawn from ``--distribution`` scaled to
-    ``--max-completion-length`` and seeded by the completion's prompt (:class:`_common.EndAt`), and records, per call,
-    its start, its synchronised duration and each row's prompt + completion tokens (a completion ends at its first
-    end-of-sequence token, as TRL masks it)."""
+class RecordedGeneration:
+    """Each rollout's decoding, recorded alike in every row: while :meth:`installed`, the trainer's
+    ``_generate_single_turn`` (TRL's, which ODC's decodes inside its generation mode) is timed, synchronised, with
+    each completion's prompt + completion tokens (TRL cuts a completion after its first end-of-sequence token). With
+    ``--completions forced`` every transformers ``generate`` call of this process (TRL's, and ODC's decoding copies',
+    whose classes inherit it) also ends completion ``i`` at a length drawn from ``--distribution`` scaled to
+    ``--max-completion-length`` and seeded by its prompt (:class:`_common.EndAt`). With ``--completions free`` nothing
+    is forced: the random model's completions end at ``--max-completion-length`` (its end-of-sequence token is one
+    of 151,936), and ODC may decode them with its own loop (``--decoding-loop``), which takes no logits processor."""
 
     def __init__(self, args, eos_token_id: int, cuda: bool):
         self.args, self.eos_token_id, self.cuda = args, eos_token_id, cuda
@@ -243,10 +262,10 @@ class EndedGeneration:
         return lengths
 
     @contextlib.contextmanager
-    def installed(self):
+    def installed(self, trainer):
         from transformers import GenerationMixin, LogitsProcessorList
 
-        generate = GenerationMixin.generate
+        generate, turn = GenerationMixin.generate, getattr(trainer, "_generate_single_turn", None)
 
         def ended(model, *args, logits_processor=None, **kwargs):
             prompts = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -254,28 +273,33 @@ class EndedGeneration:
             mask = torch.ones_like(prompts) if mask is None else mask
             end = EndAt(self.lengths(prompts, mask), prompts.shape[1], self.eos_token_id)
             processors = LogitsProcessorList([*(logits_processor or []), end])
+            return generate(model, *args, logits_processor=processors, **kwargs)
+
+        def timed(prompt_ids, *args, **kwargs):
             if self.cuda:
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            out = generate(model, *args, logits_processor=processors, **kwargs)
+            completion_ids, *rest = turn(prompt_ids, *args, **kwargs)
             if self.cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - started
-            completions = (out if isinstance(out, torch.Tensor) else out.sequences)[:, prompts.shape[1] :]
-            is_eos = completions == self.eos_token_id
-            ended_at = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.shape[1])
-            self.calls.append((started, seconds, (mask.sum(1) + ended_at).tolist()))
-            return out
+            documents = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+            self.calls.append((started, seconds, documents))
+            return completion_ids, *rest
 
-        GenerationMixin.generate = ended
+        if self.args.completions == "forced":
+            GenerationMixin.generate = ended
+        if turn is not None:
+            trainer._generate_single_turn = timed  # an instance attribute: TRL calls self._generate_single_turn
         try:
             yield
         finally:
             GenerationMixin.generate = generate
+            trainer.__dict__.pop("_generate_single_turn", None)
 
     def by_step(self, ends: list[float]) -> tuple[list[list[int]], list[float]]:
-        """This rank's documents and seconds in ``generate`` per optimizer step (a call belongs to the step it
-        started in)."""
+        """This rank's documents and seconds generating per optimizer step (a call belongs to the step it started
+        in)."""
         documents, seconds = [[] for _ in ends], [0.0 for _ in ends]
         for started, duration, tokens in self.calls:
             step = bisect.bisect_left(ends, started)
@@ -298,7 +322,7 @@ class Row:
     global_batch: int
     steps: int
     timer: StepTimer
-    generation: EndedGeneration
+    generation: RecordedGeneration
     make: Callable[..., Any]
 
     def by_step(self, documents: list[list[int]]) -> tuple[list[list[int]], None]:
@@ -357,8 +381,10 @@ def grpo_row(args, row: Row):
         row.global_batch * row.steps // args.num_generations, args.max_completion_length, args.distribution, args.seed
     )
     config_class, trainer_class = (ODCGRPOConfig, ODCGRPOTrainer) if row.name == "odc" else (GRPOConfig, GRPOTrainer)
+    loop = {"odc_decoding_loop": True} if row.name == "odc" and args.decoding_loop else {}
     config = config_class(
         **row.options,
+        **loop,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         shuffle_dataset=False,
@@ -393,7 +419,7 @@ def run_row(args) -> None:
     model = build_model(args, tokenizer, attention)
     accumulation = args.trl_accumulation if args.row != "odc" else 1
     timer = StepTimer(cuda)
-    generation = EndedGeneration(args, tokenizer.eos_token_id, cuda)
+    generation = RecordedGeneration(args, tokenizer.eos_token_id, cuda)
     options = dict(
         output_dir=tempfile.mkdtemp(prefix=f"vs_trl_{args.row}_"),
         max_steps=steps,
@@ -413,6 +439,8 @@ def run_row(args) -> None:
         report_to="none",
         disable_tqdm=True,
     )
+    if args.row == "odc" and args.recompute_attention:  # the stock rows always recompute it
+        options["checkpoint_attention"] = "recompute"
 
     def make(trainer_class, **kwargs):
         return trainer_class(model=model, processing_class=tokenizer, callbacks=[timer.callback], **kwargs)
@@ -425,7 +453,7 @@ def run_row(args) -> None:
         )
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with generation.installed():
+    with generation.installed(trainer):
         trainer.train()
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     peaks: list = [None] * world_size

@@ -88,7 +88,8 @@ _ODC_PARAMETERS = """
             activation checkpointing: `hf_odc.trainer.attention.save_attention_checkpoint_kwargs`); the same gradients.
             It needs non-reentrant checkpointing and replaces `gradient_checkpointing_kwargs`' `context_fn`, so a
             `use_reentrant=True` or a `context_fn` of your own there is refused with it. `"recompute"`: the stock
-            behaviour, every operator recomputed. No effect without activation checkpointing.
+            behaviour, every operator recomputed: slower, without those tensors, for a run whose peak memory
+            matters more than its speed. No effect without activation checkpointing.
         fused_kernels (`bool`, *optional*, defaults to `True`):
             On a GPU, give the model's RMSNorms and SiLU-gated MLPs (Llama, Mistral, Qwen2, Qwen3; the norms of
             Mixtral, Qwen2-MoE and Qwen3-MoE) one Triton kernel each way in place of their chains of elementwise

@@ -22,10 +22,10 @@ _GENERATION_PARAMETERS = """
             vLLM's (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation`. `None`:
             on a GPU, by measured decoding speed, `"static"` when the copy takes at most a quarter of the device's
             free memory, else `"tensor-parallel"` when its 1/N slice does (a model it slices, no tools), else
-            `"gathered"` when the copy takes at most half, else `"sharded"` (`"lockstep"` with plain FSDP2); on a
-            CPU `"gathered"`. A rank that
-            finishes decoding first waits for the others at the rollouts' gather, within `odc_timeout`: set it above
-            the spread of the ranks' decoding times.
+            `"gathered"` when the copy takes at most half, else `"lockstep"` (`"sharded"` with tools under ODC,
+            where each rank decodes its own number of turns); on a CPU `"gathered"`. A rank that finishes decoding
+            first waits for the others at the rollouts' gather, within `odc_timeout`: set it above the spread of the
+            ranks' decoding times.
         odc_decoding_loop (`bool`, *optional*):
             With `odc_generation="static"` or `"tensor-parallel"`: decode with hf_odc's own loop
             (`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, the host asking for

@@ -149,7 +149,10 @@ def choose_generation_mode(
     the device's free memory (:data:`_COPY_SHARE_OF_FREE_MEMORY`); else ``"tensor-parallel"`` where a 1/N slice of it
     fits that share, the model decodes tensor-parallel over its shard group of N > 1 ranks
     (:func:`check_tensor_parallel`) and the run has no ``tools``; else ``"gathered"`` where the full weights fit
-    theirs; else ``"sharded"`` with ODC, ``"lockstep"`` with plain FSDP2. On a CPU ``"gathered"`` (a CPU compiles
+    theirs; else ``"lockstep"``, or ``"sharded"`` for a run with ``tools`` under ODC (each rank then decodes its own
+    number of turns, which lockstep's per-token collectives cannot). ``"sharded"`` moves every layer's weights per
+    token as lockstep does and was measured slower per step; the slowest rank steps to the longest completion in
+    both, so without tools it never wins (``benchmarks/RESULTS.md``). On a CPU ``"gathered"`` (a CPU compiles
     nothing for the static cache). ``device`` is where the model trains, which it may not have reached yet: with one
     process the Trainer places it when training starts."""
     sharded = isinstance(model, FSDPModule)
@@ -168,7 +171,9 @@ def choose_generation_mode(
         return "tensor-parallel"
     if copy_bytes <= _COPY_SHARE_OF_FREE_MEMORY["gathered"] * free_bytes:
         return "gathered"
-    return "gathered" if not sharded else "sharded" if runtime.active else "lockstep"
+    if not sharded:
+        return "gathered"
+    return "sharded" if tools and runtime.active else "lockstep"
 
 
 def _tensor_parallel_size(model: nn.Module) -> int:

@@ -458,3 +458,20 @@ def test_what_the_loop_does_not_decode_goes_through_transformers_generate(monkey
     monkeypatch.setattr(_static_decoding.Loop, "decode", lambda *args: pytest.fail("the loop decoded"))
     out = decoder.model.generate(**prompts, max_new_tokens=4, pad_token_id=0, **options)
     assert plans == [None] and out is not None  # refused by the loop, decoded by transformers
+
+
+@pytest.mark.parametrize(
+    ("tools", "odc", "mode"), [(False, True, "lockstep"), (True, True, "sharded"), (True, False, "lockstep")]
+)
+def test_where_no_copy_fits_a_sharded_policy_decodes_in_lockstep_unless_odc_runs_tools(monkeypatch, tools, odc, mode):
+    """The last resort, by measured speed: ``"sharded"`` is slower per step than lockstep and the slowest rank steps
+    to the longest completion in both, so it is chosen only where lockstep cannot run: tools under ODC (each rank
+    decodes its own number of turns)."""
+    policy = tiny_model()
+    free = sum(p.numel() for p in policy.parameters())  # half a bf16 copy: neither static nor gathered fits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 10 * free))
+    monkeypatch.setattr(generation, "FSDPModule", nn.Module)  # the policy counts as sharded
+    monkeypatch.setattr(generation, "_tensor_parallel_size", lambda model: 1)  # nothing to slice over
+    runtime = SimpleNamespace(active=odc)
+    chosen = choose_generation_mode(None, policy, runtime, torch.bfloat16, torch.device("cuda", 0), tools=tools)
+    assert chosen == mode
