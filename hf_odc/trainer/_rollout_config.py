@@ -57,8 +57,8 @@ class _ODCRolloutConfig(_ODCConfig):
         metadata={
             "help": "How each rank decodes its prompts (hf_odc.trainer.generation): 'static', 'gathered', 'sharded', "
             "'tensor-parallel' or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of the free "
-            "device memory, tensor-parallel when its slice does, gathered when the copy fits in half, else sharded "
-            "(lockstep with plain FSDP2); on a CPU gathered.",
+            "device memory, tensor-parallel when its slice does, gathered when the copy fits in half, else lockstep "
+            "(sharded with tools under ODC); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
         },
     )
