@@ -36,8 +36,9 @@ unshuffled), so step ``s`` of every row trains the same samples:
   ``i`` with the end-of-sequence token after exactly a length drawn from ``--distribution`` scaled to
   ``--max-completion-length`` (``_common.EndAt``), seeded by the completion's prompt: the random model's completions
   are long-tailed, and the same in every row. With ``--completions free`` every completion runs to
-  ``--max-completion-length``, and ``--decoding-loop`` lets ODC decode with its own loop (``odc_decoding_loop``),
-  which a forced end (a logits processor) would send back to ``generate``. A completion's document is its prompt
+  ``--max-completion-length``, and ``--decoding-loop`` has ODC decode its static copy with its own loop
+  (``odc_generation="static"``, ``odc_decoding_loop=True``), which a forced end (a logits processor) would send back
+  to ``generate``. A completion's document is its prompt
   and completion. ``--trl-accumulation k`` generates the step's completions at once and
   trains them in ``k`` passes (TRL's ``steps_per_generation`` follows ``gradient_accumulation_steps``).
 
@@ -154,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=8, help="GRPO: completions per prompt")
     parser.add_argument("--max-completion-length", type=int, default=256, help="GRPO: the longest completion")
     parser.add_argument("--completions", choices=["forced", "free"], default="forced", help=COMPLETIONS_HELP)
-    parser.add_argument("--decoding-loop", action="store_true", help="GRPO: ODC decodes with its loop (free only)")
+    parser.add_argument("--decoding-loop", action="store_true", help="GRPO: ODC decodes its static copy with its loop")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (>= 1; ODC fits its cost after 3)")
     parser.add_argument("--rows", default=None, help="comma list of the trainer's rows (default: all of them)")
@@ -381,7 +382,7 @@ def grpo_row(args, row: Row):
         row.global_batch * row.steps // args.num_generations, args.max_completion_length, args.distribution, args.seed
     )
     config_class, trainer_class = (ODCGRPOConfig, ODCGRPOTrainer) if row.name == "odc" else (GRPOConfig, GRPOTrainer)
-    loop = {"odc_decoding_loop": True} if row.name == "odc" and args.decoding_loop else {}
+    loop = {"odc_generation": "static", "odc_decoding_loop": True} if row.name == "odc" and args.decoding_loop else {}
     config = config_class(
         **row.options,
         **loop,
@@ -472,6 +473,7 @@ def run_row(args) -> None:
         "generation_s": generation_s[args.warmup :] if generation_s else None,
         "peak_gib": max(peaks),
         "bubble": timer.bubbles[args.warmup :] if timer.bubbles else None,
+        "generation_mode": getattr(getattr(trainer, "_generator", None), "mode", None),  # an ODC trainer's
         "model_config": model.config.get_text_config().to_dict(),
     }
     Path(args.row_json).write_text(json.dumps(record))
@@ -526,6 +528,7 @@ def summarize(record: dict) -> dict:
         "mfu": mfu(flops, sum(step_s), record["world_size"], peak) if peak is not None else None,
         "bubble": statistics.mean(record["bubble"]) if record["bubble"] else None,
         "generation_share": sum(generation_s) / sum(step_s) if generation_s else None,
+        "generation_mode": record["generation_mode"],
         "step_s": step_s,
         "tokens": [sum(step) for step in documents],
     }

@@ -119,12 +119,12 @@ def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(tmp_path):
 
 
 def test_vs_trl_grpo_free_completions_decode_with_odcs_loop_on_cpu(tmp_path):
-    """``--completions free --decoding-loop``: nothing ends the completions early, ODC decodes with its own loop, and
-    generation's share is recorded; the loop without free completions (a logits processor would send it back to
-    ``generate``) is refused."""
+    """``--completions free --decoding-loop``: nothing ends the completions early, ODC decodes its static copy with
+    its own loop, and generation's share is recorded; the loop without free completions (a logits processor would
+    send it back to ``generate``) is refused."""
     options = ["--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "16", "--rows", "odc"]
     rows = run_vs_trl(tmp_path, *options, "--completions", "free", "--decoding-loop")
-    assert 0 < rows["odc"]["generation_share"] < 1
+    assert 0 < rows["odc"]["generation_share"] < 1 and rows["odc"]["generation_mode"] == "static"
     refused = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), *options, "--decoding-loop"]
     done = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(60, 2))
     assert done.returncode == 2 and "--decoding-loop needs --trainer grpo --completions free" in done.stderr
