@@ -42,7 +42,8 @@ from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.demo import MODEL_CONFIGS
 from hf_odc.packing import sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
-from hf_odc.trainer.generation import GENERATION_MODES, StaticDecoder, TensorParallelDecoder, decoding, shard_group
+from hf_odc.trainer.decoders import StaticDecoder, TensorParallelDecoder, shard_group
+from hf_odc.trainer.generation import GENERATION_MODES, decoding
 
 EOS = 2
 

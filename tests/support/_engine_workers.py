@@ -348,7 +348,7 @@ def vllm_sync(rank: int, world_size: int, case: Case) -> dict:
 
 
 def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> dict:
-    """:class:`~hf_odc.trainer.generation.TensorParallelDecoder` on the ODC-sharded tiny policy (LoRA merged with
+    """:class:`~hf_odc.trainer.decoders.TensorParallelDecoder` on the ODC-sharded tiny policy (LoRA merged with
     ``case.lora``): the logits of one forward of the sliced copy on prompts every rank shares, and each rank's own
     prompts (a different number and width per rank) decoded together, greedily and sampled (each rank's generator
     seeded apart); with what the whole policy gives for each: the same forward, greedy decoding of the rank's prompts
@@ -358,7 +358,7 @@ def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> dict:
     import torch.distributed as dist
 
     from hf_odc.accelerate_plugin import ODCRuntime
-    from hf_odc.trainer.generation import TensorParallelDecoder
+    from hf_odc.trainer.decoders import TensorParallelDecoder
 
     def prompts(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -1,4 +1,4 @@
-"""``hf_odc.trainer.generation.StaticDecoder`` on one process: its copy decodes as the policy does (greedy, token for
+"""``hf_odc.trainer.decoders.StaticDecoder`` on one process: its copy decodes as the policy does (greedy, token for
 token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static
 KV cache for every generation batch it fits. hf_odc's decoding loop (``_static_decoding``) decodes on the copy what
 transformers' ``generate`` decodes (greedy and sampled, token for token), reads only the filled part of the cache with
@@ -21,15 +21,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_odc import _compat
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer import _static_decoding, generation
+from hf_odc.trainer import _static_decoding, decoders, generation
 from hf_odc.trainer._static_decoding import processed_scores
-from hf_odc.trainer.generation import (
-    DECODING_ATTENTION,
-    StaticDecoder,
-    choose_generation_mode,
-    grouped_decoding_attention,
-    make_generator,
-)
+from hf_odc.trainer.decoders import DECODING_ATTENTION, StaticDecoder, grouped_decoding_attention
+from hf_odc.trainer.generation import choose_generation_mode, make_generator
 
 NEW_TOKENS = 12
 
@@ -95,13 +90,12 @@ def test_a_policy_holding_its_tied_weights_apart_gets_a_copy_that_does_too():
 
 def test_tied_weights_given_under_either_name_fill_the_copy(monkeypatch):
     """Accelerate's FSDP2 on one process gives the tied embeddings under the LM head's name (its own FSDP group)."""
-    import hf_odc.trainer.generation as generation
 
     def named_weights(model, runtime):
         for name, tensor in model.named_parameters():
             yield ("lm_head.weight" if name == "model.embed_tokens.weight" else name), tensor.detach()
 
-    monkeypatch.setattr(generation, "full_named_weights", named_weights)
+    monkeypatch.setattr(decoders, "full_named_weights", named_weights)
     policy = tiny_model().eval()
     decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
     decoder.refresh()
@@ -348,7 +342,7 @@ def test_a_decoder_is_closed_when_python_exits(monkeypatch):
     """A script that never calls the trainer's ``end()``: the decoder closes at exit (before the process groups are
     torn down), and a decoder already gone leaves nothing to do."""
     hooks = []
-    monkeypatch.setattr(generation.atexit, "register", lambda hook, *args: hooks.append((hook, args)))
+    monkeypatch.setattr(decoders.atexit, "register", lambda hook, *args: hooks.append((hook, args)))
     decoder, closed = StaticDecoder(tiny_model(), ODCRuntime(), torch.float32), []
     monkeypatch.setattr(decoder, "close", lambda: closed.append(decoder))
     StaticDecoder(tiny_model(), ODCRuntime(), torch.float32)  # dropped at once

@@ -1,4 +1,4 @@
-"""The ``"tensor-parallel"`` generation mode (``hf_odc.trainer.generation.TensorParallelDecoder``): on 2 processes
+"""The ``"tensor-parallel"`` generation mode (``hf_odc.trainer.decoders.TensorParallelDecoder``): on 2 processes
 the sliced copy of the ODC-sharded policy computes the whole policy's logits (fp32 tolerance), decodes each rank's
 prompts greedily as the whole policy does, and samples on every rank the tokens the whole policy samples for the
 group's batch from rank 0's seed; with one process it is the whole copy. Refused, naming the modes to use, for
@@ -16,13 +16,8 @@ from _models import VOCAB, tiny_model, tiny_qwen2_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer.generation import (
-    TensorParallelDecoder,
-    TensorParallelGenerator,
-    check_generation_mode,
-    check_tensor_parallel,
-    make_generator,
-)
+from hf_odc.trainer.decoders import TensorParallelDecoder, check_tensor_parallel
+from hf_odc.trainer.generation import TensorParallelGenerator, check_generation_mode, make_generator
 
 SMALL = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 
