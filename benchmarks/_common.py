@@ -129,7 +129,8 @@ def build(args, device: torch.device, shard_size: int | None = None):
     if cuda and getattr(args, "warm_attention_plans", False):
         longest = int(DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        warm_sdpa_plans(heads, kv_heads, config.hidden_size // heads, longest, device, torch.bfloat16)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # Qwen3's may differ
+        warm_sdpa_plans(heads, kv_heads, head_dim, longest, device, torch.bfloat16)
     return model, optimizer, config
 
 
@@ -196,16 +197,24 @@ WARM_HELP = (
 )
 
 
-def workload_parser(description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps"):
-    """The arguments of the single-workload benchmarks (calibrated_balance.py, hybrid_step.py): one model, one
-    distribution, one samples-per-device and packing ratio, timed steps per scheme."""
+def workload_parser(
+    description: str, steps: int, warmup: int, warmup_help: str = "untimed first steps", sweep: bool = False
+):
+    """The arguments of the benchmarks that train the benchmark model (:func:`build`) under several schemes: one
+    model and distribution, one samples-per-device and packing ratio (calibrated_balance.py, hybrid_step.py,
+    profile_step.py), or with ``sweep`` comma lists of each (``--samples-per-device``, ``--packing-ratios``: strings
+    the caller splits; sft_throughput.py), timed steps per scheme and configuration."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
     parser.add_argument("--num-layers", type=int, default=None, help="override the model's number of layers")
     parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
-    parser.add_argument("--samples-per-device", type=int, default=8)
-    parser.add_argument("--packing-ratio", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=steps, help="timed steps per scheme")
+    if sweep:
+        parser.add_argument("--samples-per-device", default="8", help="comma list, e.g. 2,4,8,16")
+        parser.add_argument("--packing-ratios", default="1", help="comma list of caps, multiples of the longest")
+    else:
+        parser.add_argument("--samples-per-device", type=int, default=8)
+        parser.add_argument("--packing-ratio", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per scheme and configuration")
     parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")

@@ -30,18 +30,13 @@ the first timed step's per-rank device timeline of Collective+LB-Micro against O
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from _common import (
-    MODELS,
-    RECOMPUTE_ATTENTION_HELP,
     SCHEME_SYNC,
-    UNFUSED_HELP,
-    WARM_HELP,
     build,
     calibrate,
     in_turn,
@@ -51,6 +46,7 @@ from _common import (
     scaled_lengths,
     scheme_planners,
     timing_summary,
+    workload_parser,
 )
 
 import hf_odc
@@ -236,23 +232,9 @@ def plot(results: list[dict], path: str, world_size: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
-    parser.add_argument("--num-layers", type=int, default=None, help="override the model's number of layers")
-    parser.add_argument("--distribution", default="longalign", choices=sorted(DISTRIBUTIONS))
-    parser.add_argument("--samples-per-device", default="8", help="comma list, e.g. 2,4,8,16")
-    parser.add_argument("--packing-ratios", default="1", help="comma list of token caps as multiples of the longest")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration and scheme")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = workload_parser(__doc__.splitlines()[0], steps=10, warmup=1, sweep=True)
     parser.add_argument("--schemes", default=",".join(NAMES), help=f"comma list of {NAMES}")
-    parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
-    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
-    parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
-    parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
-    parser.add_argument("--warm-attention-plans", action="store_true", help=WARM_HELP)
     parser.add_argument("--predict-world-sizes", default="8,32,128")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
