@@ -38,9 +38,9 @@ unshuffled), so step ``s`` of every row trains the same samples:
   are long-tailed, and the same in every row. With ``--completions free`` every completion runs to
   ``--max-completion-length``, and ``--decoding-loop`` has ODC decode its static copy with its own loop
   (``odc_generation="static"``, ``odc_decoding_loop=True``), which a forced end (a logits processor) would send back
-  to ``generate``. A completion's document is its prompt
-  and completion. ``--trl-accumulation k`` generates the step's completions at once and
-  trains them in ``k`` passes (TRL's ``steps_per_generation`` follows ``gradient_accumulation_steps``).
+  to ``generate``. A completion's document is its prompt and completion. ``--trl-accumulation k`` generates the
+  step's completions at once and trains them in ``k`` passes (TRL's ``steps_per_generation`` follows
+  ``gradient_accumulation_steps``).
 
 ``--trl-accumulation k`` splits the stock rows' per-device samples into ``k`` forward passes (the global batch stays
 the same), for data whose padded batches do not fit; ODC plans its microbatches itself.

@@ -304,6 +304,7 @@ def save_attention_in_checkpoints(model: nn.Module) -> None:
 
 
 def _base_model(model: nn.Module) -> nn.Module:
+    """The model a PEFT ``model`` wraps, or ``model``."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 

@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 from . import _static_decoding
-from .attention import PACKED_ATTENTION
+from .attention import PACKED_ATTENTION, _base_model
 from .full_weights import checkpoint_name, full_named_weights
 
 __all__ = [
@@ -130,11 +130,6 @@ class _DecodingCopy:
 
     def _generate(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
-
-
-def _base_model(policy: nn.Module) -> nn.Module:
-    """The model a PEFT ``policy`` wraps, or ``policy``."""
-    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
 
 
 def _model_class(base: nn.Module) -> type:
