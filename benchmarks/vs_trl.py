@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import contextlib
 import dataclasses
 import json
@@ -137,6 +138,11 @@ use_cpu: {cpu}
 """
 
 
+PHASES_HELP = (
+    "time each part of the Trainer's step, synchronised (loading, planning, the minibatch, the metrics gather, "
+    "clipping, the optimizer, logging; the rest as 'other') and report their medians"
+)
+PROFILE_HELP = "a file for torch.profiler's tables of one extra step after the timed ones (rank 0; not timed)"
 COMPLETIONS_HELP = (
     "GRPO: forced (each completion ends at a long-tailed length, the same in every row) or free (every completion "
     "runs to --max-completion-length)"
@@ -165,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--logs", default=None, help="a folder for each row's full output (<row>.log)")
+    parser.add_argument("--phases", action="store_true", help=PHASES_HELP)
+    parser.add_argument("--profile", default=None, help=PROFILE_HELP)
     parser.add_argument("--row", choices=sorted(ROWS), default=None, help=argparse.SUPPRESS)  # a launched row
     parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -236,6 +244,103 @@ class StepTimer:
 
         self.ends: list[float] = []
         self.bubbles: list[float] = []
+        self.callback = Callback()
+
+
+PHASES = ("get_batch_samples", "_plan_step", "_run_minibatch", "_log_step", "_clip_grad_norm", "optimizer",
+          "_maybe_log_save_evaluate")  # fmt: skip
+
+
+class PhaseClock:
+    """``--phases``: the synchronised host time of each part of the Trainer's optimizer step (:data:`PHASES`, those
+    the row's trainer has), per step; a step runs from the previous step's end (``on_step_end``) to its own, so the
+    previous step's logging counts in it, as :class:`StepTimer` counts it."""
+
+    def __init__(self, cuda: bool):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                clock.started = clock.now()
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                clock.current["optimizer"] += clock.now() - clock.started
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.steps.append(dict(clock.current))
+                clock.current.clear()
+
+        self.cuda, self.started, self.warm_up = cuda, 0.0, 0.0
+        self.current: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self.callback = Callback()
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def warm_up_timed(self):
+        """While the trainer is built: time its attention-plan warm-up (``warm_attention_plans``) as ``warm_up``."""
+        from hf_odc.trainer import _base_trainer
+
+        warm = _base_trainer.warm_attention_plans
+        _base_trainer.warm_attention_plans = self._timed("warm_up", warm)
+        try:
+            yield
+        finally:
+            _base_trainer.warm_attention_plans = warm
+            self.warm_up = self.current.pop("warm_up", 0.0)
+
+    def install(self, trainer) -> None:
+        """Time the trainer's methods of :data:`PHASES` (instance attributes: the Trainer calls them on ``self``)."""
+        for name in PHASES:
+            method = getattr(trainer, name, None)
+            if method is not None:
+                trainer.__dict__[name] = self._timed(name, method)
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            started = self.now()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current[name] += self.now() - started
+
+        return timed
+
+
+class StepProfile:
+    """``--profile FILE``: torch.profiler over the step after the timed ones, on rank 0; its tables (by host time and
+    by device time) go to ``FILE``. The step is not timed."""
+
+    def __init__(self, path: str | None, first_step: int, cuda: bool):
+        from transformers import TrainerCallback
+
+        profile = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if path is None or int(os.environ.get("RANK", 0)) != 0:
+                    return
+                if state.global_step == first_step:
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if cuda:
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    profile.profiler = torch.profiler.profile(activities=activities)
+                    profile.profiler.__enter__()
+                elif profile.profiler is not None:
+                    profile.profiler.__exit__(None, None, None)
+                    averages = profile.profiler.key_averages()
+                    tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cpu_time_total",
+                              "self_device_time_total" if cuda else "cpu_time_total")]  # fmt: skip
+                    Path(path).write_text("\n\n".join(tables))
+                    profile.profiler = None
+
+        self.profiler = None
         self.callback = Callback()
 
 
@@ -415,15 +520,17 @@ def run_row(args) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     global_batch = args.samples_per_device * world_size
     steps = args.warmup + args.steps
+    built = steps + (args.profile is not None)  # the profiled step follows the timed ones
     tokenizer = build_tokenizer()
     attention = "sdpa" if args.row == "trl-default" else PACKED_ATTENTION
     model = build_model(args, tokenizer, attention)
     accumulation = args.trl_accumulation if args.row != "odc" else 1
-    timer = StepTimer(cuda)
+    timer, clock, profile = StepTimer(cuda), PhaseClock(cuda), StepProfile(args.profile, steps, cuda)
+    callbacks = [timer.callback, profile.callback] + ([clock.callback] if args.phases else [])
     generation = RecordedGeneration(args, tokenizer.eos_token_id, cuda)
     options = dict(
         output_dir=tempfile.mkdtemp(prefix=f"vs_trl_{args.row}_"),
-        max_steps=steps,
+        max_steps=built,
         per_device_train_batch_size=args.samples_per_device // accumulation,
         gradient_accumulation_steps=accumulation,
         learning_rate=1e-5,
@@ -444,10 +551,13 @@ def run_row(args) -> None:
         options["checkpoint_attention"] = "recompute"
 
     def make(trainer_class, **kwargs):
-        return trainer_class(model=model, processing_class=tokenizer, callbacks=[timer.callback], **kwargs)
+        return trainer_class(model=model, processing_class=tokenizer, callbacks=callbacks, **kwargs)
 
-    row = Row(args.row, attention, model, tokenizer, options, global_batch, steps, timer, generation, make)
-    trainer, documents = BUILDERS[args.trainer](args, row)
+    row = Row(args.row, attention, model, tokenizer, options, global_batch, built, timer, generation, make)
+    with clock.warm_up_timed() if args.phases else contextlib.nullcontext():
+        trainer, documents = BUILDERS[args.trainer](args, row)
+    if args.phases:
+        clock.install(trainer)
     if trainer.accelerator.num_processes != world_size:  # each process would train alone, on the same samples
         raise RuntimeError(
             f"{args.row}: the trainer runs on {trainer.accelerator.num_processes} of {world_size} processes"
@@ -459,6 +569,8 @@ def run_row(args) -> None:
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     peaks: list = [None] * world_size
     dist.all_gather_object(peaks, peak)
+    phases: list = [None] * world_size
+    dist.all_gather_object(phases, clock.steps[args.warmup : steps])
     by_step, generation_s = documents()  # on every rank: GRPO's gathers every rank's completions
     if dist.get_rank() != 0:
         return
@@ -468,11 +580,13 @@ def run_row(args) -> None:
         "device_name": torch.cuda.get_device_name() if cuda else "CPU",
         "world_size": world_size,
         "step_s": [ends[s] - ends[s - 1] for s in range(args.warmup, steps)],
-        "documents": by_step[args.warmup :],
+        "documents": by_step[args.warmup : steps],
         "flops_factor": FLOPS_FACTOR[args.trainer],
-        "generation_s": generation_s[args.warmup :] if generation_s else None,
+        "generation_s": generation_s[args.warmup : steps] if generation_s else None,
+        "phases": phases if args.phases else None,
+        "warm_up_s": clock.warm_up if args.phases else None,
         "peak_gib": max(peaks),
-        "bubble": timer.bubbles[args.warmup :] if timer.bubbles else None,
+        "bubble": timer.bubbles[args.warmup : steps] if timer.bubbles else None,
         "generation_mode": getattr(getattr(trainer, "_generator", None), "mode", None),  # an ODC trainer's
         "model_config": model.config.get_text_config().to_dict(),
     }
@@ -531,7 +645,22 @@ def summarize(record: dict) -> dict:
         "generation_mode": record["generation_mode"],
         "step_s": step_s,
         "tokens": [sum(step) for step in documents],
+        "phases": phase_medians(record["phases"], step_s) if record.get("phases") else None,
+        "warm_up_s": record.get("warm_up_s"),
+        "first_5_over_rest": statistics.mean(step_s[:5]) / statistics.median(step_s[5:]) if len(step_s) > 5 else None,
     }
+
+
+def phase_medians(phases: list[list[dict[str, float]]], step_s: list[float]) -> dict[str, list[float]]:
+    """Each phase's median seconds per step on every rank (``phases[rank][step]``), with ``other``: the step's
+    synchronised time (rank 0's) less the rank's phases."""
+    names = [name for name in PHASES if any(name in step for rank in phases for step in rank)]
+    medians = {name: [statistics.median(step.get(name, 0.0) for step in rank) for rank in phases] for name in names}
+    medians["other"] = [
+        statistics.median(total - sum(step.values()) for step, total in zip(rank, step_s, strict=True))
+        for rank in phases
+    ]
+    return medians
 
 
 def print_table(args, summary: dict, device: str) -> None:
@@ -551,6 +680,17 @@ def print_table(args, summary: dict, device: str) -> None:
         print(f"{ROWS[name]:>26} | " + " | ".join(cells))
 
 
+def print_phases(summary: dict) -> None:
+    """``--phases``: each row's median seconds per phase, the fastest and slowest rank's."""
+    for name, row in summary.items():
+        if row.get("phases"):
+            first = row["first_5_over_rest"] or float("nan")
+            print(f"\n{ROWS[name]}: median seconds per step (fastest-slowest rank); attention plans warmed in "
+                  f"{row['warm_up_s']:.1f} s; first 5 steps' mean / later steps' median {first:.3f}")  # fmt: skip
+            for phase, per_rank in row["phases"].items():
+                print(f"{phase.strip('_'):>26} | {min(per_rank):7.3f} - {max(per_rank):7.3f}")
+
+
 def main() -> None:
     args = parse_args()
     if args.row is not None:
@@ -565,6 +705,7 @@ def main() -> None:
             summary[row] = summarize(record)
             report(args, summary, device)  # after every row: a run cut short keeps the rows it finished
     print_table(args, summary, device or "?")
+    print_phases(summary)
 
 
 def report(args, summary: dict, device: str | None) -> None:

@@ -64,7 +64,6 @@ __all__ = [
     "set_attn_implementation",
     "set_group_timeout",
     "symmetric_memory",
-    "trainer_prepare_inputs",
 ]
 
 
@@ -182,14 +181,6 @@ def check_trainer(trainer: Any) -> None:
     for spec, names in INSTANCE_NAMES.items():
         if isinstance(trainer, _resolve(spec)):
             _require(trainer, names, spec, " instances")
-
-
-def trainer_prepare_inputs(trainer: Any, inputs: Any) -> Any:
-    """``transformers.Trainer._prepare_inputs`` (device placement), not a subclass's override (GRPO generates
-    rollouts in its own)."""
-    from transformers import Trainer
-
-    return Trainer._prepare_inputs(trainer, inputs)
 
 
 def mark_fsdp_managed(model: Any) -> None:

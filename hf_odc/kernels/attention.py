@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -224,16 +224,18 @@ def warm_sdpa_plans(
     device: torch.device,
     dtype: torch.dtype,
     shortest: int = ALONE_FROM,
+    documents: Iterable[int] | None = None,
 ) -> list[int]:
     """Attend once, forward and backward, at every length :func:`sdpa_length` rounds a document of ``shortest`` to
-    ``longest`` tokens to, as :func:`packed_causal_attention` attends a document alone (padded, grouped-query,
-    scaled by ``head_dim ** -0.5``); returns those lengths.
+    ``longest`` tokens to (``documents``: only those of these documents' lengths), as :func:`packed_causal_attention`
+    attends a document alone (padded, grouped-query, scaled by ``head_dim ** -0.5``); returns those lengths.
 
     Why: cuDNN plans each new length on the host the first time it meets it, on each rank. A run of a few steps (a
     benchmark) meets most of its lengths for the first time, and a plan that moves documents to other ranks meets more
     of them than one that keeps them where another scheme already ran them; warmed first, every scheme finds them
     planned, as every step of a long run does."""
-    lengths = sorted({sdpa_length(n) for n in range(max(1, shortest), longest + 1)})
+    among = range(max(1, shortest), longest + 1)
+    lengths = sorted({sdpa_length(n) for n in (among if documents is None else filter(among.__contains__, documents))})
     for padded in lengths:
         tokens = padded - 1 if sdpa_length(padded - 1) == padded else padded  # padded, as most documents are
         query = torch.randn(tokens, query_heads, head_dim, device=device, dtype=dtype, requires_grad=True)

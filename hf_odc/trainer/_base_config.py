@@ -95,6 +95,14 @@ _ODC_PARAMETERS = """
             Mixtral, Qwen2-MoE and Qwen3-MoE) one Triton kernel each way in place of their chains of elementwise
             kernels (`hf_odc.kernels.install_fused_kernels`): the same formulas and roundings, up to the order of
             fp32 sums. Other modules, and CPU runs, are left as they are. `False` keeps transformers' forwards.
+        warm_attention_plans (`bool`, *optional*, defaults to `True`):
+            On a GPU with packed attention, attend once, forward and backward, at every length that a document of the
+            training data is attended at (`hf_odc.kernels.attention.sdpa_length` rounds them to a few hundred) before
+            the first step. cuDNN builds an execution plan the first time it meets a length, on the host, while the
+            device runs dry; without this the first steps of a run, which meet most lengths for the first time, run
+            far below the speed of the later ones. It takes the lengths of the training data, where the trainer knows
+            its documents before training (SFT, DPO); the other trainers meet each length when it comes. CPU runs, and
+            models whose attention is not `"odc_packed"`, skip it.
 
     > [!NOTE]
     > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
@@ -248,6 +256,14 @@ class _ODCConfig:
         metadata={
             "help": "On a GPU, run the RMSNorms and SiLU-gated MLPs of Llama/Mistral/Qwen2/Qwen3 models as fused "
             "Triton kernels (same formulas). False keeps transformers' forwards."
+        },
+    )
+
+    warm_attention_plans: bool = field(
+        default=True,
+        metadata={
+            "help": "On a GPU with packed attention, build cuDNN's attention plan for every rounded document length "
+            "of the training data before the first step, instead of in the first steps."
         },
     )
 

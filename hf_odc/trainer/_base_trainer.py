@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import datasets
@@ -32,7 +32,7 @@ from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics
-from .attention import save_attention_in_checkpoints, use_packed_attention
+from .attention import save_attention_in_checkpoints, use_packed_attention, warm_attention_plans
 
 
 class _ODCTrainer(_CheckpointHooks, ABC):
@@ -102,6 +102,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         """A context around the minibatch's microbatches (SFT: activation offloading)."""
         return contextlib.nullcontext()
 
+    def _training_documents(self) -> Iterable[int] | None:
+        """The token counts of the documents training will attend, where the trainer knows them before the first
+        step (``warm_attention_plans`` builds cuDNN's plans for their lengths); ``None`` where it does not."""
+        return None
+
     def _end_step(self, step: PlannedStep, metrics: dict[str, float]) -> None:
         """After the step's metrics are reduced over the ranks and logged (``metrics``, by name)."""
 
@@ -118,6 +123,10 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
         self._install_fused_kernels(self.model)
+        documents = self._training_documents() if args.warm_attention_plans else None
+        if documents is not None:
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+            warm_attention_plans(self.model, documents, args.device, dtype)
         self.odc = ODCRuntime(args.odc_plugin(), self.accelerator)
         if self.accelerator.num_processes > 1:
             fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -144,6 +153,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         count = getattr(self.model, "num_parameters", None)
         self._flops_per_token = 6 * count(exclude_embeddings=True) if count is not None else 0
         self._step_flos = 0
+        self._cycle_start: float | None = None  # where the step being run began on the host (_log_step)
         device = self.args.device
         self._peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
@@ -293,9 +303,18 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         self._metrics["train"]["expert_load_s"].append(counted_s)
 
     def _to_device(self, inputs: Any) -> Any:
-        """``inputs`` on the training device: the Trainer's ``_prepare_inputs``, not a subclass's (GRPO's generates
-        rollouts there)."""
-        return _compat.trainer_prepare_inputs(self, inputs)
+        """``inputs`` (tensors, nested in mappings, lists and tuples) on the training device, copied without waiting
+        for the device. A blocking copy from host memory waits for every kernel queued before it: one such copy per
+        input of every microbatch drained the queue each time and left the device idle while the host queued the next
+        kernels. A non-blocking copy from pageable memory is staged by the driver before it returns, so the host
+        tensor may be freed at once."""
+        if isinstance(inputs, torch.Tensor):
+            return inputs.to(self.args.device, non_blocking=True)
+        if isinstance(inputs, Mapping):
+            return type(inputs)({key: self._to_device(value) for key, value in inputs.items()})
+        if isinstance(inputs, (list, tuple)):
+            return type(inputs)(self._to_device(value) for value in inputs)
+        return inputs
 
     def floating_point_ops(self, inputs: Any) -> int:
         """The Trainer's estimate for this rank's share of the step (``inputs`` is one accumulation call's loader
@@ -308,27 +327,37 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         with the plan's own metrics, and feed the measured microbatch times to the calibration. Returns the step's
         metrics reduced over the ranks (:meth:`StepMetrics.reduce`).
 
-        Timings are device-timed and mean the same with and without ODC (:mod:`hf_odc.engine.timing`)."""
+        The minibatch's timings are device-timed and mean the same with and without ODC (:mod:`hf_odc.engine.timing`).
+        ``step_s``, over which ``tokens_per_second`` and ``mfu`` are counted, is the host's time since the previous
+        step's minibatch ended (the slowest rank's; the first step's: its minibatch): everything a step costs, its
+        loading, planning, the previous optimizer step, clipping and logging included, so that a step's rate is what
+        the wall clock sees."""
         stats = self.odc.last
         lengths = step.microbatch_lengths
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         counts = [len(rank) for rank in lengths]
         times = stats.microbatches + [0.0] * (max(counts) - len(stats.microbatches))  # the same width on every rank
-        own = torch.tensor([stats.busy, stats.wait, peak_gib, stats.all_reduce, *times], dtype=torch.float64)
+        # The minibatch ended at its exit meeting point, after this device's work: the host clock is current here.
+        now = time.perf_counter()
+        cycle = now - (self._cycle_start if self._cycle_start is not None else now - stats.busy - stats.wait)
+        self._cycle_start = now
+        own = torch.tensor([stats.busy, stats.wait, peak_gib, stats.all_reduce, cycle, *times], dtype=torch.float64)
         local = torch.cat([self._step_metrics.local(), own.to(self.args.device)])
         with self.odc.bounded("the step's metrics gather"):
             gathered = self.accelerator.gather(local[None]).cpu().tolist()
-        first = len(self._step_metrics)  # then busy, wait, peak, the cross-host all-reduce and the microbatch times
+        first = len(self._step_metrics)  # then busy, wait, peak, the cross-host all-reduce, the cycle, microbatches
         reduced = self._step_metrics.reduce([row[:first] for row in gathered])
-        busy, wait, peak, all_reduce = ([row[first + i] for row in gathered] for i in range(4))
-        times = [row[first + 4 :] for row in gathered]
-        step_s = max(b + w for b, w in zip(busy, wait, strict=True))
+        busy, wait, peak, all_reduce, cycles = ([row[first + i] for row in gathered] for i in range(5))
+        times = [row[first + 5 :] for row in gathered]
+        minibatch_s = max(b + w for b, w in zip(busy, wait, strict=True))
+        step_s = max(max(cycles), minibatch_s)
         metrics = self._metrics["train"]
         for name, value in (reduced | step.metrics).items():
             metrics[name].append(value)
         metrics["step_s"].append(step_s)
+        metrics["minibatch_s"].append(minibatch_s)
         metrics["tokens_per_second"].append(step.num_tokens / max(step_s, 1e-9))
-        metrics["bubble_rate"].append(idle_fraction(busy, step_s))
+        metrics["bubble_rate"].append(idle_fraction(busy, minibatch_s))
         metrics["predicted_bubble_rate"].append(step.predicted_bubble_rate)
         if torch.cuda.is_available():
             metrics["peak_memory_gib"].append(max(peak))  # the largest rank's, since the start

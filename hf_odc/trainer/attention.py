@@ -32,7 +32,7 @@ import inspect
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .._compat import attention_operators, attn_implementation
-from ..kernels.attention import Backend, packed_causal_attention
+from ..kernels.attention import Backend, packed_causal_attention, warm_sdpa_plans
 
 __all__ = [
     "CHECKPOINT_ATTENTION",
@@ -57,6 +57,7 @@ __all__ = [
     "save_attention_checkpoint_kwargs",
     "save_attention_in_checkpoints",
     "use_packed_attention",
+    "warm_attention_plans",
 ]
 
 PACKED_ATTENTION = "odc_packed"
@@ -230,6 +231,23 @@ def use_packed_attention(model: nn.Module, enabled: bool, device: torch.device) 
                 stacklevel=3,
             )
     return check_packed_attention(model)
+
+
+def warm_attention_plans(model: nn.Module, documents: Iterable[int], device: torch.device, dtype: torch.dtype) -> int:
+    """Build cuDNN's plans for ``documents``' lengths before training (``warm_attention_plans``): on a GPU, for a
+    model whose attention is :data:`PACKED_ATTENTION`, attend once, forward and backward, at each length that one of
+    ``documents`` (token counts) is attended at alone (:func:`hf_odc.kernels.attention.warm_sdpa_plans`, with the
+    model's head counts). Returns the number of lengths warmed (0 where nothing is)."""
+    if torch.device(device).type != "cuda" or attention_implementation(model) != PACKED_ATTENTION:
+        return 0
+    documents = list(documents)
+    if not documents:
+        return 0
+    config = _base_model(model).config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # Qwen3's may differ
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return len(warm_sdpa_plans(heads, kv_heads, head_dim, max(documents), device, dtype, documents=documents))
 
 
 def attention_implementation(model: nn.Module) -> str:

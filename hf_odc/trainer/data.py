@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -130,7 +131,13 @@ def minibatch_loader(dataset: Dataset, args: Any, world_size: int) -> MinibatchD
     """An ODC trainer's training loader: one item per accumulation call of ``training_step``, the
     ``per_device_train_batch_size x world_size`` samples of :class:`GlobalMinibatchSampler` (the same on every rank,
     not sharded by Accelerate: every rank plans the whole minibatch), as :func:`global_minibatch` gives them; ``args``
-    the trainer's config (its sampling strategy, seed and loader settings)."""
+    the trainer's config (its sampling strategy, seed and loader settings).
+
+    ``dataloader_pin_memory`` is not applied: an item holds the samples' token lists (or arrays), not tensors, and
+    pinning walks every element of every list (about a second per 500K tokens, on the training process's critical
+    path) to pin nothing.
+    The collators build each microbatch's tensors later, and the trainer copies them without waiting
+    (:meth:`~hf_odc.trainer._base_trainer._ODCTrainer._to_device`)."""
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in ("random", "sequential"):
         raise ValueError(f"hf_odc's trainers sample 'random' or 'sequential' minibatches, not {strategy!r}.")
@@ -146,16 +153,16 @@ def minibatch_loader(dataset: Dataset, args: Any, world_size: int) -> MinibatchD
         batch_sampler=sampler,
         collate_fn=global_minibatch,
         num_workers=workers,
-        pin_memory=args.dataloader_pin_memory,
         persistent_workers=args.dataloader_persistent_workers and workers > 0,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
     )
 
 
 def count_target_tokens(example: dict[str, Any]) -> int:
-    """Tokens of one sample that carry a loss: next-token labels other than -100 (the first label is never one)."""
+    """Tokens of one sample that carry a loss: next-token labels other than -100 (the first label is never one).
+    Labels may be a list, an array or a tensor."""
     labels = example.get("labels", example["input_ids"])
-    return sum(1 for label in labels[1:] if label != -100)
+    return int(np.count_nonzero(np.asarray(labels[1:]) != -100))
 
 
 def global_minibatch(examples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -154,6 +154,14 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
         ]
         check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
 
+    def _training_documents(self) -> list[int] | None:
+        """Each pair's two sequences, as :func:`~hf_odc.trainer.pairs.pair_documents` truncates them."""
+        if self.train_dataset is None:
+            return None
+        limit = self.args.max_length or float("inf")
+        columns = zip(*(self.train_dataset[c] for c in PAIR_COLUMNS), strict=True)
+        return [min(len(prompt) + len(reply), limit) for prompt, *replies in columns for reply in replies]
+
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
     def _plan_step(self, window: list[dict[str, Any]]) -> PairStep:

@@ -103,6 +103,23 @@ def test_warming_attends_every_rounded_length_once_forward_and_backward(monkeypa
     assert backwards == lengths
 
 
+def test_warming_for_documents_attends_only_their_rounded_lengths(monkeypatch):
+    """``documents=``: the lengths those documents are attended at, each once, not every length up to the longest;
+    documents shorter than ``shortest`` (attended in runs, not alone) warm nothing."""
+    monkeypatch.setattr(kernels, "_PADDED_ON", ("cpu",))
+    seen = []
+    real = kernels.F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, **kwargs):
+        seen.append(query.shape[2])
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", sdpa)
+    documents = [70, 65, 300, 10, 129, 300]
+    lengths = kernels.warm_sdpa_plans(4, 2, 8, 300, torch.device("cpu"), torch.float32, 64, documents)
+    assert lengths == seen == [128, 192, 320] == sorted({sdpa_length(n) for n in documents if n >= 64})
+
+
 def test_sdpa_lengths_are_few_and_close():
     """Up to 64K tokens: under 200 lengths in all, each less than 64 tokens or 1/32 above the document's."""
     rounded = [sdpa_length(n) for n in range(1, 65537)]

@@ -7,6 +7,7 @@ import random
 import warnings
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,23 @@ def test_every_sample_is_packed_once_across_ranks(balance):
     counts = [len(item.microbatches) for item in items]
     if balance != "lb-mini":  # collective FSDP needs the same number of microbatches on every rank
         assert len(set(counts)) == 1
+
+
+def test_samples_read_as_numpy_pack_as_lists_do():
+    """SFT's loader reads samples as numpy arrays (``with_format("numpy")``): every rank's microbatches and the
+    normaliser are the same as from Python lists."""
+    examples = _examples(24, seed=3)
+    arrays = datasets.Dataset.from_list(examples).with_format("numpy")
+    read = arrays.__getitems__(list(range(len(examples))))
+    assert isinstance(read[0]["input_ids"], np.ndarray)
+    for rank in range(3):
+        expected, got = _collator(rank, 3)(examples), _collator(rank, 3)(read)
+        assert got.num_loss_tokens == expected.num_loss_tokens and got.microbatch_lengths == expected.microbatch_lengths
+        assert len(got.microbatches) == len(expected.microbatches)
+        for ours, theirs in zip(got.microbatches, expected.microbatches, strict=True):
+            assert ours.keys() == theirs.keys()
+            for key, value in theirs.items():
+                assert torch.equal(ours[key], value) if torch.is_tensor(value) else ours[key] == value, key
 
 
 def test_packed_targets_add_up_to_the_normaliser():

@@ -1,0 +1,72 @@
+"""What the trainers do on the host between the loader and the device, where a step's wall time can hide outside its
+device-timed minibatch: the loader pins nothing, inputs are copied without waiting for the device, and cuDNN's
+attention plans are built for the training data's lengths before the first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_odc.trainer._base_trainer as base_trainer
+from hf_odc.demo import build_tokenizer, chat_dataset
+from hf_odc.demo.models import MODEL_CONFIGS
+from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer.attention import warm_attention_plans
+
+
+def _sft_trainer(tmp_path, **config) -> ODCSFTTrainer:
+    tokenizer = build_tokenizer()
+    shape = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id} | MODEL_CONFIGS["tiny"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape))
+    args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=64, per_device_train_batch_size=4, use_cpu=True,
+                        cost_model="tokens", **config)  # fmt: skip
+    dataset = chat_dataset(8, 64, "swe-smith", seed=0)
+    return ODCSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_trainer_warms_the_attention_plans_of_its_training_documents(tmp_path, monkeypatch, warm):
+    """``warm_attention_plans`` (the default) hands the prepared dataset's sample lengths, SFT's documents, to the
+    warm-up at construction; ``False`` warms nothing."""
+    calls = []
+    monkeypatch.setattr(base_trainer, "warm_attention_plans", lambda *args: calls.append(args))
+    trainer = _sft_trainer(tmp_path, warm_attention_plans=warm)
+    trainer.end()
+    if not warm:
+        assert calls == []
+        return
+    ((_, documents, device, dtype),) = calls
+    assert documents == [len(ids) for ids in trainer.train_dataset["input_ids"]] and len(documents) == 8
+    assert device == torch.device("cpu") and dtype == torch.float32
+
+
+def test_warming_skips_the_cpu(tmp_path):
+    """On the CPU (no per-length plans) the warm-up attends nothing."""
+    trainer = _sft_trainer(tmp_path, warm_attention_plans=False)
+    trainer.end()
+    assert warm_attention_plans(trainer.model, [4096, 8192], torch.device("cpu"), torch.float32) == 0
+
+
+def test_the_loader_pins_nothing_and_inputs_are_copied_without_waiting(tmp_path, monkeypatch):
+    """The loader's items are token lists, which pinning would walk element by element (``dataloader_pin_memory``,
+    asked for here, is not applied); every tensor of a microbatch, however nested, goes to the device with
+    ``non_blocking=True`` (a blocking copy waits for every queued kernel)."""
+    trainer = _sft_trainer(tmp_path, warm_attention_plans=False)
+    trainer.end()
+    trainer.args.dataloader_pin_memory = True  # a CPU config turns it off itself
+    assert trainer.get_train_dataloader().pin_memory is False
+    copies = []
+    to = torch.Tensor.to
+
+    def recorded(tensor, *args, **kwargs):
+        copies.append(kwargs.get("non_blocking"))
+        return to(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded)
+    inputs = {"model": {"input_ids": torch.ones(1, 3)}, "pairs": [torch.zeros(2), (torch.ones(1), "label")], "n": 3}
+    moved = trainer._to_device(inputs)
+    assert copies == [True, True, True]
+    assert isinstance(moved["pairs"][1], tuple) and moved["pairs"][1][1] == "label" and moved["n"] == 3
+    torch.testing.assert_close(moved["model"]["input_ids"], inputs["model"]["input_ids"])
