@@ -21,7 +21,7 @@ from datasets import Dataset
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..packing import DISTRIBUTIONS
-from ..trainer import _checkpoint_format
+from ..trainer.core import _checkpoint_format
 from .data import prompt_dataset
 from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
 from .models import MODEL_CONFIGS, build_model, save_initial_model
@@ -275,7 +275,7 @@ class ExampleParser(TrlParser):
     def check_inputs(self, namespace: argparse.Namespace) -> None:
         """Raise ``ValueError``, in one line, for an input that the flags name and the run could not use: the model
         (``--model_name_or_path``, else a ``--model_config`` path), the checkpoint to resume from (the trainer's own
-        checks, :func:`hf_odc.trainer._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it
+        checks, :func:`hf_odc.trainer.core._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it
         loads, its split has rows, and ``check_dataset`` accepts it)."""
         config = getattr(namespace, "model_config", None)
         if getattr(namespace, "model_name_or_path", None):

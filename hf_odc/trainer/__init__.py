@@ -11,8 +11,8 @@ checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
 """
 
 from .._compat import check_classes
-from ._step import PlannedStep, StepMetrics
-from .attention import (
+from .core._step import PlannedStep, StepMetrics
+from .core.attention import (
     CHECKPOINT_ATTENTION,
     PACKED_ATTENTION,
     PACKED_ATTENTION_IMPLEMENTATIONS,
@@ -24,7 +24,7 @@ from .attention import (
     save_attention_in_checkpoints,
     use_packed_attention,
 )
-from .data import (
+from .core.data import (
     GlobalMinibatchSampler,
     MinibatchDataLoader,
     PlannedMinibatchCollator,

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from ..accelerate_plugin import ODCRuntime
-from ._base_config import whole_model_kwargs
-from ._base_trainer import _ODCTrainer
-from ._quiet import without_ignored_model_init_kwargs_warning
+from .core._base_config import whole_model_kwargs
+from .core._base_trainer import _ODCTrainer
+from .core._quiet import without_ignored_model_init_kwargs_warning
 from .generation import make_generator
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 

@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .. import _compat
 from ..accelerate_plugin import ODCRuntime
 from . import _static_decoding
-from .attention import PACKED_ATTENTION, _base_model
+from .core.attention import PACKED_ATTENTION, _base_model
 from .full_weights import checkpoint_name, full_named_weights
 
 __all__ = [

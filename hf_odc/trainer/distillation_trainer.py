@@ -22,7 +22,7 @@ from torch import nn
 from trl import DistillationTrainer
 
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
-from ._step import StepMetrics
+from .core._step import StepMetrics
 from .distillation_config import ODCDistillationConfig
 from .rollouts import Rollouts, RolloutStep
 

@@ -29,7 +29,7 @@ from trl import GRPOTrainer
 
 from . import _sampling_correction
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
-from ._step import StepMetrics
+from .core._step import StepMetrics
 from .grpo_config import ODCGRPOConfig
 from .reference import check_peft_reference, reference_of
 from .rollouts import Rollouts, RolloutStep

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..packing import MinibatchPlanner
-from ._step import PlannedStep, packed_row
+from .core._step import PlannedStep, packed_row
 
 __all__ = [
     "PAIR_COLUMNS",

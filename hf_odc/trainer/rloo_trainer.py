@@ -26,7 +26,7 @@ from trl import RLOOTrainer
 from trl.trainer.utils import nanstd
 
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
-from ._step import StepMetrics
+from .core._step import StepMetrics
 from .reference import check_peft_reference, reference_of
 from .rloo_config import ODCRLOOConfig
 from .rollouts import Rollouts, RolloutStep

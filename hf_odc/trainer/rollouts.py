@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ..packing import MinibatchPlanner
-from ._step import PlannedStep, packed_row
+from .core._step import PlannedStep, packed_row
 
 __all__ = ["RolloutStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch"]
 

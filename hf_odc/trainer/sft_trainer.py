@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from trl import SFTTrainer
 
-from ._base_trainer import _ODCTrainer
-from ._step import PlannedStep, StepMetrics
-from .data import (
+from .core._base_trainer import _ODCTrainer
+from .core._step import PlannedStep, StepMetrics
+from .core.data import (
     MinibatchDataLoader,
     PlannedMinibatchCollator,
     check_sft_truncation,

@@ -42,8 +42,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .._compat import attention_operators, attn_implementation
-from ..kernels.attention import Backend, packed_causal_attention
+from ..._compat import attention_operators, attn_implementation
+from ...kernels.attention import Backend, packed_causal_attention
 
 __all__ = [
     "CHECKPOINT_ATTENTION",

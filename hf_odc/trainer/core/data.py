@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .._compat import padding_free_collator
-from ..packing import MinibatchPlanner, Plan
+from ..._compat import padding_free_collator
+from ...packing import MinibatchPlanner, Plan
 from ._step import PlannedStep
 
 __all__ = [

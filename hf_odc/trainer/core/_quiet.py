@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-from .._compat import library_logger
+from ..._compat import library_logger
 
 __all__ = ["without_ignored_model_init_kwargs_warning", "without_resumed_batch_size_warning"]
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from .. import packing
-from .._env import parse_bool
-from ..accelerate_plugin import ODCPlugin
-from ..kernels import TRANSPORTS
-from ..liveness import DEFAULT_TIMEOUT_S, heartbeat
-from ..packing import COSTS, PLANNERS
+from ... import packing
+from ..._env import parse_bool
+from ...accelerate_plugin import ODCPlugin
+from ...kernels import TRANSPORTS
+from ...liveness import DEFAULT_TIMEOUT_S, heartbeat
+from ...packing import COSTS, PLANNERS
 from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
 
 _COST_MODELS = (*COSTS, "calibrated")

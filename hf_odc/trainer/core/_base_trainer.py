@@ -22,12 +22,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
-from .. import _compat
-from ..accelerate_plugin import ODCRuntime
-from ..kernels import install_fused_kernels
-from ..packing import MinibatchPlanner, idle_fraction, named_cost
-from ..packing.calibration import FEATURES, Calibration, Calibrator
-from ..packing.flops import mfu, peak_flops, training_flops
+from ... import _compat
+from ...accelerate_plugin import ODCRuntime
+from ...kernels import install_fused_kernels
+from ...packing import MinibatchPlanner, idle_fraction, named_cost
+from ...packing.calibration import FEATURES, Calibration, Calibrator
+from ...packing.flops import mfu, peak_flops, training_flops
 from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers.trainer import SCHEDULER_NAME
 
-from ..packing import Calibration, Calibrator
+from ...packing import Calibration, Calibrator
 from . import _checkpoint_format
 from ._quiet import without_resumed_batch_size_warning
 

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .. import _compat
+from ... import _compat
 
 __all__ = ["ExpertLoad"]
 
