@@ -37,7 +37,7 @@ from ..accelerate_plugin import ODCRuntime
 from .core._base_config import whole_model_kwargs
 from .core._base_trainer import _ODCTrainer
 from .core._quiet import without_ignored_model_init_kwargs_warning
-from .generation import make_generator
+from .generation.modes import make_generator
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
 # A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.

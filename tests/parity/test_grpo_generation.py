@@ -16,7 +16,7 @@ from _parity import run_checked
 from transformers import Qwen2ForCausalLM
 
 from hf_odc.demo import build_tokenizer
-from hf_odc.trainer import _static_decoding
+from hf_odc.trainer.generation import _static_decoding
 
 pytestmark = pytest.mark.slow  # every test starts processes
 MODES = (

@@ -113,7 +113,7 @@ def run(model_dir: str, mode: str, out: str) -> dict:
 def copy_distance(trainer) -> float:
     """The largest difference between a weight of the decoding copy and what it holds of the policy's (assembled as
     vLLM's are; in ``"tensor-parallel"`` the rank's slice)."""
-    from hf_odc.trainer.full_weights import full_named_weights
+    from hf_odc.trainer.generation.full_weights import full_named_weights
 
     decoder = trainer._generator.decoder
     copy = dict(decoder.model.named_parameters())

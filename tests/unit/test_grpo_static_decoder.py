@@ -1,9 +1,9 @@
-"""``hf_odc.trainer.decoders.StaticDecoder`` on one process: its copy decodes as the policy does (greedy, token for
-token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one static
-KV cache for every generation batch it fits. hf_odc's decoding loop (``_static_decoding``) decodes on the copy what
-transformers' ``generate`` decodes (greedy and sampled, token for token), reads only the filled part of the cache with
-the grouped decoding attention, and leaves what it does not decode exactly so to ``generate``. Each mode gets its owner
-(``make_generator``), whose turns are held until released. Across sharded ranks, inside the trainer:
+"""``hf_odc.trainer.generation.decoders.StaticDecoder`` on one process: its copy decodes as the policy does (greedy,
+token for token; a PEFT policy's adapters merged), follows the policy's weights in place on each refresh, and keeps one
+static KV cache for every generation batch it fits. hf_odc's decoding loop (``_static_decoding``) decodes on the copy
+what transformers' ``generate`` decodes (greedy and sampled, token for token), reads only the filled part of the cache
+with the grouped decoding attention, and leaves what it does not decode exactly so to ``generate``. Each mode gets its
+owner (``make_generator``), whose turns are held until released. Across sharded ranks, inside the trainer:
 tests/parity/test_grpo_generation.py.
 """
 
@@ -21,10 +21,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_odc import _compat
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer import _static_decoding, decoders, generation
-from hf_odc.trainer._static_decoding import processed_scores
-from hf_odc.trainer.decoders import DECODING_ATTENTION, StaticDecoder, grouped_decoding_attention
-from hf_odc.trainer.generation import choose_generation_mode, make_generator
+from hf_odc.trainer.generation import _static_decoding, decoders, modes
+from hf_odc.trainer.generation._static_decoding import processed_scores
+from hf_odc.trainer.generation.decoders import DECODING_ATTENTION, StaticDecoder, grouped_decoding_attention
+from hf_odc.trainer.generation.modes import choose_generation_mode, make_generator
 
 NEW_TOKENS = 12
 
@@ -148,8 +148,8 @@ def test_each_mode_has_its_owner(requested, owner):
 
 def test_use_vllm_is_the_vllm_owner_which_installs_the_sync_and_shuts_the_engine_down(monkeypatch):
     events = []
-    monkeypatch.setattr(generation.ODCWeightSync, "install", lambda *args: events.append("install"))
-    monkeypatch.setattr(generation, "shut_down_engine", lambda vllm_generation: events.append("shut down"))
+    monkeypatch.setattr(modes.ODCWeightSync, "install", lambda *args: events.append("install"))
+    monkeypatch.setattr(modes, "shut_down_engine", lambda vllm_generation: events.append("shut down"))
     trainer = _trainer(use_vllm=True)
     trainer.vllm_generation = object()
     generator = make_generator(trainer)
@@ -219,7 +219,7 @@ def test_grouped_decoding_attention_compiles_as_one_graph():
     )
 
 
-# -- hf_odc's decoding loop (hf_odc.trainer._static_decoding) ---------------------------------------------------------
+# -- hf_odc's decoding loop (hf_odc.trainer.generation._static_decoding) ----------------------------------------------
 
 
 def _copy(attention: str = "eager") -> StaticDecoder:
@@ -330,7 +330,7 @@ def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(m
     first = _generate(decoder, monkeypatch, True, **prompts, **options)
     loop, released = decoder._loop, []
     monkeypatch.setattr(loop, "release", lambda: released.append(loop))
-    generator = generation.StaticGenerator(SimpleNamespace(), torch.float32)
+    generator = modes.StaticGenerator(SimpleNamespace(), torch.float32)
     generator.decoder = decoder
     generator.end()
     assert released == [loop] and decoder._loop is None and decoder._cache is None
@@ -464,8 +464,8 @@ def test_where_no_copy_fits_a_sharded_policy_decodes_in_lockstep_unless_odc_runs
     policy = tiny_model()
     free = sum(p.numel() for p in policy.parameters())  # half a bf16 copy: neither static nor gathered fits
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 10 * free))
-    monkeypatch.setattr(generation, "FSDPModule", nn.Module)  # the policy counts as sharded
-    monkeypatch.setattr(generation, "_tensor_parallel_size", lambda model: 1)  # nothing to slice over
+    monkeypatch.setattr(modes, "FSDPModule", nn.Module)  # the policy counts as sharded
+    monkeypatch.setattr(modes, "_tensor_parallel_size", lambda model: 1)  # nothing to slice over
     runtime = SimpleNamespace(active=odc)
     chosen = choose_generation_mode(None, policy, runtime, torch.bfloat16, torch.device("cuda", 0), tools=tools)
     assert chosen == mode

@@ -1,9 +1,8 @@
-"""The ``"tensor-parallel"`` generation mode (``hf_odc.trainer.decoders.TensorParallelDecoder``): on 2 processes
-the sliced copy of the ODC-sharded policy computes the whole policy's logits (fp32 tolerance), decodes each rank's
-prompts greedily as the whole policy does, and samples on every rank the tokens the whole policy samples for the
-group's batch from rank 0's seed; with one process it is the whole copy. Refused, naming the modes to use, for
-models it cannot slice over the shard group, with tools, and with vLLM. Inside the trainer:
-tests/parity/test_grpo_generation.py.
+"""The ``"tensor-parallel"`` generation mode (``hf_odc.trainer.generation.decoders.TensorParallelDecoder``): on 2
+processes the sliced copy of the ODC-sharded policy computes the whole policy's logits (fp32 tolerance), decodes each
+rank's prompts greedily as the whole policy does, and samples on every rank the tokens the whole policy samples for the
+group's batch from rank 0's seed; with one process it is the whole copy. Refused, naming the modes to use, for models it
+cannot slice over the shard group, with tools, and with vLLM. Inside the trainer: tests/parity/test_grpo_generation.py.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from _models import VOCAB, tiny_model, tiny_qwen2_config
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer.decoders import TensorParallelDecoder, check_tensor_parallel
-from hf_odc.trainer.generation import TensorParallelGenerator, check_generation_mode, make_generator
+from hf_odc.trainer.generation.decoders import TensorParallelDecoder, check_tensor_parallel
+from hf_odc.trainer.generation.modes import TensorParallelGenerator, check_generation_mode, make_generator
 
 SMALL = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
 
@@ -110,14 +109,14 @@ def test_the_mode_has_its_owner_and_is_refused_with_tools_and_with_vllm():
 def test_by_default_tensor_parallel_is_chosen_where_the_copy_does_not_fit_and_its_slice_does(
     monkeypatch, free_copies, size, tools, mode
 ):
-    from hf_odc.trainer import generation
+    from hf_odc.trainer.generation import modes
 
     policy = tiny_model()
     free = free_copies * sum(p.numel() for p in policy.parameters()) * 2
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 10 * free))
-    monkeypatch.setattr(generation, "shard_group", lambda model: None if size == 1 else SimpleNamespace(size=size))
-    monkeypatch.setattr(generation.dist, "get_world_size", lambda group: group.size)
-    chosen = generation.choose_generation_mode(
+    monkeypatch.setattr(modes, "shard_group", lambda model: None if size == 1 else SimpleNamespace(size=size))
+    monkeypatch.setattr(modes.dist, "get_world_size", lambda group: group.size)
+    chosen = modes.choose_generation_mode(
         None, policy, ODCRuntime(), torch.bfloat16, torch.device("cuda", 0), tools=tools
     )
     assert chosen == mode

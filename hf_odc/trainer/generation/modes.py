@@ -59,9 +59,9 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .. import _compat
-from ..accelerate_plugin import ODCRuntime
-from ..engine import lazy_init_root
+from ... import _compat
+from ...accelerate_plugin import ODCRuntime
+from ...engine import lazy_init_root
 from .decoders import StaticDecoder, TensorParallelDecoder, check_tensor_parallel, shard_group
 from .vllm_sync import ODCWeightSync, shut_down_engine
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..accelerate_plugin import ODCRuntime
+from ...accelerate_plugin import ODCRuntime
 
 __all__ = ["FullWeights", "checkpoint_name", "full_named_weights"]
 

@@ -23,10 +23,10 @@ from transformers import AttentionInterface, GenerationConfig, PreTrainedModel, 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import _compat
-from ..accelerate_plugin import ODCRuntime
+from ... import _compat
+from ...accelerate_plugin import ODCRuntime
+from ..core.attention import PACKED_ATTENTION, _base_model
 from . import _static_decoding
-from .core.attention import PACKED_ATTENTION, _base_model
 from .full_weights import checkpoint_name, full_named_weights
 
 __all__ = [

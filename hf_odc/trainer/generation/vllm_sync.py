@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _compat
-from ..accelerate_plugin import ODCRuntime
+from ... import _compat
+from ...accelerate_plugin import ODCRuntime
 from .full_weights import FullWeights
 
 __all__ = ["ODCWeightSync", "shut_down_engine"]

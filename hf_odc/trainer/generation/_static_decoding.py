@@ -44,7 +44,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from .. import _compat
+from ... import _compat
 
 _CHECK_EVERY = 16
 """Decoding steps between two checks (one host-device synchronisation) of whether every row has finished; the steps
