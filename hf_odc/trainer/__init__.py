@@ -34,14 +34,14 @@ from .core.data import (
 )
 from .distillation_config import ODCDistillationConfig
 from .distillation_trainer import ODCDistillationTrainer
-from .dpo_config import ODCDPOConfig
-from .dpo_trainer import ODCDPOTrainer
 from .grpo_config import ODCGRPOConfig
 from .grpo_trainer import ODCGRPOTrainer
-from .kto_config import ODCKTOConfig
-from .kto_trainer import ODCKTOTrainer
-from .reward_config import ODCRewardConfig
-from .reward_trainer import ODCRewardTrainer
+from .preference.dpo_config import ODCDPOConfig
+from .preference.dpo_trainer import ODCDPOTrainer
+from .preference.kto_config import ODCKTOConfig
+from .preference.kto_trainer import ODCKTOTrainer
+from .preference.reward_config import ODCRewardConfig
+from .preference.reward_trainer import ODCRewardTrainer
 from .rloo_config import ODCRLOOConfig
 from .rloo_trainer import ODCRLOOTrainer
 from .sft_config import ODCSFTConfig

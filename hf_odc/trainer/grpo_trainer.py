@@ -31,7 +31,7 @@ from . import _sampling_correction
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from .core._step import StepMetrics
 from .grpo_config import ODCGRPOConfig
-from .reference import check_peft_reference, reference_of
+from .preference.reference import check_peft_reference, reference_of
 from .rollouts import Rollouts, RolloutStep
 
 __all__ = ["ODCGRPOTrainer"]

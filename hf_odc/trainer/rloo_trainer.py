@@ -27,7 +27,7 @@ from trl.trainer.utils import nanstd
 
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from .core._step import StepMetrics
-from .reference import check_peft_reference, reference_of
+from .preference.reference import check_peft_reference, reference_of
 from .rloo_config import ODCRLOOConfig
 from .rollouts import Rollouts, RolloutStep
 

@@ -30,12 +30,12 @@ import torch
 from torch import nn
 from trl import KTOTrainer
 
-from ..accelerate_plugin import ODCRuntime
-from ..packing import Plan
-from .core._base_config import whole_model_kwargs
-from .core._base_trainer import _ODCTrainer
-from .core._step import PlannedStep, StepMetrics
-from .core.data import MinibatchDataLoader, minibatch_loader
+from ...accelerate_plugin import ODCRuntime
+from ...packing import Plan
+from ..core._base_config import whole_model_kwargs
+from ..core._base_trainer import _ODCTrainer
+from ..core._step import PlannedStep, StepMetrics
+from ..core.data import MinibatchDataLoader, minibatch_loader
 from .kto_config import ODCKTOConfig
 from .pairs import check_pair_capacity, item_sums, item_sums_into, pack_pairs, pair_documents
 from .reference import _ReferencePasses, check_peft_reference, trl_loads_a_model

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 from trl import DPOTrainer
 
-from ..accelerate_plugin import ODCRuntime
-from .core._base_config import whole_model_kwargs
-from .core._base_trainer import _ODCTrainer
-from .core._step import StepMetrics
-from .core.data import MinibatchDataLoader, check_truncation, minibatch_loader
+from ...accelerate_plugin import ODCRuntime
+from ..core._base_config import whole_model_kwargs
+from ..core._base_trainer import _ODCTrainer
+from ..core._step import StepMetrics
+from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
 from .dpo_config import ODCDPOConfig
 from .dpo_losses import TOKEN_LOSSES, PairLogps, pair_losses
 from .pairs import (

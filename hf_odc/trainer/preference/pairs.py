@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..packing import MinibatchPlanner
-from .core._step import PlannedStep, packed_row
+from ...packing import MinibatchPlanner
+from ..core._step import PlannedStep, packed_row
 
 __all__ = [
     "PAIR_COLUMNS",

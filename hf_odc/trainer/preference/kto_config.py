@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trl import KTOConfig
 
-from .core._base_config import _document_odc_fields, _ODCConfig
+from ..core._base_config import _document_odc_fields, _ODCConfig
 
 KTO_LOSSES = ("kto", "apo_zero_unpaired")
 """TRL's KTO loss types, both supported."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trl import DPOConfig
 
-from .core._base_config import _document_odc_fields, _ODCConfig
+from ..core._base_config import _document_odc_fields, _ODCConfig
 from .dpo_losses import PAIR_LOSSES, TOKEN_LOSSES, UNSUPPORTED_LOSSES
 
 

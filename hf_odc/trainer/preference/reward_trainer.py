@@ -26,10 +26,10 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from trl import RewardTrainer
 
-from .core._base_config import whole_model_kwargs
-from .core._base_trainer import _ODCTrainer
-from .core._step import StepMetrics
-from .core.data import MinibatchDataLoader, minibatch_loader
+from ..core._base_config import whole_model_kwargs
+from ..core._base_trainer import _ODCTrainer
+from ..core._step import StepMetrics
+from ..core.data import MinibatchDataLoader, minibatch_loader
 from .pairs import PairPacker, PairStep, check_pair_capacity, refuse_prompt_learning
 from .reward_config import ODCRewardConfig
 
