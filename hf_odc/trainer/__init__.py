@@ -32,18 +32,18 @@ from .core.data import (
     global_minibatch,
     minibatch_loader,
 )
-from .distillation_config import ODCDistillationConfig
-from .distillation_trainer import ODCDistillationTrainer
-from .grpo_config import ODCGRPOConfig
-from .grpo_trainer import ODCGRPOTrainer
+from .online.distillation_config import ODCDistillationConfig
+from .online.distillation_trainer import ODCDistillationTrainer
+from .online.grpo_config import ODCGRPOConfig
+from .online.grpo_trainer import ODCGRPOTrainer
+from .online.rloo_config import ODCRLOOConfig
+from .online.rloo_trainer import ODCRLOOTrainer
 from .preference.dpo_config import ODCDPOConfig
 from .preference.dpo_trainer import ODCDPOTrainer
 from .preference.kto_config import ODCKTOConfig
 from .preference.kto_trainer import ODCKTOTrainer
 from .preference.reward_config import ODCRewardConfig
 from .preference.reward_trainer import ODCRewardTrainer
-from .rloo_config import ODCRLOOConfig
-from .rloo_trainer import ODCRLOOTrainer
 from .sft_config import ODCSFTConfig
 from .sft_trainer import ODCSFTTrainer
 

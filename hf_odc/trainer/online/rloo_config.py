@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from trl import RLOOConfig
 
+from ..core._base_config import _document_odc_fields
 from ._rollout_config import _document_generation_fields, _ODCRolloutConfig
-from .core._base_config import _document_odc_fields
 
 
 @_document_odc_fields

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from trl import DistillationTrainer
 
+from ..core._step import StepMetrics
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
-from .core._step import StepMetrics
 from .distillation_config import ODCDistillationConfig
 from .rollouts import Rollouts, RolloutStep
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .core._base_config import _ODCConfig, whole_model_kwargs
-from .generation.modes import GENERATION_MODES, check_generation_mode
+from ..core._base_config import _ODCConfig, whole_model_kwargs
+from ..generation.modes import GENERATION_MODES, check_generation_mode
 
 _GENERATION_PARAMETERS = """
         > Parameters of generation on the sharded policy

@@ -27,11 +27,11 @@ from accelerate.utils import gather_object
 from torch import nn
 from trl import GRPOTrainer
 
+from ..core._step import StepMetrics
+from ..preference.reference import check_peft_reference, reference_of
 from . import _sampling_correction
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
-from .core._step import StepMetrics
 from .grpo_config import ODCGRPOConfig
-from .preference.reference import check_peft_reference, reference_of
 from .rollouts import Rollouts, RolloutStep
 
 __all__ = ["ODCGRPOTrainer"]

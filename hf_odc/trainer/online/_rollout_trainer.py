@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accelerate_plugin import ODCRuntime
-from .core._base_config import whole_model_kwargs
-from .core._base_trainer import _ODCTrainer
-from .core._quiet import without_ignored_model_init_kwargs_warning
-from .generation.modes import make_generator
+from ...accelerate_plugin import ODCRuntime
+from ..core._base_config import whole_model_kwargs
+from ..core._base_trainer import _ODCTrainer
+from ..core._quiet import without_ignored_model_init_kwargs_warning
+from ..generation.modes import make_generator
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
 # A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ..packing import MinibatchPlanner
-from .core._step import PlannedStep, packed_row
+from ...packing import MinibatchPlanner
+from ..core._step import PlannedStep, packed_row
 
 __all__ = ["RolloutStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch"]
 

@@ -25,9 +25,9 @@ from torch import nn
 from trl import RLOOTrainer
 from trl.trainer.utils import nanstd
 
+from ..core._step import StepMetrics
+from ..preference.reference import check_peft_reference, reference_of
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
-from .core._step import StepMetrics
-from .preference.reference import check_peft_reference, reference_of
 from .rloo_config import ODCRLOOConfig
 from .rollouts import Rollouts, RolloutStep
 

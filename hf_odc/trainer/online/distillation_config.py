@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from trl import DistillationConfig
 
+from ..core._base_config import _document_odc_fields, whole_model_kwargs
 from ._rollout_config import _document_generation_fields, _ODCRolloutConfig
-from .core._base_config import _document_odc_fields, whole_model_kwargs
 
 
 @_document_odc_fields
