@@ -6,7 +6,7 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
 
 * ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy
   (:meth:`_setup_generation`, after :meth:`_setup_odc`); a PEFT policy's reference is the same sharded model with its
-  adapter disabled (:func:`hf_odc.trainer.reference.reference_of`).
+  adapter disabled (:func:`hf_odc.trainer.core._reference.reference_of`).
 * ``_generate``, ``_generate_single_turn``, ``_tool_call_loop``: TRL's, in the run's generation mode, whose owner
   (:func:`hf_odc.trainer.generation.make_generator`, chosen once) is called at each: around the generation batch,
   around its turns (held through TRL's tool loop: GRPO's ``tools``, ``environment_factory``), and at the run's end.
@@ -89,7 +89,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
 
     def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
         """The deferred log-probability passes the loss needs, given TRL's scored output: ``(model, runtime, context,
-        key)`` each (``context`` the one to run ``model`` in: :func:`~hf_odc.trainer.reference.reference_of`'s for
+        key)`` each (``context`` the one to run ``model`` in: :func:`~hf_odc.trainer.core._reference.reference_of`'s for
         a reference), run on every packed microbatch of the generation batch and stored under ``key`` in its loss
         inputs."""
         raise NotImplementedError

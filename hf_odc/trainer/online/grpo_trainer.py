@@ -7,7 +7,7 @@ collectives and checkpoints every ODC trainer's: :class:`hf_odc.trainer._base_tr
 
 * ``_deferred_passes``: the old-policy pass when TRL scores one (``steps_per_generation`` above the accumulation, or
   ``num_iterations > 1``), the reference pass with ``beta > 0`` (a PEFT policy's reference: the same sharded model
-  with its adapter disabled, :func:`hf_odc.trainer.reference.reference_of`).
+  with its adapter disabled, :func:`hf_odc.trainer.core._reference.reference_of`).
 * ``_plan_step``: with ``top_entropy_quantile < 1``, each step's high-entropy token mask from a forward-only pass of
   the current policy and one gather (:meth:`_mask_low_entropy_tokens`).
 * ``_after_scoring``: vLLM's importance-sampling metrics over the whole generation batch.
@@ -27,8 +27,8 @@ from accelerate.utils import gather_object
 from torch import nn
 from trl import GRPOTrainer
 
+from ..core._reference import check_peft_reference, reference_of
 from ..core._step import StepMetrics
-from ..preference.reference import check_peft_reference, reference_of
 from . import _sampling_correction
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from .grpo_config import ODCGRPOConfig

@@ -6,7 +6,7 @@ _ODCRolloutTrainer`); what is RLOO's, hook by hook:
 
 * ``_deferred_passes``: the old policy's pass when the update can differ from the generating policy or when the KL
   penalty needs it (``beta > 0``), and then the reference's (a PEFT policy's: the same sharded model with its adapter
-  disabled, :func:`hf_odc.trainer.reference.reference_of`).
+  disabled, :func:`hf_odc.trainer.core._reference.reference_of`).
 * ``_after_scoring``: with ``beta > 0``, the KL penalty enters the rewards, so the leave-one-out advantages are
   recomputed from TRL's rewards once the packed passes have run (:func:`leave_one_out_advantages`; one all-reduce of
   the per-rollout KL sums per generation batch), and TRL's ``kl`` and ``frac_reward_zero_std`` metrics are replaced
@@ -25,8 +25,8 @@ from torch import nn
 from trl import RLOOTrainer
 from trl.trainer.utils import nanstd
 
+from ..core._reference import check_peft_reference, reference_of
 from ..core._step import StepMetrics
-from ..preference.reference import check_peft_reference, reference_of
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from .rloo_config import ODCRLOOConfig
 from .rollouts import Rollouts, RolloutStep

@@ -29,6 +29,7 @@ from trl import DPOTrainer
 from ...accelerate_plugin import ODCRuntime
 from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
+from ..core._reference import check_peft_reference
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
 from .dpo_config import ODCDPOConfig
@@ -42,7 +43,7 @@ from .pairs import (
     indistinct_pairs,
     item_sums,
 )
-from .reference import _ReferencePasses, check_peft_reference, trl_loads_a_model
+from .reference import _ReferencePasses, trl_loads_a_model
 
 __all__ = ["ODCDPOTrainer"]
 

@@ -34,11 +34,12 @@ from ...accelerate_plugin import ODCRuntime
 from ...packing import Plan
 from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
+from ..core._reference import check_peft_reference
 from ..core._step import PlannedStep, StepMetrics
 from ..core.data import MinibatchDataLoader, minibatch_loader
 from .kto_config import ODCKTOConfig
 from .pairs import check_pair_capacity, item_sums, item_sums_into, pack_pairs, pair_documents
-from .reference import _ReferencePasses, check_peft_reference, trl_loads_a_model
+from .reference import _ReferencePasses, trl_loads_a_model
 
 __all__ = ["ODCKTOTrainer"]
 

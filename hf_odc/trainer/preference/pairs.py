@@ -33,7 +33,6 @@ __all__ = [
     "item_sums_into",
     "pack_pairs",
     "pair_documents",
-    "refuse_prompt_learning",
 ]
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -75,17 +74,6 @@ def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], 
             f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
             f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
             "shorten (--max_length) the longest pairs."
-        )
-
-
-def refuse_prompt_learning(policy: Any, trainer: str) -> None:
-    """Refuse a PEFT ``policy`` with prompt learning (prefix, prompt or P-tuning): its virtual tokens belong to a row,
-    and a packed row holds several pairs."""
-    config = getattr(policy, "active_peft_config", None)
-    if config is not None and config.is_prompt_learning:
-        raise NotImplementedError(
-            f"{trainer} does not support prompt-learning PEFT (prefix, prompt or P-tuning): its virtual tokens "
-            "belong to a row, and a packed row holds several pairs. Use LoRA (or another adapter method)."
         )
 
 

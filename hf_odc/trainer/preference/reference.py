@@ -1,33 +1,20 @@
-"""The reference policy of the preference trainers (``ODCDPOTrainer``, ``ODCKTOTrainer``) and of the online trainers
-with a KL term (``ODCGRPOTrainer``, ``ODCRLOOTrainer``): which model it is, how it runs, and the PEFT setups whose
-reference the packed path cannot reproduce.
-
-TRL's trainers pick their reference alike: ``ref_model``; else, under PEFT, the policy with its adapter disabled;
-else a copy of the policy loaded by name, or, with ``precompute_ref_log_probs``, the policy itself before training.
+"""The reference of the preference trainers (``ODCDPOTrainer``, ``ODCKTOTrainer``): how it runs
+(:class:`_ReferencePasses`, the family's base), and whether TRL loads a copy of the policy for it
+(:func:`trl_loads_a_model`). Which model it is, and the PEFT setups refused, are every trainer's:
+:mod:`hf_odc.trainer.core._reference`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import datasets
 from accelerate.utils import DistributedType, gather_object, is_peft_model
-from torch import nn
 
-from .pairs import item_sums_into, refuse_prompt_learning
+from ..core._reference import reference_of
+from .pairs import item_sums_into
 
-__all__ = ["check_peft_reference", "reference_of", "trl_loads_a_model"]
-
-
-def reference_of(trainer: Any) -> tuple[nn.Module, Any, contextlib.AbstractContextManager]:
-    """``trainer``'s reference model, its ODC runtime, and the context to run it in: ``trainer.ref_model`` (sharded,
-    with its runtime ``trainer._ref_odc``); else the policy with its PEFT adapter disabled; else (precomputing, before
-    training) the policy itself."""
-    if trainer.ref_model is not None:
-        return trainer.ref_model, trainer._ref_odc, contextlib.nullcontext()
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    return trainer.model, trainer.odc, policy.disable_adapter() if is_peft_model(policy) else contextlib.nullcontext()
+__all__ = ["trl_loads_a_model"]
 
 
 def trl_loads_a_model(model: Any, ref_model: Any, peft_config: Any, args: Any) -> bool:
@@ -38,21 +25,6 @@ def trl_loads_a_model(model: Any, ref_model: Any, peft_config: Any, args: Any) -
     if ref_model is not None or peft_config is not None or is_peft_model(model):
         return False
     return not args.precompute_ref_log_probs or args.distributed_state.distributed_type == DistributedType.FSDP
-
-
-def check_peft_reference(policy: nn.Module, trainer: str, alternative: str = ", or a ref_model") -> None:
-    """Refuse the PEFT setups whose reference the packed path cannot reproduce (``trainer`` names the trainer;
-    ``alternative`` ends the message for the re-trained adapter, empty for a trainer that takes no ``ref_model``)."""
-    if not is_peft_model(policy):
-        return
-    if "ref" in policy.peft_config:
-        raise NotImplementedError(
-            f"{trainer} got a PEFT model with an adapter to re-train: TRL would keep a copy of the adapter as "
-            "the reference and switch adapters between passes, which changes the trainable parameters ODC laid out. "
-            f"Pass the base model with peft_config (the reference is then the base model, adapter disabled)"
-            f"{alternative}."
-        )
-    refuse_prompt_learning(policy, trainer)
 
 
 class _ReferencePasses:

@@ -28,9 +28,10 @@ from trl import RewardTrainer
 
 from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
+from ..core._reference import refuse_prompt_learning
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, minibatch_loader
-from .pairs import PairPacker, PairStep, check_pair_capacity, refuse_prompt_learning
+from .pairs import PairPacker, PairStep, check_pair_capacity
 from .reward_config import ODCRewardConfig
 
 __all__ = ["ODCRewardTrainer"]
