@@ -404,7 +404,7 @@ def _plumbing(path: str) -> bool:
 
 
 def _short(path: str) -> str:
-    """A path from its package on: ``torch/distributed/distributed_c10d.py``, ``hf_odc/trainer/_base.py``."""
+    """A path from its package on: ``torch/distributed/distributed_c10d.py``, ``hf_odc/trainer/core/_step.py``."""
     for marker in (f"site-packages{os.sep}", f"{os.sep}hf_odc{os.sep}"):
         if marker in path:
             tail = path.rsplit(marker, 1)[1]

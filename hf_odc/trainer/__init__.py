@@ -3,11 +3,11 @@
 :class:`ODCDistillationConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`, :class:`ODCRewardTrainer` /
 :class:`ODCRewardConfig` and :class:`ODCKTOTrainer` / :class:`ODCKTOConfig`.
 
-The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling,
-KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the
-other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`, with what activation
-checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
+The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.core.data` (SFT),
+:mod:`hf_odc.trainer.online.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.preference.pairs` (DPO, reward
+modelling, KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on
+import) and the other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.core.attention`, with
+what activation checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
 """
 
 from .._compat import check_classes

@@ -1,12 +1,12 @@
 """``ODCSFTTrainer``: TRL's ``SFTTrainer`` with On-Demand Communication and minibatch-level load balancing.
 
 What is SFT-specific, hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints
-are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``get_train_dataloader``: one item per accumulation step, ``per_device_train_batch_size x world_size`` samples, the
-  same on every rank (:mod:`hf_odc.trainer.data`); an optimizer step's items form its global minibatch.
+  same on every rank (:mod:`hf_odc.trainer.core.data`); an optimizer step's items form its global minibatch.
 * ``_plan_step``: that minibatch planned (every rank the same plan, with the step's cost model) and this rank's share
-  packed padding-free (:class:`~hf_odc.trainer.data.PlannedMinibatchCollator`).
+  packed padding-free (:class:`~hf_odc.trainer.core.data.PlannedMinibatchCollator`).
 * ``_microbatch_loss``: the *sum* of the microbatch's token losses divided by ``N``, with ``N`` the target
   tokens of the whole global minibatch, counted locally by every rank (every rank holds every sample's labels), so no
   collective is needed and the update equals single-device training on the minibatch's mean token loss; entropy and
@@ -47,7 +47,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
 
     Not supported (refused at construction): a custom `data_collator` for training (the planner packs),
     `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global minibatch needs random access), and
-    attention implementations that would attend across packed samples (see `hf_odc.trainer.attention`).
+    attention implementations that would attend across packed samples (see `hf_odc.trainer.core.attention`).
 
     Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
     `ODCSFTConfig`).

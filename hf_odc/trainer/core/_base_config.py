@@ -77,7 +77,7 @@ _ODC_PARAMETERS = """
             Plan with `calibration_file` as it is, without refitting. Needs `calibration_file`.
         packed_attention (`bool`, *optional*, defaults to `True`):
             Switch a model whose attention implementation is `"sdpa"` or `"eager"` (transformers' default) to
-            hf_odc's `"odc_packed"` (`hf_odc.trainer.attention`): each packed sample is attended on its own, so a
+            hf_odc's `"odc_packed"` (`hf_odc.trainer.core.attention`): each packed sample is attended on its own, so a
             microbatch costs the sum of its samples instead of the square of its length, with no `T x T` mask.
             `False` keeps the model's implementation (with a warning for `sdpa`/`eager` on a GPU). Flash and flex
             attention are always kept.
@@ -85,9 +85,9 @@ _ODC_PARAMETERS = """
             What activation checkpointing (`gradient_checkpointing`) does with the attention. `"save"`: each layer
             keeps its attention operators' outputs and softmax statistics (one `tokens x heads x head_dim` tensor per
             layer) and recomputes the rest, so the backward does not run the attention forward again (selective
-            activation checkpointing: `hf_odc.trainer.attention.save_attention_checkpoint_kwargs`); the same gradients.
-            It needs non-reentrant checkpointing and replaces `gradient_checkpointing_kwargs`' `context_fn`, so a
-            `use_reentrant=True` or a `context_fn` of your own there is refused with it. `"recompute"`: the stock
+            activation checkpointing: `hf_odc.trainer.core.attention.save_attention_checkpoint_kwargs`); the same
+            gradients. It needs non-reentrant checkpointing and replaces `gradient_checkpointing_kwargs`' `context_fn`,
+            so a `use_reentrant=True` or a `context_fn` of your own there is refused with it. `"recompute"`: the stock
             behaviour, every operator recomputed: slower, without those tensors, for a run whose peak memory
             matters more than its speed. No effect without activation checkpointing.
         fused_kernels (`bool`, *optional*, defaults to `True`):

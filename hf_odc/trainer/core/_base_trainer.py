@@ -45,7 +45,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     """
 
     _weighs_moe_aux_loss = True
-    """Whether the router's load-balancing loss (:mod:`hf_odc.trainer._moe`) is checked against TRL's for this
+    """Whether the router's load-balancing loss (:mod:`hf_odc.trainer.core._moe`) is checked against TRL's for this
     trainer; ``False`` refuses a MoE model with the loss on, at construction."""
 
     _config_class: ClassVar[type]
@@ -154,8 +154,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
             install_fused_kernels(model)
 
     def _moe_load_balancing(self) -> ExpertLoad | None:
-        """The router's load-balancing loss over each step's global minibatch (:mod:`hf_odc.trainer._moe`), when TRL
-        enabled it for this model (a MoE model with ``router_aux_loss_coef != 0``); ``None`` otherwise. Refused by a
+        """The router's load-balancing loss over each step's global minibatch (:mod:`hf_odc.trainer.core._moe`), when
+        TRL enabled it for this model (a MoE model with ``router_aux_loss_coef != 0``); ``None`` otherwise. Refused by a
         trainer whose parity with TRL's loss has not been checked (:attr:`_weighs_moe_aux_loss`)."""
         if not getattr(self, "aux_loss_enabled", False):
             return None
@@ -276,7 +276,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     def _count_expert_load(self, model: nn.Module, step: PlannedStep, expert_load: ExpertLoad) -> None:
         """The router's assignments over the whole minibatch, which the load-balancing loss of every microbatch needs
-        before the first backward (:mod:`hf_odc.trainer._moe`): this rank's microbatches in a forward-only ODC
+        before the first backward (:mod:`hf_odc.trainer.core._moe`): this rank's microbatches in a forward-only ODC
         minibatch, then one all-reduce of the counts. Logs TRL's ``aux_loss``, the minibatch's, and ``expert_load_s``,
         the forward-only minibatch (device-timed)."""
         totals = torch.zeros(2 * expert_load.num_experts + 1, dtype=torch.float64, device=self.args.device)
@@ -357,7 +357,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
         """``Trainer.add_callback``, with transformers' console printers (which the Trainer adds this way) replaced by
-        ones that summarise the per-rank values (:mod:`hf_odc.trainer._console`); the ``report_to`` loggers and
+        ones that summarise the per-rank values (:mod:`hf_odc.trainer.core._console`); the ``report_to`` loggers and
         ``trainer_state.json`` still get every value."""
         if isinstance(callback, type):
             callback = CONSOLE_CALLBACKS.get(callback, callback)

@@ -1,6 +1,6 @@
 """The checkpoint hooks of every ODC trainer (:class:`_CheckpointHooks`): sharded saves and loads in the one DCP
-format of :mod:`hf_odc.trainer._checkpoint_format`, which resumes on any number of processes, and the completion marker
-written once every rank's part is on disk.
+format of :mod:`hf_odc.trainer.core._checkpoint_format`, which resumes on any number of processes, and the completion
+marker written once every rank's part is on disk.
 
 The hooks are ``Trainer``'s own (``_save_checkpoint``, ``save_model``, ``_save_optimizer_and_scheduler``,
 ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``train`` for the choice of checkpoint), so a trainer
@@ -33,7 +33,7 @@ class _CheckpointHooks:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``, resuming from complete checkpoints only. ``True`` takes the newest complete
-        ``checkpoint-N`` of ``output_dir`` (:func:`~hf_odc.trainer._checkpoint_format.last_complete_checkpoint`, in
+        ``checkpoint-N`` of ``output_dir`` (:func:`~hf_odc.trainer.core._checkpoint_format.last_complete_checkpoint`, in
         place of transformers' ``get_last_checkpoint``, which takes the newest however incomplete); a checkpoint that is
         incomplete, or lacks the optimizer or scheduler state, is refused before anything is loaded (the string
         ``"true"`` of a command line counts as ``True`` unless such a directory exists)."""

@@ -1,7 +1,7 @@
 """What one optimizer step of any ODC trainer is made of: the :class:`PlannedStep` a trainer's plan hook returns, and
 the :class:`StepMetrics` its loss hook accumulates into.
 
-Both exist once, for every trainer, so that the shared loop (:meth:`hf_odc.trainer._base_trainer._ODCTrainer.
+Both exist once, for every trainer, so that the shared loop (:meth:`hf_odc.trainer.core._base_trainer._ODCTrainer.
 training_step`) can run, time, gather and log any trainer's step without knowing what its samples are.
 """
 

@@ -1,5 +1,5 @@
-"""hf_odc's own decoding loop for :class:`~hf_odc.trainer.decoders.StaticDecoder`'s copy, where it decodes what
-transformers' ``generate`` would.
+"""hf_odc's own decoding loop for :class:`~hf_odc.trainer.generation.decoders.StaticDecoder`'s copy, where it decodes
+what transformers' ``generate`` would.
 
 Why: transformers' ``generate`` runs Python per token (its logits processors, stopping criteria and a check of
 ``unfinished_sequences.max() == 0`` that makes the host wait for the device every token), so the host's time and the
@@ -11,8 +11,8 @@ The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULT
 (one graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
 (``torch.compile``, one static graph per width, made by the eager warm-up steps before the recording), so the graph
 replays fused kernels rather than the eager forward's many small ones; a copy whose forward holds collectives
-(:class:`~hf_odc.trainer.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU the same
-step runs eagerly.
+(:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU
+the same step runs eagerly.
 
 It decodes only what it decodes exactly as ``generate`` does (:func:`decoding_plan`): greedy or multinomial sampling
 with any of a repetition penalty, temperature, top-k, top-p and min-p as transformers' processors define them, and
@@ -63,9 +63,9 @@ decoding steps, not thrown away)."""
 
 _ATTENTIONS = ("eager", "sdpa", "odc_decoding")
 """The attentions whose decoding step the loop masks itself: transformers' eager attention (an additive mask of the
-cache's full width), its SDPA (a boolean one) and :func:`~hf_odc.trainer.decoders.grouped_decoding_attention`,
-registered as ``decoders.DECODING_ATTENTION`` (a boolean mask, which may be narrower than the cache: the attention
-then reads the cache only that far)."""
+cache's full width), its SDPA (a boolean one) and
+:func:`~hf_odc.trainer.generation.decoders.grouped_decoding_attention`, registered as ``decoders.DECODING_ATTENTION`` (a
+boolean mask, which may be narrower than the cache: the attention then reads the cache only that far)."""
 
 _PROCESSOR_ORDER = (
     RepetitionPenaltyLogitsProcessor,
@@ -249,8 +249,8 @@ def sample(probs: torch.Tensor) -> torch.Tensor:
 
 class Loop:
     """The decoding loop for one kept cache (one batch size and cache length): its buffers, and on a GPU the CUDA
-    graphs of its step, live as long as the cache (:class:`~hf_odc.trainer.decoders.StaticDecoder` makes a new one
-    with a new cache).
+    graphs of its step, live as long as the cache (:class:`~hf_odc.trainer.generation.decoders.StaticDecoder` makes a
+    new one with a new cache).
 
     Args:
         model: the static copy.

@@ -1,8 +1,8 @@
 """The decoding copies of the ``"static"`` and ``"tensor-parallel"`` generation modes (described in
-:mod:`hf_odc.trainer.generation`, whose owners make and call them): a plain copy of the policy in the compute dtype
-(:class:`StaticDecoder`), or each rank's 1/N slice of one (:class:`TensorParallelDecoder`), kept for the whole run with
-a static KV cache beside it and refreshed in place once per generation batch, so that the graphs recorded for the first
-batch serve every later one; and the attention they decode with (:func:`grouped_decoding_attention`).
+:mod:`hf_odc.trainer.generation.modes`, whose owners make and call them): a plain copy of the policy in the compute
+dtype (:class:`StaticDecoder`), or each rank's 1/N slice of one (:class:`TensorParallelDecoder`), kept for the whole run
+with a static KV cache beside it and refreshed in place once per generation batch, so that the graphs recorded for the
+first batch serve every later one; and the attention they decode with (:func:`grouped_decoding_attention`).
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class _DecodingCopy:
 
     def refresh(self) -> None:
         """Copy the policy's current weights into :attr:`model`, in place (making it on the first call). The weights
-        are assembled as for a vLLM sync (:func:`~hf_odc.trainer.full_weights.full_named_weights`: one FSDP group at a
-        time, one-sided with ODC): every rank of the shard group calls this together, once per generation batch."""
+        are assembled as for a vLLM sync (:func:`~hf_odc.trainer.generation.full_weights.full_named_weights`: one FSDP
+        group at a time, one-sided with ODC): every rank of the shard group calls this together, once per generation
+        batch."""
         if self._model is None:
             self._model = self._make_copy()
         parameters = dict(self._model.named_parameters(remove_duplicate=False))  # tied ones under every name
@@ -168,9 +169,9 @@ class StaticDecoder(_DecodingCopy):
         atexit.register(_close_if_alive, weakref.ref(self))
 
     def _generate(self, *args: Any, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
-        """The copy's ``generate``: with ``loop``, hf_odc's decoding loop (:mod:`hf_odc.trainer._static_decoding`)
-        where it decodes what transformers' ``generate`` would, else transformers', with the kept static cache and
-        compilation allowed."""
+        """The copy's ``generate``: with ``loop``, hf_odc's decoding loop
+        (:mod:`hf_odc.trainer.generation._static_decoding`) where it decodes what transformers' ``generate`` would, else
+        transformers', with the kept static cache and compilation allowed."""
         model = self.model
         config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
         kwargs = config.update(**kwargs)  # generation options given as arguments, as generate() takes them
@@ -195,7 +196,7 @@ class StaticDecoder(_DecodingCopy):
 
     def close(self) -> None:
         """Release the decoding loop's CUDA graphs and the cache (at the run's end, before the process groups are
-        destroyed: see :meth:`~hf_odc.trainer._static_decoding.Loop.release`); a later call decodes anew."""
+        destroyed: see :meth:`~hf_odc.trainer.generation._static_decoding.Loop.release`); a later call decodes anew."""
         if self._loop is not None:
             self._loop.release()
         self._loop, self._cache, self._cache_shape = None, None, (0, 0)
@@ -378,8 +379,8 @@ def grouped_decoding_attention(
     writes and reads the whole cache several times over. The result is the same: a one-token query's mask is the
     same for every head.
 
-    A mask narrower than the keys (hf_odc's decoding loop, :mod:`hf_odc.trainer._static_decoding`) covers the cache's
-    first slots, all that is filled: the keys and values beyond it are not read."""
+    A mask narrower than the keys (hf_odc's decoding loop, :mod:`hf_odc.trainer.generation._static_decoding`) covers the
+    cache's first slots, all that is filled: the keys and values beyond it are not read."""
     if attention_mask is not None and attention_mask.shape[-1] < key.shape[-2]:
         key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     groups = getattr(module, "num_key_value_groups", 1)

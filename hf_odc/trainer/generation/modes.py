@@ -8,11 +8,11 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
 
 * ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
   kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group
-  at a time, one-sided: :mod:`hf_odc.trainer.full_weights`), decodes with a static KV cache kept beside it, by
-  transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by
-  hf_odc's own loop (:mod:`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
-  host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid once
-  per run, as the copy's weights and the cache's tensors never move. The loop is faster per step but compiles one
+  at a time, one-sided: :mod:`hf_odc.trainer.generation.full_weights`), decodes with a static KV cache kept beside it,
+  by transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by
+  hf_odc's own loop (:mod:`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph,
+  with no host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid
+  once per run, as the copy's weights and the cache's tensors never move. The loop is faster per step but compiles one
   forward per cache width, so it is not this mode's default. Costs the full weights in the compute dtype for the
   whole run, plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
@@ -39,8 +39,8 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
 * ``"lockstep"`` (:class:`Generator`): TRL's own path, kept as the baseline the others are measured against.
 * ``"vllm"`` (:class:`VLLMGenerator`, ``use_vllm=True``): TRL's vLLM generation, ``vllm_mode="colocate"`` (an engine
   on each rank) or ``"server"`` (rank 0 sends TRL's requests to a vLLM server), with hf_odc's weight sync
-  (:mod:`hf_odc.trainer.vllm_sync`: the full weights assembled one-sidedly, no collective) and a colocated engine shut
-  down at the run's end, before the process groups go.
+  (:mod:`hf_odc.trainer.generation.vllm_sync`: the full weights assembled one-sidedly, no collective) and a colocated
+  engine shut down at the run's end, before the process groups go.
 
 With tools, the transformers modes hold their decoding context (the assembled weights, the ODC minibatch) from a
 generation batch's first turn through TRL's tool loop, so that each rank decodes as many turns as its own completions

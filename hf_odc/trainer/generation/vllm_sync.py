@@ -3,9 +3,9 @@
 
 TRL's sync reads an FSDP2 policy with ``full_tensor()``: one all-gather per parameter, on every rank. Here the full
 weights are assembled one FSDP group at a time by one-sided reads of the peers' shards, with no collective
-(:class:`~hf_odc.trainer.full_weights.FullWeights`: checkpoint names, LoRA merged on the assembled tensors, leaving the
-sharded model untouched, where TRL merges them in the model and unmerges after), when TRL syncs (once per generation
-batch: the step changed), outside any training minibatch:
+(:class:`~hf_odc.trainer.generation.full_weights.FullWeights`: checkpoint names, LoRA merged on the assembled tensors,
+leaving the sharded model untouched, where TRL merges them in the model and unmerges after), when TRL syncs (once per
+generation batch: the step changed), outside any training minibatch:
 
 * ``vllm_mode="colocate"``: every rank assembles the weights and loads them into its own engine, in place. Where the
   engine's model runner reloads from an iterator (vLLM's ``reload_weights``, reached through ``LLM.collective_rpc``),

@@ -19,7 +19,7 @@ _GENERATION_PARAMETERS = """
             (each rank of the shard group holds a slice of a kept copy and they decode their prompts together, the
             activations all-reduced; Llama/Mistral/Qwen2/Qwen3 dense models whose heads and intermediate size the
             group's size divides, no tools) or `"lockstep"` (TRL's path, the baseline); the modes, their costs and
-            vLLM's (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation`. `None`:
+            vLLM's (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation.modes`. `None`:
             on a GPU, by measured decoding speed, `"static"` when the copy takes at most a quarter of the device's
             free memory, else `"tensor-parallel"` when its 1/N slice does (a model it slices, no tools), else
             `"gathered"` when the copy takes at most half, else `"lockstep"` (`"sharded"` with tools under ODC,
@@ -28,9 +28,9 @@ _GENERATION_PARAMETERS = """
             ranks' decoding times.
         odc_decoding_loop (`bool`, *optional*):
             With `odc_generation="static"` or `"tensor-parallel"`: decode with hf_odc's own loop
-            (`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, the host asking for
-            the end every 16 steps instead of every token) wherever it decodes what transformers' `generate` would
-            (greedy or sampling with temperature, top-k, top-p, min-p and repetition penalty; anything else still
+            (`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph, the host
+            asking for the end every 16 steps instead of every token) wherever it decodes what transformers' `generate`
+            would (greedy or sampling with temperature, top-k, top-p, min-p and repetition penalty; anything else still
             goes to `generate`), or not (`False`). `None`: the loop for `"tensor-parallel"` (whose forward, holding
             collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
             `generate` for `"static"` (the loop is faster per step there, but compiles a graph per cache width
@@ -55,10 +55,10 @@ class _ODCRolloutConfig(_ODCConfig):
     odc_generation: str | None = field(
         default=None,
         metadata={
-            "help": "How each rank decodes its prompts (hf_odc.trainer.generation): 'static', 'gathered', 'sharded', "
-            "'tensor-parallel' or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of the free "
-            "device memory, tensor-parallel when its slice does, gathered when the copy fits in half, else lockstep "
-            "(sharded with tools under ODC); on a CPU gathered.",
+            "help": "How each rank decodes its prompts (hf_odc.trainer.generation.modes): 'static', 'gathered', "
+            "'sharded', 'tensor-parallel' or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of "
+            "the free device memory, tensor-parallel when its slice does, gathered when the copy fits in half, else "
+            "lockstep (sharded with tools under ODC); on a CPU gathered.",
             "choices": list(GENERATION_MODES),
         },
     )

@@ -2,20 +2,20 @@
 scoring with the rollouts re-planned across ranks, the old/reference passes deferred and packed.
 
 Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints are every ODC trainer's:
-:class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+:class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy
   (:meth:`_setup_generation`, after :meth:`_setup_odc`); a PEFT policy's reference is the same sharded model with its
   adapter disabled (:func:`hf_odc.trainer.core._reference.reference_of`).
 * ``_generate``, ``_generate_single_turn``, ``_tool_call_loop``: TRL's, in the run's generation mode, whose owner
-  (:func:`hf_odc.trainer.generation.make_generator`, chosen once) is called at each: around the generation batch,
+  (:func:`hf_odc.trainer.generation.modes.make_generator`, chosen once) is called at each: around the generation batch,
   around its turns (held through TRL's tool loop: GRPO's ``tools``, ``environment_factory``), and at the run's end.
   ``_generate`` records each completion's true length, tool results included (TRL pads them).
 * ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
   passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
 * ``_plan_step``: once per ``steps_per_generation * num_iterations`` calls of ``training_step``, TRL generates and
-  scores; then every rank gathers the rollouts, cuts and plans the minibatches (:mod:`hf_odc.trainer.rollouts`), and
-  runs the deferred passes the trainer asks for (:meth:`_deferred_passes`) on its own packed microbatches inside
+  scores; then every rank gathers the rollouts, cuts and plans the minibatches (:mod:`hf_odc.trainer.online.rollouts`),
+  and runs the deferred passes the trainer asks for (:meth:`_deferred_passes`) on its own packed microbatches inside
   forward-only minibatches, then the trainer's :meth:`_after_scoring`. Each optimizer step then takes its planned
   minibatch. Evaluation is TRL's.
 
@@ -108,7 +108,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
     # -- rollouts -----------------------------------------------------------------------------------------------------
 
     def _generate(self, prompts: list) -> tuple:
-        """TRL's, inside the generation mode's :meth:`~hf_odc.trainer.generation.Generator.generation_batch`,
+        """TRL's, inside the generation mode's :meth:`~hf_odc.trainer.generation.modes.Generator.generation_batch`,
         recording each completion's true length (TRL pads them to the longest)."""
         with self._generator.generation_batch():
             result = super()._generate(prompts)
@@ -155,10 +155,10 @@ class _ODCRolloutTrainer(_ODCTrainer):
             self._deferring_scores = False
 
     def _plan_step(self, window: list[Any]) -> RolloutStep:
-        """This optimizer step's :class:`~hf_odc.trainer.rollouts.RolloutStep`: generating, scoring and planning a new
-        generation batch when TRL would (every ``steps_per_generation * num_iterations`` calls of ``training_step``),
-        then taking its next minibatch. ``window`` holds each accumulation call's prompts (TRL repeats the generation
-        batch's prompts for each call)."""
+        """This optimizer step's :class:`~hf_odc.trainer.online.rollouts.RolloutStep`: generating, scoring and planning
+        a new generation batch when TRL would (every ``steps_per_generation * num_iterations`` calls of
+        ``training_step``), then taking its next minibatch. ``window`` holds each accumulation call's prompts (TRL
+        repeats the generation batch's prompts for each call)."""
         first, self._step = self._step, self._step + len(window)  # TRL counts calls of training_step
         per_generation = self._steps_per_generation()
         if first % (per_generation * self._iterations_per_generation()) == 0 or self._buffered_inputs is None:

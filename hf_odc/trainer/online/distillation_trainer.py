@@ -1,7 +1,7 @@
 """``ODCDistillationTrainer``: TRL's (on-policy) ``DistillationTrainer`` whose student updates are packed, balanced
 across ranks and free of per-microbatch collectives.
 
-Generation and the completions' plan are GRPO's (:class:`hf_odc.trainer._rollout_trainer._ODCRolloutTrainer`: the
+Generation and the completions' plan are GRPO's (:class:`hf_odc.trainer.online._rollout_trainer._ODCRolloutTrainer`: the
 student decodes in hf_odc's generation modes, every rank gathers the step's completions once and plans them as one
 ODC minibatch); what is distillation's, hook by hook:
 

@@ -58,7 +58,7 @@ class ODCGRPOConfig(_ODCRolloutConfig, GRPOConfig):
     With `use_vllm=True`, TRL's vLLM generation runs (`vllm_mode="colocate"`: an engine on each rank, within
     `vllm_gpu_memory_utilization` of its device, sleep mode honoured; `"server"`: a vLLM server started as TRL
     documents, sent TRL's requests by rank 0), with hf_odc's weight sync (the `"vllm"` mode of
-    `hf_odc.trainer.generation`). TRL's importance-sampling correction of vLLM's rollouts
+    `hf_odc.trainer.generation.modes`). TRL's importance-sampling correction of vLLM's rollouts
     (`vllm_importance_sampling_*`) is applied on the packed microbatches, and its `sampling/*` metrics cover the whole
     generation batch, as one process holding it logs them.
 

@@ -2,8 +2,8 @@
 per-microbatch collectives.
 
 What is GRPO-specific, hook by hook (generation, deferred scoring and the rollouts' plan are every online trainer's:
-:class:`hf_odc.trainer._rollout_trainer._ODCRolloutTrainer`; the step loop, sharding, ODC, the timings, bounded
-collectives and checkpoints every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+:class:`hf_odc.trainer.online._rollout_trainer._ODCRolloutTrainer`; the step loop, sharding, ODC, the timings, bounded
+collectives and checkpoints every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``_deferred_passes``: the old-policy pass when TRL scores one (``steps_per_generation`` above the accumulation, or
   ``num_iterations > 1``), the reference pass with ``beta > 0`` (a PEFT policy's reference: the same sharded model
@@ -120,7 +120,7 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
 
     def _sampling_ratio(self, inputs: dict[str, Any]) -> torch.Tensor | None:
         """TRL's importance-sampling ratio of vLLM's rollouts for one packed microbatch's loss inputs, or ``None``
-        when the correction is off (:mod:`hf_odc.trainer._sampling_correction`)."""
+        when the correction is off (:mod:`hf_odc.trainer.online._sampling_correction`)."""
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return None
         return _sampling_correction.importance_sampling_ratio(

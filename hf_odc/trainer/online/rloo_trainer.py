@@ -1,7 +1,7 @@
 """``ODCRLOOTrainer``: TRL's ``RLOOTrainer`` whose policy updates are packed, balanced across ranks and free of
 per-microbatch collectives.
 
-Generation, deferred scoring and the rollouts' plan are GRPO's (:class:`hf_odc.trainer._rollout_trainer.
+Generation, deferred scoring and the rollouts' plan are GRPO's (:class:`hf_odc.trainer.online._rollout_trainer.
 _ODCRolloutTrainer`); what is RLOO's, hook by hook:
 
 * ``_deferred_passes``: the old policy's pass when the update can differ from the generating policy or when the KL

@@ -1,19 +1,19 @@
 """``ODCDPOTrainer``: TRL's ``DPOTrainer`` with preference pairs balanced across ranks and packed, on ODC.
 
 What is DPO-specific, hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints
-are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``__init__``: TRL's (tokenization, the reference model); then the reference model (frozen) is sharded with ODC of
   its own, and with ``precompute_ref_log_probs`` the reference log-probabilities are computed here, on the sharded
   models (TRL's own pass is skipped: ``_precompute_ref_logps``).
 * ``get_train_dataloader``: one item per accumulation call, ``per_device_train_batch_size x world_size`` pairs, the
-  same on every rank (:func:`hf_odc.trainer.data.minibatch_loader`).
-* ``_plan_step``: the step's pairs planned whole and packed (:class:`~hf_odc.trainer.pairs.PairPacker`); unless
-  precomputed, the reference model's log-probabilities of this rank's pairs, in one forward-only ODC minibatch on
+  same on every rank (:func:`hf_odc.trainer.core.data.minibatch_loader`).
+* ``_plan_step``: the step's pairs planned whole and packed (:class:`~hf_odc.trainer.preference.pairs.PairPacker`);
+  unless precomputed, the reference model's log-probabilities of this rank's pairs, in one forward-only ODC minibatch on
   the same packed rows (the reference model, or the policy with its adapter disabled under PEFT).
 * ``_microbatch_loss``: each pair's completion log-probabilities summed per document, TRL's per-pair losses
-  (:mod:`hf_odc.trainer.dpo_losses`) summed and divided by the minibatch's pairs (``sft``: by its chosen tokens);
-  TRL's metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
+  (:mod:`hf_odc.trainer.preference.dpo_losses`) summed and divided by the minibatch's pairs (``sft``: by its chosen
+  tokens); TRL's metrics accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
     def _check_truncation(self, dataset: datasets.Dataset, given: int) -> None:
         """Refuse pairs that truncation to ``max_length`` left with nothing to prefer, all of them; warn once where it
         left most so: of the ``given`` pairs, TRL drops those that lost a whole reply, and a kept one may keep the
-        same tokens in both sequences (:func:`~hf_odc.trainer.pairs.indistinct_pairs`)."""
+        same tokens in both sequences (:func:`~hf_odc.trainer.preference.pairs.indistinct_pairs`)."""
         args = self.args
         dropped, same = given - len(dataset), indistinct_pairs(dataset, args.max_length, args.truncation_mode)
         check_truncation(

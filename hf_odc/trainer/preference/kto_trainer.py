@@ -1,19 +1,19 @@
 """``ODCKTOTrainer``: TRL's ``KTOTrainer`` with unpaired preference examples balanced across ranks and packed, on ODC.
 
 What is KTO-specific, hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints
-are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``__init__``: TRL's (tokenization, the reference model); then the reference model (frozen) is sharded with ODC of
   its own, each example's mismatched completion is chosen within its accumulation call's global batch (as TRL chooses
   it on one process holding that batch), and with ``precompute_ref_log_probs`` the reference log-probabilities are
-  computed here, on the sharded models (:class:`~hf_odc.trainer.reference._ReferencePasses`).
+  computed here, on the sharded models (:class:`~hf_odc.trainer.preference.reference._ReferencePasses`).
 * ``get_train_dataloader``: one item per accumulation call, ``per_device_train_batch_size x world_size`` examples,
-  the same on every rank (:func:`hf_odc.trainer.data.minibatch_loader`).
+  the same on every rank (:func:`hf_odc.trainer.core.data.minibatch_loader`).
 * ``_plan_step``: the step's examples planned whole, each with its mismatched sequence (one item of their summed
   length); unless precomputed, the reference's log-probabilities of both sequences in one forward-only ODC minibatch;
   with the KL estimate, the policy's of the mismatched sequences in another, whose sums per accumulation call are
   gathered once from every rank (the step's one gather of its own); then the training rows: the examples' own
-  sequences, packed (:func:`~hf_odc.trainer.pairs.pack_pairs`, one document per example).
+  sequences, packed (:func:`~hf_odc.trainer.preference.pairs.pack_pairs`, one document per example).
 * ``_microbatch_loss``: each example's completion log-probabilities summed, TRL's per-example loss against the
   reference's and its call's KL estimate, weighted, summed and divided by the minibatch's examples; TRL's metrics
   accumulated as :class:`~hf_odc.trainer.StepMetrics` means.
@@ -139,7 +139,7 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
         max_tokens = self.args.max_tokens_for_pairs(max(lengths))
         return documents, lengths, self._planner.plan(lengths, max_tokens), max_tokens
 
-    # -- the reference (hf_odc.trainer.reference._ReferencePasses) --------------------------------------------------
+    # -- the reference (hf_odc.trainer.preference.reference._ReferencePasses) ---------------------------------------
 
     def _reference_columns(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if self.args.calculate_kl:

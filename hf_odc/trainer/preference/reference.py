@@ -44,8 +44,8 @@ class _ReferencePasses:
         raise NotImplementedError
 
     def _reference_microbatches(self, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        """``examples`` planned and packed for the reference (:func:`~hf_odc.trainer.pairs.pack_pairs` rows): this
-        rank's microbatches and, for each, its items' indices in ``examples``."""
+        """``examples`` planned and packed for the reference (:func:`~hf_odc.trainer.preference.pairs.pack_pairs` rows):
+        this rank's microbatches and, for each, its items' indices in ``examples``."""
         raise NotImplementedError
 
     def _score_reference(self, microbatches: list[dict[str, Any]]) -> float:

@@ -17,8 +17,8 @@ class ODCRewardConfig(_ODCConfig, RewardConfig):
 
     Each optimizer step takes `per_device_train_batch_size * gradient_accumulation_steps * world_size` preference
     pairs (the *global minibatch*, the same on every rank: TRL's batch size) and plans it with `hf_odc.packing`, a
-    pair being one item that weighs its two sequences' summed length (`hf_odc.trainer.pairs`, as for DPO): a pair's
-    chosen and rejected sequences (TRL's `chosen_ids` and `rejected_ids`, pairs with a sequence longer than
+    pair being one item that weighs its two sequences' summed length (`hf_odc.trainer.preference.pairs`, as for DPO): a
+    pair's chosen and rejected sequences (TRL's `chosen_ids` and `rejected_ids`, pairs with a sequence longer than
     `max_length` filtered out as TRL filters them) stay on one rank, as two documents of one padding-free packed row. A
     microbatch holds `max_tokens_per_microbatch` tokens, or `packing_ratio` times the longest pair (`2 * max_length`;
     the minibatch's longest pair when `max_length` is `None`). A sequence's reward is the score head's output at its

@@ -1,13 +1,14 @@
 """``ODCRewardTrainer``: TRL's ``RewardTrainer`` with preference pairs balanced across ranks and packed, on ODC.
 
 What is specific to reward modelling, hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
-checkpoints are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+checkpoints are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``get_train_dataloader``: one item per accumulation call, ``per_device_train_batch_size x world_size`` pairs, the
-  same on every rank (:func:`hf_odc.trainer.data.minibatch_loader`).
-* ``_plan_step``: the step's pairs planned whole and packed as DPO's are (:class:`~hf_odc.trainer.pairs.PairPacker`,
-  the whole sequences as completions of an empty prompt), with each document's scored position: its last token that
-  is not the padding token, the position the model's own pooling reads in TRL's right-padded batch.
+  same on every rank (:func:`hf_odc.trainer.core.data.minibatch_loader`).
+* ``_plan_step``: the step's pairs planned whole and packed as DPO's are
+  (:class:`~hf_odc.trainer.preference.pairs.PairPacker`, the whole sequences as completions of an empty prompt), with
+  each document's scored position: its last token that is not the padding token, the position the model's own pooling
+  reads in TRL's right-padded batch.
 * ``_microbatch_loss``: the score head's output at every position of the packed row (the model's output while it runs:
   its own pooling keeps one position per row), each document's at its scored position; TRL's pairwise loss (with
   ``margin`` and ``center_rewards_coefficient``) summed over the pairs and divided by the minibatch's pairs; TRL's
