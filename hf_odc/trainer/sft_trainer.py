@@ -15,7 +15,6 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar
 
 import datasets
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 from trl import SFTTrainer
 
-from .core._base_trainer import _ODCTrainer
+from .core._dataset_trainer import _ODCDatasetTrainer
 from .core._step import PlannedStep, StepMetrics
 from .core.data import (
     MinibatchDataLoader,
@@ -37,7 +36,7 @@ from .sft_config import ODCSFTConfig
 __all__ = ["ODCSFTTrainer"]
 
 
-class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
+class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
     """
     Trainer for supervised fine-tuning with On-Demand Communication (ODC) and minibatch-level load balancing.
 
@@ -147,12 +146,3 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     def _model_inputs(self, microbatch: dict[str, Any]) -> dict[str, Any]:
         """A packed SFT microbatch is the model's inputs itself."""
         return microbatch
-
-    def _microbatch_context(self) -> contextlib.AbstractContextManager:
-        """SFTTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""
-        return self.maybe_activation_offload_context
-
-    def _end_step(self, step: PlannedStep, metrics: dict[str, float]) -> None:
-        """SFTTrainer's ``num_tokens``: the tokens trained on so far."""
-        self._total_train_tokens += step.num_tokens
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]

@@ -18,7 +18,6 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar
 
 import datasets
@@ -28,7 +27,7 @@ from trl import DPOTrainer
 
 from ...accelerate_plugin import ODCRuntime
 from ..core._base_config import whole_model_kwargs
-from ..core._base_trainer import _ODCTrainer
+from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import check_peft_reference
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
@@ -53,7 +52,7 @@ _PAIR_MEANS = (
 _TOKEN_MEANS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 
 
-class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
+class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
     """
     Trainer for Direct Preference Optimization with On-Demand Communication (ODC) and minibatch-level load
     balancing of preference pairs.
@@ -196,12 +195,3 @@ class ODCDPOTrainer(_ODCTrainer, _ReferencePasses, DPOTrainer):
             metrics.add_mean("logits/rejected", (outputs.mean_logits[0] * rejected_mask).sum(), rejected_mask.sum())
             metrics.add_mean("mean_token_accuracy", (outputs.is_top1[0] & chosen_mask).sum(), chosen_mask.sum())
         return loss
-
-    def _microbatch_context(self) -> contextlib.AbstractContextManager:
-        """DPOTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""
-        return self.maybe_activation_offload_context
-
-    def _end_step(self, step: PairStep, metrics: dict[str, float]) -> None:
-        """DPOTrainer's ``num_tokens``: the tokens (both sequences of every pair) trained on so far."""
-        self._total_train_tokens += step.num_tokens
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]

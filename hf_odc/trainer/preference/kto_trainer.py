@@ -21,7 +21,6 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,7 +32,7 @@ from trl import KTOTrainer
 from ...accelerate_plugin import ODCRuntime
 from ...packing import Plan
 from ..core._base_config import whole_model_kwargs
-from ..core._base_trainer import _ODCTrainer
+from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import check_peft_reference
 from ..core._step import PlannedStep, StepMetrics
 from ..core.data import MinibatchDataLoader, minibatch_loader
@@ -64,7 +63,7 @@ class KTOStep(PlannedStep):
     labels_seen: tuple[bool, bool] = (False, False)
 
 
-class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
+class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
     """
     Trainer for Kahneman-Tversky Optimization (KTO) with On-Demand Communication (ODC) and minibatch-level load
     balancing of unpaired preference examples.
@@ -252,15 +251,10 @@ class ODCKTOTrainer(_ODCTrainer, _ReferencePasses, KTOTrainer):
             metrics.add_mean("logits/rejected", (outputs.mean_logits[0] * rejected).sum(), rejected.sum())
         return loss
 
-    def _microbatch_context(self) -> contextlib.AbstractContextManager:
-        """KTOTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""
-        return self.maybe_activation_offload_context
-
     def _end_step(self, step: KTOStep, metrics: dict[str, float]) -> None:
-        """KTOTrainer's ``num_tokens`` (the examples' own sequences trained on so far) and ``rewards/margins`` (when
-        the minibatch holds both labels)."""
-        self._total_train_tokens += step.num_tokens
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        """KTOTrainer's ``num_tokens`` (:class:`_ODCDatasetTrainer`'s) and ``rewards/margins`` (when the minibatch holds
+        both labels)."""
+        super()._end_step(step, metrics)
         if all(step.labels_seen):
             self._metrics["train"]["rewards/margins"].append(metrics["rewards/chosen"] - metrics["rewards/rejected"])
 

@@ -28,7 +28,7 @@ from torch import nn
 from trl import RewardTrainer
 
 from ..core._base_config import whole_model_kwargs
-from ..core._base_trainer import _ODCTrainer
+from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import refuse_prompt_learning
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, minibatch_loader
@@ -40,7 +40,7 @@ __all__ = ["ODCRewardTrainer"]
 _SEQUENCE_COLUMNS = ("chosen_ids", "rejected_ids")
 
 
-class ODCRewardTrainer(_ODCTrainer, RewardTrainer):
+class ODCRewardTrainer(_ODCDatasetTrainer, RewardTrainer):
     """
     Trainer for (pairwise) reward modelling with On-Demand Communication (ODC) and minibatch-level load balancing of
     preference pairs.
@@ -138,15 +138,6 @@ class ODCRewardTrainer(_ODCTrainer, RewardTrainer):
             metrics.add_extreme("min_reward", rewards)
             metrics.add_extreme("max_reward", rewards)
         return loss / step.num_samples
-
-    def _microbatch_context(self) -> contextlib.AbstractContextManager:
-        """RewardTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""
-        return self.maybe_activation_offload_context
-
-    def _end_step(self, step: PairStep, metrics: dict[str, float]) -> None:
-        """RewardTrainer's ``num_tokens``: the tokens (both sequences of every pair) trained on so far."""
-        self._total_train_tokens += step.num_tokens
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
 
 def _last_positions(inputs: dict[str, Any], pad_token_id: int | None) -> torch.Tensor:
