@@ -1,5 +1,5 @@
-"""A trainer's frozen reference: which model it is (:func:`reference_of`), and the PEFT setups whose reference the
-packed path cannot reproduce (:func:`check_peft_reference`).
+"""A trainer's frozen reference: sharded once (:func:`shard_reference`), which model it is (:func:`reference_of`), and
+the PEFT setups whose reference the packed path cannot reproduce (:func:`check_peft_reference`).
 
 The preference trainers (``ODCDPOTrainer``, ``ODCKTOTrainer``) and the online trainers with a KL term
 (``ODCGRPOTrainer``, ``ODCRLOOTrainer``) pick their reference as TRL's do: ``ref_model``; else, under PEFT, the policy
@@ -15,7 +15,15 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from torch import nn
 
-__all__ = ["check_peft_reference", "reference_of", "refuse_prompt_learning"]
+__all__ = ["check_peft_reference", "reference_of", "refuse_prompt_learning", "shard_reference"]
+
+
+def shard_reference(trainer: Any) -> None:
+    """Shard ``trainer.ref_model``, if it has one, frozen, with ODC of its own (``trainer._ref_odc``, else ``None``:
+    :meth:`~hf_odc.trainer.core._base_trainer._ODCTrainer._shard_frozen`), after the policy's ``_setup_odc``."""
+    trainer._ref_odc = None
+    if getattr(trainer, "ref_model", None) is not None:
+        trainer.ref_model, trainer._ref_odc = trainer._shard_frozen(trainer.ref_model)
 
 
 def reference_of(trainer: Any) -> tuple[nn.Module, Any, contextlib.AbstractContextManager]:

@@ -37,6 +37,7 @@ from ...accelerate_plugin import ODCRuntime
 from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
 from ..core._quiet import without_ignored_model_init_kwargs_warning
+from ..core._reference import shard_reference
 from ..generation.modes import make_generator
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
@@ -71,9 +72,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
     def _setup_generation(self) -> None:
         """After :meth:`_setup_odc`: the reference model (if any) sharded, then the generation mode's owner (the
         default mode is chosen by the device memory left; vLLM's weight sync is installed)."""
-        self._ref_odc = None
-        if getattr(self, "ref_model", None) is not None:
-            self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
+        shard_reference(self)
         self._generator = make_generator(self)
         self._generation_index = 0
 

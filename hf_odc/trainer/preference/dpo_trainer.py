@@ -25,10 +25,9 @@ import torch
 from torch import nn
 from trl import DPOTrainer
 
-from ...accelerate_plugin import ODCRuntime
 from ..core._base_config import whole_model_kwargs
 from ..core._dataset_trainer import _ODCDatasetTrainer
-from ..core._reference import check_peft_reference
+from ..core._reference import check_peft_reference, shard_reference
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
 from .dpo_config import ODCDPOConfig
@@ -89,9 +88,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCDPOTrainer")
         step_metrics = StepMetrics(args.device, means=_PAIR_MEANS + _TOKEN_MEANS)
         self._setup_odc(step_metrics)
-        self._ref_odc: ODCRuntime | None = None
-        if self.ref_model is not None:
-            self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
+        shard_reference(self)
         self._packer = PairPacker(
             rank=self.accelerator.process_index,
             planner=self._planner,

@@ -29,11 +29,10 @@ import torch
 from torch import nn
 from trl import KTOTrainer
 
-from ...accelerate_plugin import ODCRuntime
 from ...packing import Plan
 from ..core._base_config import whole_model_kwargs
 from ..core._dataset_trainer import _ODCDatasetTrainer
-from ..core._reference import check_peft_reference
+from ..core._reference import check_peft_reference, shard_reference
 from ..core._step import PlannedStep, StepMetrics
 from ..core.data import MinibatchDataLoader, minibatch_loader
 from .kto_config import ODCKTOConfig
@@ -100,9 +99,7 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCKTOTrainer")
         self._setup_odc(StepMetrics(args.device, means=_MEANS))
-        self._ref_odc: ODCRuntime | None = None
-        if self.ref_model is not None:
-            self.ref_model, self._ref_odc = self._shard_frozen(self.ref_model)
+        shard_reference(self)
         if args.calculate_kl:
             batch = args.per_device_train_batch_size * self.accelerator.num_processes
             self.train_dataset = _with_mismatched_completions(self.train_dataset, batch)
