@@ -10,12 +10,43 @@ changes nothing in the process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._env import env, parse_bool, parse_shard_size, timeout_seconds
 from ..kernels import TRANSPORTS
 from ..liveness import DEFAULT_TIMEOUT_S
 
-__all__ = ["ODCPlugin"]
+__all__ = ["ODCPlugin", "odc_field"]
+
+_FIELDS = {
+    "enabled": {
+        "help": "Run each rank's microbatches with On-Demand Communication (ranks meet once per minibatch). False "
+        "runs plain FSDP2 (the baseline). Unset: HF_ODC_ENABLED, default true."
+    },
+    "timeout": {
+        "help": f"Seconds a rank waits for another (minibatch barriers, every collective around them) before naming "
+        f"it in an error. Unset: HF_ODC_TIMEOUT, default {DEFAULT_TIMEOUT_S:g}."
+    },
+    "reshard_after_forward": {
+        "help": "FSDP2's reshard_after_forward for the layers hf_odc shards. Unset: HF_ODC_RESHARD_AFTER_FORWARD, "
+        "then the Accelerate FSDP config, then true."
+    },
+    "transport": {
+        "help": "ODC's transport by name. Unset: HF_ODC_TRANSPORT, else the one for the model's device.",
+        "choices": list(TRANSPORTS),
+    },
+    "shard_size": {
+        "help": "Ranks per shard group, replicated across groups (one all-reduce per minibatch). Unset: "
+        "HF_ODC_SHARD_SIZE, else a host's ranks."
+    },
+}
+
+
+def odc_field(setting: str) -> Any:
+    """The dataclass field of ODC's ``setting`` (a field of :class:`ODCPlugin`), unset by default, with its help and
+    choices: declared once, for the plugin and for the trainers' configs (``odc_timeout`` is ``odc_field("timeout")``),
+    which build their plugin from it."""
+    return field(default=None, metadata=_FIELDS[setting])
 
 
 @dataclass
@@ -41,27 +72,11 @@ class ODCPlugin:
             host. ``None`` reads ``HF_ODC_SHARD_SIZE``, else a host's ranks (every rank when the job runs on one host).
     """
 
-    enabled: bool | None = field(default=None, metadata={"help": "Run with ODC (env HF_ODC_ENABLED, default true)."})
-    timeout: float | None = field(
-        default=None,
-        metadata={"help": f"Minibatch barrier timeout in seconds (env HF_ODC_TIMEOUT, default {DEFAULT_TIMEOUT_S:g})."},
-    )
-    reshard_after_forward: bool | None = field(
-        default=None,
-        metadata={"help": "FSDP2 reshard_after_forward (env HF_ODC_RESHARD_AFTER_FORWARD, then the FSDP config)."},
-    )
-    transport: str | None = field(
-        default=None,
-        metadata={
-            "help": "ODC's transport (env HF_ODC_TRANSPORT, default: the device's).",
-            "choices": list(TRANSPORTS),
-        },
-    )
-
-    shard_size: int | None = field(
-        default=None,
-        metadata={"help": "Ranks per shard group, replicated across groups (env HF_ODC_SHARD_SIZE; default a host's)."},
-    )
+    enabled: bool | None = odc_field("enabled")
+    timeout: float | None = odc_field("timeout")
+    reshard_after_forward: bool | None = odc_field("reshard_after_forward")
+    transport: str | None = odc_field("transport")
+    shard_size: int | None = odc_field("shard_size")
 
     def __post_init__(self) -> None:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"

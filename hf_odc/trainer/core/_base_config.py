@@ -16,8 +16,8 @@ import torch
 from ... import packing
 from ..._env import parse_bool
 from ...accelerate_plugin import ODCPlugin
-from ...kernels import TRANSPORTS
-from ...liveness import DEFAULT_TIMEOUT_S, heartbeat
+from ...accelerate_plugin.plugin import odc_field
+from ...liveness import heartbeat
 from ...packing import COSTS, PLANNERS
 from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
 
@@ -167,34 +167,10 @@ class _ODCConfig:
     :class:`~hf_odc.trainer.ODCSFTConfig`), and :meth:`__post_init__` validates them before TRL's own checks.
     """
 
-    odc: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Run each rank's microbatches with On-Demand Communication (ranks meet once per minibatch). False "
-            "runs plain FSDP2 (the baseline). Unset: HF_ODC_ENABLED, default true."
-        },
-    )
-    odc_timeout: float | None = field(
-        default=None,
-        metadata={
-            "help": f"Seconds a rank waits for another (minibatch barriers, every collective of a step) before naming "
-            f"it in an error. Unset: HF_ODC_TIMEOUT, default {DEFAULT_TIMEOUT_S:g}."
-        },
-    )
-    odc_transport: str | None = field(
-        default=None,
-        metadata={
-            "help": "ODC's transport by name. Unset: HF_ODC_TRANSPORT, else the one for the model's device.",
-            "choices": list(TRANSPORTS),
-        },
-    )
-    odc_shard_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Ranks per shard group, replicated across groups (one all-reduce per minibatch). Unset: "
-            "HF_ODC_SHARD_SIZE, else a host's ranks."
-        },
-    )
+    odc: bool | None = odc_field("enabled")
+    odc_timeout: float | None = odc_field("timeout")
+    odc_transport: str | None = odc_field("transport")
+    odc_shard_size: int | None = odc_field("shard_size")
     balance: str | None = field(
         default=None,
         metadata={
