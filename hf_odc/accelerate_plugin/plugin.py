@@ -3,8 +3,10 @@
 Why a plugin object and not an Accelerate config key: Accelerate's yaml rejects unknown top-level keys, silently drops
 unknown ``fsdp_config`` keys, and has no hook after ``prepare``. So ODC's settings live in this dataclass (each field
 falls back to an ``HF_ODC_*`` environment variable, the way Accelerate's own plugins read ``FSDP_*``; see
-:mod:`hf_odc._env`), and what is done with them lives in :class:`~hf_odc.accelerate_plugin.ODCRuntime`: building one
-changes nothing in the process.
+:mod:`hf_odc._env`), and what is done with them lives in :class:`~hf_odc.accelerate_plugin.ODCRuntime`. Building one
+sets one thing in the process, its ODC timeout (:func:`hf_odc.liveness.heartbeat.set_timeout`): a trainer's config
+builds its plugin before TrainingArguments creates the process group, the first place the command line's timeout is
+known, so that it bounds a rank's silence during startup too.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._env import env, parse_bool, parse_shard_size, timeout_seconds
+from .._env import env, parse_bool, parse_shard_size
 from ..kernels import TRANSPORTS
-from ..liveness import DEFAULT_TIMEOUT_S
+from ..liveness import DEFAULT_TIMEOUT_S, heartbeat
 
 __all__ = ["ODCPlugin", "odc_field"]
 
@@ -59,7 +61,8 @@ class ODCPlugin:
             fair baseline. ``None`` reads ``HF_ODC_ENABLED`` (default ``True``).
         timeout (`float`, *optional*):
             Seconds a minibatch barrier waits for a live peer before raising ``hf_odc.PeerFailureError`` (a dead
-            peer is reported at once). ``None`` reads ``HF_ODC_TIMEOUT``, else ``hf_odc.liveness.DEFAULT_TIMEOUT_S``.
+            peer is reported at once), and the process's ODC timeout from now on. ``None`` reads ``HF_ODC_TIMEOUT``,
+            else ``hf_odc.liveness.DEFAULT_TIMEOUT_S``.
         reshard_after_forward (`bool`, *optional*):
             FSDP2's option for the layers hf_odc shards. ``None`` reads ``HF_ODC_RESHARD_AFTER_FORWARD``, then the
             Accelerate FSDP config (``fsdp_reshard_after_forward``), then ``True``.
@@ -81,7 +84,7 @@ class ODCPlugin:
     def __post_init__(self) -> None:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"
         self.enabled = parse_bool(enabled, "ODCPlugin.enabled / HF_ODC_ENABLED")
-        self.timeout = timeout_seconds(self.timeout, DEFAULT_TIMEOUT_S)
+        self.timeout = heartbeat.set_timeout(self.timeout)
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = env("RESHARD_AFTER_FORWARD")

@@ -17,7 +17,6 @@ from ... import packing
 from ..._env import parse_bool
 from ...accelerate_plugin import ODCPlugin
 from ...accelerate_plugin.plugin import odc_field
-from ...liveness import heartbeat
 from ...packing import COSTS, PLANNERS
 from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
 
@@ -233,14 +232,12 @@ class _ODCConfig:
             self.use_cpu = True
             if self.bf16 is None:
                 self.bf16 = False
-        # The settings resolved (HF_ODC_* fallbacks) and validated once, by the plugin; the fields show the result.
+        # The settings resolved (HF_ODC_* fallbacks) and validated once, by the plugin, which also makes the timeout
+        # the process's before TrainingArguments' __post_init__ creates the process group; the fields show the result.
         plugin = self._odc_plugin = ODCPlugin(
             enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport, shard_size=self.odc_shard_size
         )
         self.odc, self.odc_timeout, self.odc_transport = plugin.enabled, plugin.timeout, plugin.transport
-        # The process group is created below (TrainingArguments' __post_init__): from then on, through startup, a rank
-        # silent for longer than the timeout is named. This is the first place the command line's timeout is known.
-        heartbeat.set_timeout(plugin.timeout)
         self.odc_shard_size = plugin.shard_size
         if self.balance is None:
             self.balance = "lb-mini" if self.odc else "lb-micro"
