@@ -15,15 +15,19 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from torch import nn
 
+from ...accelerate_plugin import ODCRuntime
+
 __all__ = ["check_peft_reference", "reference_of", "refuse_prompt_learning", "shard_reference"]
 
 
-def shard_reference(trainer: Any) -> None:
-    """Shard ``trainer.ref_model``, if it has one, frozen, with ODC of its own (``trainer._ref_odc``, else ``None``:
-    :meth:`~hf_odc.trainer.core._base_trainer._ODCTrainer._shard_frozen`), after the policy's ``_setup_odc``."""
-    trainer._ref_odc = None
-    if getattr(trainer, "ref_model", None) is not None:
-        trainer.ref_model, trainer._ref_odc = trainer._shard_frozen(trainer.ref_model)
+def shard_reference(trainer: Any) -> ODCRuntime | None:
+    """Shard ``trainer.ref_model``, if it has one, frozen, with ODC of its own
+    (:meth:`~hf_odc.trainer.core._base_trainer._ODCTrainer._shard_frozen`), after the policy's ``_setup_odc``; returns
+    its runtime (``None`` without one), which the trainer keeps as ``_ref_odc`` for :func:`reference_of`."""
+    if getattr(trainer, "ref_model", None) is None:
+        return None
+    trainer.ref_model, runtime = trainer._shard_frozen(trainer.ref_model)
+    return runtime
 
 
 def reference_of(trainer: Any) -> tuple[nn.Module, Any, contextlib.AbstractContextManager]:

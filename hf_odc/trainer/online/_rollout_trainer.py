@@ -72,7 +72,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
     def _setup_generation(self) -> None:
         """After :meth:`_setup_odc`: the reference model (if any) sharded, then the generation mode's owner (the
         default mode is chosen by the device memory left; vLLM's weight sync is installed)."""
-        shard_reference(self)
+        self._ref_odc = shard_reference(self)
         self._generator = make_generator(self)
         self._generation_index = 0
 

@@ -88,7 +88,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCDPOTrainer")
         step_metrics = StepMetrics(args.device, means=_PAIR_MEANS + _TOKEN_MEANS)
         self._setup_odc(step_metrics)
-        shard_reference(self)
+        self._ref_odc = shard_reference(self)
         self._packer = PairPacker(
             rank=self.accelerator.process_index,
             planner=self._planner,

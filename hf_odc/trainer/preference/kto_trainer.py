@@ -99,7 +99,7 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCKTOTrainer")
         self._setup_odc(StepMetrics(args.device, means=_MEANS))
-        shard_reference(self)
+        self._ref_odc = shard_reference(self)
         if args.calculate_kl:
             batch = args.per_device_train_batch_size * self.accelerator.num_processes
             self.train_dataset = _with_mismatched_completions(self.train_dataset, batch)
