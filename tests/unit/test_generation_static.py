@@ -4,7 +4,7 @@ static KV cache for every generation batch it fits. hf_odc's decoding loop (``_s
 what transformers' ``generate`` decodes (greedy and sampled, token for token), reads only the filled part of the cache
 with the grouped decoding attention, and leaves what it does not decode exactly so to ``generate``. Each mode gets its
 owner (``make_generator``), whose turns are held until released. Across sharded ranks, inside the trainer:
-tests/parity/test_grpo_generation.py.
+tests/parity/test_generation_modes.py.
 """
 
 from __future__ import annotations

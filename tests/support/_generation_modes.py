@@ -1,6 +1,6 @@
 """ODCGRPOTrainer's generation modes, traced: one optimizer step per mode, greedy decoding of real prompts.
 
-``accelerate launch ... tests/support/_grpo_generation.py MODEL_DIR OUT MODE...`` (a mode of ``odc_generation``, or
+``accelerate launch ... tests/support/_generation_modes.py MODEL_DIR OUT MODE...`` (a mode of ``odc_generation``, or
 ``<mode>-fsdp2`` for the plain FSDP2 baseline) records, per mode and rank, the completions TRL's generation returned,
 the all-gathers (:data:`GATHERS`), the all-reduces and the policy's forwards (of the decoding copy in ``"static"`` and
 ``"tensor-parallel"``) while decoding, and saves every rank's record on rank 0. With a decoding copy it also records

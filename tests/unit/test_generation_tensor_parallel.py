@@ -2,7 +2,7 @@
 processes the sliced copy of the ODC-sharded policy computes the whole policy's logits (fp32 tolerance), decodes each
 rank's prompts greedily as the whole policy does, and samples on every rank the tokens the whole policy samples for the
 group's batch from rank 0's seed; with one process it is the whole copy. Refused, naming the modes to use, for models it
-cannot slice over the shard group, with tools, and with vLLM. Inside the trainer: tests/parity/test_grpo_generation.py.
+cannot slice over the shard group, with tools, and with vLLM. Inside the trainer: tests/parity/test_generation_modes.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ FSDP_GROUPS = 3  # two decoder layers and the root
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("grpo_generation")
+    directory = tmp_path_factory.mktemp("generation_modes")
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = tiny_qwen2_config(
@@ -36,7 +36,7 @@ def traces(tmp_path_factory):
     )
     Qwen2ForCausalLM(config).save_pretrained(directory / "model")
     out = directory / "traces.pt"
-    run_checked("_grpo_generation.py", str(directory / "model"), str(out), *MODES, processes=2,
+    run_checked("_generation_modes.py", str(directory / "model"), str(out), *MODES, processes=2,
                 env={"TRL_EXPERIMENTAL_SILENCE": "1"})  # fmt: skip
     return torch.load(out)
 
