@@ -39,7 +39,7 @@ from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
-from hf_odc.demo import MODEL_CONFIGS
+from hf_odc.demo.models import MODEL_CONFIGS
 from hf_odc.packing import sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
 from hf_odc.trainer.generation.decoders import StaticDecoder, TensorParallelDecoder, shard_group

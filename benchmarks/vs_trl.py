@@ -254,7 +254,7 @@ class RecordedGeneration:
         self.calls: list[tuple[float, float, list[int]]] = []
 
     def lengths(self, prompts: torch.Tensor, mask: torch.Tensor) -> list[int]:
-        from hf_odc.demo import longtail_lengths
+        from hf_odc.demo.data import longtail_lengths
 
         lengths = []
         for ids, keep in zip(prompts.tolist(), mask.bool().tolist(), strict=True):

@@ -1,5 +1,5 @@
 """The policy's full weights assembled from its shards, under its checkpoint's names: what the ``"static"`` generation
-mode copies into its decoding copy and what a vLLM sync hands the engine (``hf_odc.trainer.generators``).
+mode copies into its decoding copy and what a vLLM sync hands the engine (``hf_odc.trainer.generation.modes``).
 
 The weights come one FSDP group at a time (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.full_parameters`: with ODC,
 one-sided reads of the peers' shards, no collective), each group valid until the next one's first tensor. Names are

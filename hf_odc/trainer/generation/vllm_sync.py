@@ -1,4 +1,4 @@
-"""The policy's weights into vLLM, for the ``"vllm"`` generation mode (``hf_odc.trainer.generators``): TRL's
+"""The policy's weights into vLLM, for the ``"vllm"`` generation mode (``hf_odc.trainer.generation.modes``): TRL's
 ``VLLMGeneration`` generates, only its weight sync is hf_odc's, and a colocated engine is shut down at the run's end.
 
 TRL's sync reads an FSDP2 policy with ``full_tensor()``: one all-gather per parameter, on every rank. Here the full
