@@ -1,5 +1,5 @@
-"""GRPO rollout generation on a sharded policy: each of ``hf_odc.trainer.generation``'s modes, per rank, with a table
-and JSON.
+"""GRPO rollout generation on a sharded policy: each of ``hf_odc.trainer.generation.modes``'s modes, per rank, with a
+table and JSON.
 
 Every rank decodes its own prompts greedily with transformers' ``generate`` on the FSDP2-sharded policy (ODC
 installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep),
@@ -39,11 +39,11 @@ from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
-from hf_odc.demo import MODEL_CONFIGS
+from hf_odc.demo.models import MODEL_CONFIGS
 from hf_odc.packing import sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
-from hf_odc.trainer.decoders import StaticDecoder, TensorParallelDecoder, shard_group
-from hf_odc.trainer.generation import GENERATION_MODES, decoding
+from hf_odc.trainer.generation.decoders import StaticDecoder, TensorParallelDecoder, shard_group
+from hf_odc.trainer.generation.modes import GENERATION_MODES, decoding
 
 EOS = 2
 

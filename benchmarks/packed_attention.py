@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import hf_odc.kernels.attention as kernels
 from hf_odc.kernels.attention import attention_pieces, packed_causal_attention, varlen_available
 from hf_odc.packing import sample_lengths
-from hf_odc.trainer.attention import PACKED_ATTENTION, register_packed_attention
+from hf_odc.trainer.core.attention import PACKED_ATTENTION, register_packed_attention
 
 LAYER_ROWS = "40960+16384+8192,4x16384,8x8192,32x2048"
 MODEL_ROWS = "1x16384,4x4096,8x2048,16x1024,32x512,64x256,128x128,grpo,longtail-r1,longtail-r2"

@@ -285,7 +285,7 @@ class PhaseClock:
     @contextlib.contextmanager
     def warm_up_timed(self):
         """While the trainer is built: time its attention-plan warm-up (``warm_attention_plans``) as ``warm_up``."""
-        from hf_odc.trainer import _base_trainer
+        from hf_odc.trainer.core import _base_trainer
 
         warm = _base_trainer.warm_attention_plans
         _base_trainer.warm_attention_plans = self._timed("warm_up", warm)
@@ -359,7 +359,7 @@ class RecordedGeneration:
         self.calls: list[tuple[float, float, list[int]]] = []
 
     def lengths(self, prompts: torch.Tensor, mask: torch.Tensor) -> list[int]:
-        from hf_odc.demo import longtail_lengths
+        from hf_odc.demo.data import longtail_lengths
 
         lengths = []
         for ids, keep in zip(prompts.tolist(), mask.bool().tolist(), strict=True):

@@ -61,7 +61,7 @@ def main() -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        attn_implementation=PACKED_ATTENTION,  # each packed sample attended on its own (hf_odc.trainer.attention)
+        attn_implementation=PACKED_ATTENTION,  # each packed sample attended on its own (hf_odc.trainer.core.attention)
     )
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -56,7 +56,7 @@ from hf_odc.demo import (
     train_and_save,
 )
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
-from hf_odc.trainer.data import require_sft_columns
+from hf_odc.trainer.core.data import require_sft_columns
 
 
 @dataclass

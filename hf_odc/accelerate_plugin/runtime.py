@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable, held_unsharded
-from ..liveness import bounded, heartbeat
+from ..liveness import bounded
 from .plugin import ODCPlugin
 from .sharding import remap_optimizer, shard_model
 
@@ -49,8 +49,7 @@ class ODCRuntime:
     """
 
     def __init__(self, plugin: ODCPlugin | None = None, accelerator: Any = None):
-        self.plugin = plugin if plugin is not None else ODCPlugin()
-        heartbeat.set_timeout(self.plugin.timeout)  # from now on, a rank silent that long is named
+        self.plugin = plugin if plugin is not None else ODCPlugin()  # its timeout is the process's from now on
         self.accelerator = accelerator
         self._odc: ODC | None = None
         self._runner: ODC | CollectiveMinibatch | None = None
@@ -73,7 +72,7 @@ class ODCRuntime:
         meeting points. Either way every process group of the job gets the plugin's timeout (gloo's default is 30
         minutes, and transformers passes none to a CPU group), so that no collective blocks for longer."""
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
-            self._odc = enable(model, timeout=self.plugin.timeout, transport=self.plugin.transport)
+            self._odc = enable(model, transport=self.plugin.transport)  # on the timeout the plugin set
         bounded.bound_process_groups(self.plugin.timeout)
         if self._runner is None:
             self._runner = self._odc or CollectiveMinibatch(next(model.parameters()).device)

@@ -5,30 +5,21 @@ pairs), GRPO's rule-based rewards and synthetic rollouts, the tool-calling demo'
 scripts' command-line conventions. Nothing downloads.
 
 Nothing else in hf_odc imports this package: it is for trying ODC out, writing a script of one's own in the examples'
-style, and testing; a real run brings its own model, tokenizer and data.
+style, and testing; a real run brings its own model, tokenizer and data. This face holds what the examples, the
+notebooks and the tests import; the rest stays in its module.
 """
 
-from .data import (
-    chat_dataset,
-    longtail_lengths,
-    preference_dataset,
-    prompt_dataset,
-    synthetic_dataset,
-    unpaired_dataset,
-)
-from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks, require_columns
-from .models import MODEL_CONFIGS, build_model, save_initial_model
+from .data import chat_dataset, preference_dataset, prompt_dataset, synthetic_dataset, unpaired_dataset
+from .inputs import quiet_datasets_on_other_ranks, require_columns
+from .models import build_model, save_initial_model
 from .rewards import echo_reward, length_reward
 from .rollouts import SyntheticRollouts
 from .script import (
-    CHECKPOINT_FLAGS,
-    DemoScriptArguments,
     ExampleParser,
     GlobalBatchParser,
     GlobalBatchScriptArguments,
     PromptScriptArguments,
     built_in_prompts,
-    fail,
     initial_reference,
     load_script_dataset,
     make_trainer,
@@ -36,46 +27,26 @@ from .script import (
     save_policy_for_reference,
     train_and_save,
 )
-from .tokenizer import CHAT_TEMPLATE, NUM_WORDS, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
-from .tools import (
-    TOOL_CHAT_TEMPLATE,
-    LookupScript,
-    ScriptedToolCalls,
-    build_tool_tokenizer,
-    lookup,
-    scripted_generation,
-    tool_use_reward,
-)
+from .tokenizer import build_tokenizer, load_tokenizer
+from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
 
 __all__ = [
-    "CHAT_TEMPLATE",
-    "CHECKPOINT_FLAGS",
-    "MODEL_CONFIGS",
-    "NUM_WORDS",
-    "SPECIAL_TOKENS",
-    "TOOL_CHAT_TEMPLATE",
-    "DemoScriptArguments",
     "ExampleParser",
     "GlobalBatchParser",
     "GlobalBatchScriptArguments",
     "LookupScript",
     "PromptScriptArguments",
-    "ScriptedToolCalls",
     "SyntheticRollouts",
     "build_model",
     "build_tokenizer",
     "build_tool_tokenizer",
     "built_in_prompts",
     "chat_dataset",
-    "check_model",
     "echo_reward",
-    "fail",
     "initial_reference",
     "length_reward",
-    "load_dataset_input",
     "load_script_dataset",
     "load_tokenizer",
-    "longtail_lengths",
     "lookup",
     "make_trainer",
     "policy_model_config",

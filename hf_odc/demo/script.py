@@ -1,5 +1,5 @@
 """What the example scripts share around their trainer: the script arguments of the built-in model and data
-(:class:`DemoScriptArguments` and its subclasses), TRL's parser with the demos' command-line conventions
+(:class:`_DemoScriptArguments` and its subclasses), TRL's parser with the demos' command-line conventions
 (:class:`ExampleParser`, which also checks the inputs the flags name, and :class:`GlobalBatchParser` for a global
 minibatch that does not depend on the number of processes), the training data (:func:`load_script_dataset`,
 :func:`built_in_prompts`), the reference model of the initial policy (:func:`initial_reference`,
@@ -21,14 +21,14 @@ from datasets import Dataset
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from ..packing import DISTRIBUTIONS
-from ..trainer import _checkpoint_format
+from ..trainer.core import _checkpoint_format
 from .data import prompt_dataset
 from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
 from .models import MODEL_CONFIGS, build_model, save_initial_model
 
 
 @dataclass
-class DemoScriptArguments(ScriptArguments):
+class _DemoScriptArguments(ScriptArguments):
     """TRL's script arguments, plus the built-in model and the shape of the built-in data that every example takes.
 
     Args:
@@ -58,8 +58,8 @@ class DemoScriptArguments(ScriptArguments):
 
 
 @dataclass
-class GlobalBatchScriptArguments(DemoScriptArguments):
-    """:class:`DemoScriptArguments`, plus the global minibatch of :class:`GlobalBatchParser`.
+class GlobalBatchScriptArguments(_DemoScriptArguments):
+    """:class:`_DemoScriptArguments`, plus the global minibatch of :class:`GlobalBatchParser`.
 
     Args:
         global_batch_size (`int`, *optional*, defaults to `16`):
@@ -78,8 +78,8 @@ class GlobalBatchScriptArguments(DemoScriptArguments):
 
 
 @dataclass
-class PromptScriptArguments(DemoScriptArguments):
-    """:class:`DemoScriptArguments`, plus the size of the built-in prompt set of the scripts that generate.
+class PromptScriptArguments(_DemoScriptArguments):
+    """:class:`_DemoScriptArguments`, plus the size of the built-in prompt set of the scripts that generate.
 
     Args:
         num_prompts (`int`, *optional*, defaults to `256`):
@@ -91,7 +91,7 @@ class PromptScriptArguments(DemoScriptArguments):
 
 def load_script_dataset(script_args: ScriptArguments) -> Dataset:
     """``--dataset_name``'s ``--dataset_train_split``: a directory saved with ``save_to_disk``, a data file, or a
-    dataset ``load_dataset`` finds (:func:`~hf_odc.demo.load_dataset_input`, checked as the command line was
+    dataset ``load_dataset`` finds (:func:`~hf_odc.demo.inputs.load_dataset_input`, checked as the command line was
     parsed)."""
     return load_dataset_input(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
 
@@ -109,7 +109,7 @@ def built_in_prompts(script_args: PromptScriptArguments, training_args: Any) -> 
 
 def initial_reference(
     model: Any,
-    script_args: DemoScriptArguments,
+    script_args: _DemoScriptArguments,
     training_args: Any,
     model_args: ModelConfig,
     tokenizer: Any,
@@ -129,10 +129,10 @@ def initial_reference(
     return build_model(script_args.model_config, model_args, tokenizer, seed=training_args.seed)
 
 
-def policy_model_config(script_args: DemoScriptArguments, training_args: Any) -> str:
+def policy_model_config(script_args: _DemoScriptArguments, training_args: Any) -> str:
     """The built-in policy shape of a script that generates: ``--model_config``, except that ``"tiny"`` becomes
     ``"tiny-vllm"`` with ``--use_vllm`` (a shape vLLM's CPU engine loads and keeps in sync; see
-    :data:`~hf_odc.demo.MODEL_CONFIGS`)."""
+    :data:`~hf_odc.demo.models.MODEL_CONFIGS`)."""
     if training_args.use_vllm and script_args.model_config == "tiny":
         return "tiny-vllm"
     return script_args.model_config
@@ -168,7 +168,7 @@ def make_trainer(trainer_class: type, **kwargs: Any) -> Any:
     try:
         return trainer_class(**kwargs)
     except ValueError as error:
-        fail(str(error))
+        _fail(str(error))
 
 
 def _any_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
@@ -177,7 +177,7 @@ def _any_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
 
 _UNSET = object()
 
-CHECKPOINT_FLAGS = frozenset({"save_steps", "save_total_limit", "save_only_model", "save_on_each_node"})
+_CHECKPOINT_FLAGS = frozenset({"save_steps", "save_total_limit", "save_only_model", "save_on_each_node"})
 """Flags that configure checkpoints: any of them switches saving on unless ``--save_strategy`` is given."""
 
 ERROR_GRACE_S = 10.0
@@ -193,7 +193,7 @@ def _leave_the_error_to_the_first_process() -> None:
         raise SystemExit(2)
 
 
-def fail(message: str) -> NoReturn:
+def _fail(message: str) -> NoReturn:
     """End the run with one error line, ``<script>: error: <message>``, from the first process only (as a bad flag
     does)."""
     _leave_the_error_to_the_first_process()
@@ -205,7 +205,7 @@ class ExampleParser(TrlParser):
     """TRL's parser for the examples: the defaults they share, and what their command lines need.
 
     * Flags that imply others are completed before the configs are built (:meth:`complete`, from the flags given on
-      the command line or in ``--config``): any checkpoint flag (:data:`CHECKPOINT_FLAGS`) switches saving on
+      the command line or in ``--config``): any checkpoint flag (:data:`_CHECKPOINT_FLAGS`) switches saving on
       (``save_strategy="steps"``; the demos default to ``"no"``) unless ``--save_strategy`` is given.
     * A bad flag (unknown, unparsable, or refused by a config's checks) ends the run with argparse's short usage line
       and one error line, exit status 2, from the first process only: under ``accelerate launch`` every process
@@ -219,7 +219,7 @@ class ExampleParser(TrlParser):
       ``--max_steps 3``.
     * The inputs the flags name are checked before the configs are built (the training config joins the process
       group) and before any model is (:meth:`check_inputs`): a bad one ends the run with one line from the first
-      process (:func:`fail`).
+      process (:func:`_fail`).
 
     Args:
         dataclass_types: The script's argument dataclasses.
@@ -269,13 +269,13 @@ class ExampleParser(TrlParser):
             try:
                 self.check_inputs(parsed)
             except ValueError as error:
-                fail(str(error))
+                _fail(str(error))
         return parsed, remaining
 
     def check_inputs(self, namespace: argparse.Namespace) -> None:
         """Raise ``ValueError``, in one line, for an input that the flags name and the run could not use: the model
         (``--model_name_or_path``, else a ``--model_config`` path), the checkpoint to resume from (the trainer's own
-        checks, :func:`hf_odc.trainer._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it
+        checks, :func:`hf_odc.trainer.core._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it
         loads, its split has rows, and ``check_dataset`` accepts it)."""
         config = getattr(namespace, "model_config", None)
         if getattr(namespace, "model_name_or_path", None):
@@ -303,7 +303,7 @@ class ExampleParser(TrlParser):
 
     def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
         """Complete ``namespace`` from the names of the flags ``given``."""
-        if "save_strategy" not in given and given & CHECKPOINT_FLAGS:
+        if "save_strategy" not in given and given & _CHECKPOINT_FLAGS:
             namespace.save_strategy = "steps"
 
     def error(self, message: str) -> NoReturn:

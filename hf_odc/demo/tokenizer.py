@@ -18,7 +18,7 @@ ROLES = ["system", "user", "assistant"]
 NUM_WORDS = 500
 # ChatML, with the assistant's reply and its end-of-turn token inside {% generation %} so that TRL's
 # `assistant_only_loss` trains exactly those tokens (including the one that stops generation).
-CHAT_TEMPLATE = (
+_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
     "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(extra_tokens: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+def build_tokenizer(extra_tokens: Sequence[str] = (), chat_template: str = _CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over ``w0 .. w{NUM_WORDS-1}``, the role names and ChatML's special tokens, plus
     ``extra_tokens`` (placed before the words: the tool-calling demo's, :func:`hf_odc.demo.build_tool_tokenizer`),
     with ``chat_template``."""

@@ -2,7 +2,7 @@
 tool, the demo tokenizer with a tool role and a chat template that renders tool calls, and a **scripted policy**.
 
 A randomly initialised model never writes a well-formed tool call, so TRL's tool loop would never run. The scripted
-policy is a demo device standing in for a model that has learnt to call tools: :class:`ScriptedToolCalls`, a logits
+policy is a demo device standing in for a model that has learnt to call tools: :class:`_ScriptedToolCalls`, a logits
 processor that :func:`scripted_generation` adds to every ``generate`` call, forces each token of a script
 (:class:`LookupScript`): tool calls in the chat template's format, then an answer. Everything after the tokens is
 real: TRL parses the calls (``tokenizer.parse_response``), runs the tool, appends its result to the completion and
@@ -32,7 +32,7 @@ its argument's name."""
 
 # ChatML with tool calls: an assistant message's calls follow its content as `<tool_call> NAME KEY VALUE ...
 # </tool_call>`; a tool's result is a message of the role `tool`.
-TOOL_CHAT_TEMPLATE = (
+_TOOL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
     "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
@@ -47,9 +47,9 @@ TOOL_CHAT_TEMPLATE = (
 
 def build_tool_tokenizer() -> PreTrainedTokenizerFast:
     """The demo's word-level tokenizer (:func:`~hf_odc.demo.build_tokenizer`) with :data:`TOOL_WORDS` and
-    :data:`TOOL_CHAT_TEMPLATE`; its ``parse_response`` reads a completion's tool calls back (TRL parses completions
+    :data:`_TOOL_CHAT_TEMPLATE`; its ``parse_response`` reads a completion's tool calls back (TRL parses completions
     with it when the tokenizer has a ``response_template``)."""
-    tokenizer = build_tokenizer(TOOL_WORDS, TOOL_CHAT_TEMPLATE)
+    tokenizer = build_tokenizer(TOOL_WORDS, _TOOL_CHAT_TEMPLATE)
     tokenizer.response_template = "scripted"
     tokenizer.parse_response = lambda ids, prefix=None, tools=None: parse_tool_calls(tokenizer, ids)
     return tokenizer
@@ -135,7 +135,7 @@ class LookupScript:
         return dataclasses.replace(self, words_per_turn=max(1, (max_completion_length - fixed) // (1 + g + calls)))
 
 
-class ScriptedToolCalls(LogitsProcessor):
+class _ScriptedToolCalls(LogitsProcessor):
     """Forces every token of one ``generate`` call: at its first step, ``script(conversation, row)`` gives each row's
     turn (the prompt's tokens are all there is then); at step ``i`` each row's ``i``-th token is the only one allowed,
     then the end-of-turn token. One instance serves one ``generate`` call (:func:`scripted_generation` makes them);
@@ -166,11 +166,11 @@ def scripted_generation(
     tokenizer: PreTrainedTokenizerFast, script: Callable[[list[str], int], list[str]]
 ) -> Iterator[None]:
     """Within the block, every transformers ``generate`` call (TRL's, and hf_odc's decoding copies', whose classes
-    inherit it) forces ``script``'s tokens (:class:`ScriptedToolCalls`, after the call's own logits processors)."""
+    inherit it) forces ``script``'s tokens (:class:`_ScriptedToolCalls`, after the call's own logits processors)."""
     generate = GenerationMixin.generate
 
     def scripted(self, *args: Any, logits_processor: LogitsProcessorList | None = None, **kwargs: Any) -> Any:
-        processors = LogitsProcessorList([*(logits_processor or []), ScriptedToolCalls(tokenizer, script)])
+        processors = LogitsProcessorList([*(logits_processor or []), _ScriptedToolCalls(tokenizer, script)])
         return generate(self, *args, logits_processor=processors, **kwargs)
 
     GenerationMixin.generate = scripted

@@ -42,9 +42,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .._env import timeout_seconds
 from ..kernels import Transport, make_transport
-from ..liveness import DEFAULT_TIMEOUT_S, PeerFailureError, heartbeat
+from ..liveness import PeerFailureError, heartbeat
 from ..liveness.host_barrier import HostBarrier
 from ._fsdp_internals import (
     GroupSpec,
@@ -351,8 +350,9 @@ def enable(
     Args:
         model: the root module; every :class:`~torch.distributed.fsdp.FSDPModule` in it is switched to ODC.
         timeout: seconds a minibatch barrier (and hybrid ODC's cross-host all-reduce) waits for a live peer before
-            raising :class:`~hf_odc.PeerFailureError` (a dead peer on the same host is reported at once).
-            Default: ``HF_ODC_TIMEOUT`` or ``hf_odc.kernels.DEFAULT_TIMEOUT_S``.
+            raising :class:`~hf_odc.PeerFailureError` (a dead peer on the same host is reported at once); given, it
+            becomes the process's ODC timeout (:func:`hf_odc.liveness.heartbeat.set_timeout`). Default: the
+            process's (an ``ODCPlugin``'s, else ``HF_ODC_TIMEOUT``, else ``hf_odc.liveness.DEFAULT_TIMEOUT_S``).
         transport: a transport, or the name of one (``hf_odc.kernels.TRANSPORTS``), instead of the device's default
             (tests, new hardware).
 
@@ -373,8 +373,7 @@ def enable(
             f"{sorted(meshes, key=str)}."
         )
     replicate_group = specs[0].replicate_group
-    timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
-    heartbeat.set_timeout(timeout)
+    timeout = heartbeat.current_timeout() if timeout is None else heartbeat.set_timeout(timeout)
     heartbeat.start_in_default_group()  # unless beating since import, under a launcher
     host = HostBarrier.create(specs[0].process_group, timeout)  # first: it refuses a shard group that spans hosts
     if transport is None or isinstance(transport, str):

@@ -49,6 +49,7 @@ from .procfs import gone, stopped
 __all__ = [
     "Heartbeat",
     "current",
+    "current_timeout",
     "describe_silent",
     "note",
     "set_timeout",
@@ -63,7 +64,7 @@ _STORE_TIMEOUT_S = 5.0
 
 _lock = threading.Lock()
 _heartbeat: Heartbeat | None = None
-_timeout = DEFAULT_TIMEOUT_S
+_timeout: float | None = None  # the process's ODC timeout, once set or first read (set_timeout)
 
 
 @dataclass
@@ -249,16 +250,17 @@ class Heartbeat:
                 pass
             else:
                 self._watch()
-            if self._stop.wait(_interval(_timeout)):
+            if self._stop.wait(_interval(current_timeout())):
                 return
 
     def _watch(self) -> None:
-        grace = _grace(_timeout) if self._note else 0.0  # before ODC's first meeting no hf_odc wait bounds anything
-        silent = [s for s in self.silent(_timeout + grace) if not s.died]
+        timeout = current_timeout()
+        grace = _grace(timeout) if self._note else 0.0  # before ODC's first meeting no hf_odc wait bounds anything
+        silent = [s for s in self.silent(timeout + grace) if not s.died]
         if not silent:
             return
         lines = "\n  ".join(s.describe() for s in silent)
-        bound = f"the ODC timeout ({_timeout:g} s)" + (f" plus {grace:g} s" if grace else "")
+        bound = f"the ODC timeout ({timeout:g} s)" + (f" plus {grace:g} s" if grace else "")
         message = (
             f"hf_odc: ending rank {self.rank}: a rank went silent for longer than {bound}:\n  {lines}\n"
             f"Rank {self.rank} was {self.doing()}. (If a rank is that slow by design, raise the timeout: --odc_timeout "
@@ -290,10 +292,20 @@ def current() -> Heartbeat | None:
     return _heartbeat
 
 
-def set_timeout(timeout: float) -> None:
-    """The ODC timeout: the watchdog's bound (plus a grace period) on a peer's silence."""
+def set_timeout(timeout: float | str | None = None) -> float:
+    """Set the process's ODC timeout, the watchdog's bound (plus a grace period) on a peer's silence and what ODC's
+    meetings wait: ``timeout``, else ``HF_ODC_TIMEOUT``, else :data:`~hf_odc.liveness.DEFAULT_TIMEOUT_S`, validated
+    (the one place it is resolved); returns it. An :class:`~hf_odc.accelerate_plugin.ODCPlugin` sets it when built,
+    ``hf_odc.enable`` when given one."""
     global _timeout
-    _timeout = timeout
+    _timeout = timeout_seconds(timeout, DEFAULT_TIMEOUT_S)
+    return _timeout
+
+
+def current_timeout() -> float:
+    """The process's ODC timeout: the one set last (:func:`set_timeout`), else ``HF_ODC_TIMEOUT``, else
+    :data:`~hf_odc.liveness.DEFAULT_TIMEOUT_S`."""
+    return _timeout if _timeout is not None else set_timeout()
 
 
 def note(what: str) -> None:
@@ -319,7 +331,7 @@ def start_under_launcher() -> Heartbeat | None:
     process was started by one; else leave it to :func:`start_in_default_group`."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    set_timeout(timeout_seconds(None, DEFAULT_TIMEOUT_S))
+    set_timeout()
     try:
         client = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -355,9 +367,9 @@ def describe_silent() -> str | None:
         return None
     with contextlib.suppress(Exception):  # the store is gone: say what the last reads said
         heartbeat.refresh()
-    silent = heartbeat.silent(silent_after(_timeout))
+    silent = heartbeat.silent(silent_after(current_timeout()))
     stale = heartbeat.store_silent_for()
-    if silent and stale > silent_after(_timeout):
+    if silent and stale > silent_after(current_timeout()):
         return f"hf_odc: the job's store has not answered rank {heartbeat.rank}'s reads for {stale:.1f} s"
     if not silent:
         return None
@@ -404,7 +416,7 @@ def _plumbing(path: str) -> bool:
 
 
 def _short(path: str) -> str:
-    """A path from its package on: ``torch/distributed/distributed_c10d.py``, ``hf_odc/trainer/_base.py``."""
+    """A path from its package on: ``torch/distributed/distributed_c10d.py``, ``hf_odc/trainer/core/_step.py``."""
     for marker in (f"site-packages{os.sep}", f"{os.sep}hf_odc{os.sep}"):
         if marker in path:
             tail = path.rsplit(marker, 1)[1]

@@ -3,16 +3,16 @@
 :class:`ODCDistillationConfig`, :class:`ODCDPOTrainer` / :class:`ODCDPOConfig`, :class:`ODCRewardTrainer` /
 :class:`ODCRewardConfig` and :class:`ODCKTOTrainer` / :class:`ODCKTOConfig`.
 
-The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.data` (SFT),
-:mod:`hf_odc.trainer.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.pairs` (DPO, reward modelling,
-KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on import) and the
-other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.attention`, with what activation
-checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
+The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_odc.trainer.core.data` (SFT),
+:mod:`hf_odc.trainer.online.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.preference.pairs` (DPO, reward
+modelling, KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on
+import) and the other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.core.attention`, with
+what activation checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
 """
 
 from .._compat import check_classes
-from ._step import PlannedStep, StepMetrics
-from .attention import (
+from .core._step import PlannedStep, StepMetrics
+from .core.attention import (
     CHECKPOINT_ATTENTION,
     PACKED_ATTENTION,
     PACKED_ATTENTION_IMPLEMENTATIONS,
@@ -24,7 +24,7 @@ from .attention import (
     save_attention_in_checkpoints,
     use_packed_attention,
 )
-from .data import (
+from .core.data import (
     GlobalMinibatchSampler,
     MinibatchDataLoader,
     PlannedMinibatchCollator,
@@ -32,18 +32,18 @@ from .data import (
     global_minibatch,
     minibatch_loader,
 )
-from .distillation_config import ODCDistillationConfig
-from .distillation_trainer import ODCDistillationTrainer
-from .dpo_config import ODCDPOConfig
-from .dpo_trainer import ODCDPOTrainer
-from .grpo_config import ODCGRPOConfig
-from .grpo_trainer import ODCGRPOTrainer
-from .kto_config import ODCKTOConfig
-from .kto_trainer import ODCKTOTrainer
-from .reward_config import ODCRewardConfig
-from .reward_trainer import ODCRewardTrainer
-from .rloo_config import ODCRLOOConfig
-from .rloo_trainer import ODCRLOOTrainer
+from .online.distillation_config import ODCDistillationConfig
+from .online.distillation_trainer import ODCDistillationTrainer
+from .online.grpo_config import ODCGRPOConfig
+from .online.grpo_trainer import ODCGRPOTrainer
+from .online.rloo_config import ODCRLOOConfig
+from .online.rloo_trainer import ODCRLOOTrainer
+from .preference.dpo_config import ODCDPOConfig
+from .preference.dpo_trainer import ODCDPOTrainer
+from .preference.kto_config import ODCKTOConfig
+from .preference.kto_trainer import ODCKTOTrainer
+from .preference.reward_config import ODCRewardConfig
+from .preference.reward_trainer import ODCRewardTrainer
 from .sft_config import ODCSFTConfig
 from .sft_trainer import ODCSFTTrainer
 

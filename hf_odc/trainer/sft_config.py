@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trl import SFTConfig
 
-from ._base_config import _document_odc_fields, _ODCConfig
+from .core._base_config import _document_odc_fields, _ODCConfig
 
 
 @_document_odc_fields

@@ -1,12 +1,12 @@
 """``ODCSFTTrainer``: TRL's ``SFTTrainer`` with On-Demand Communication and minibatch-level load balancing.
 
 What is SFT-specific, hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints
-are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
+are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
 
 * ``get_train_dataloader``: one item per accumulation step, ``per_device_train_batch_size x world_size`` samples, the
-  same on every rank (:mod:`hf_odc.trainer.data`); an optimizer step's items form its global minibatch.
+  same on every rank (:mod:`hf_odc.trainer.core.data`); an optimizer step's items form its global minibatch.
 * ``_plan_step``: that minibatch planned (every rank the same plan, with the step's cost model) and this rank's share
-  packed padding-free (:class:`~hf_odc.trainer.data.PlannedMinibatchCollator`).
+  packed padding-free (:class:`~hf_odc.trainer.core.data.PlannedMinibatchCollator`).
 * ``_microbatch_loss``: the *sum* of the microbatch's token losses divided by ``N``, with ``N`` the target
   tokens of the whole global minibatch, counted locally by every rank (every rank holds every sample's labels), so no
   collective is needed and the update equals single-device training on the minibatch's mean token loss; entropy and
@@ -15,7 +15,6 @@ are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar
 
 import datasets
@@ -23,9 +22,9 @@ import torch
 from torch import nn
 from trl import SFTTrainer
 
-from ._base_trainer import _ODCTrainer
-from ._step import PlannedStep, StepMetrics
-from .data import (
+from .core._dataset_trainer import _ODCDatasetTrainer
+from .core._step import PlannedStep, StepMetrics
+from .core.data import (
     MinibatchDataLoader,
     PlannedMinibatchCollator,
     check_sft_truncation,
@@ -37,7 +36,7 @@ from .sft_config import ODCSFTConfig
 __all__ = ["ODCSFTTrainer"]
 
 
-class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
+class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
     """
     Trainer for supervised fine-tuning with On-Demand Communication (ODC) and minibatch-level load balancing.
 
@@ -47,7 +46,7 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
 
     Not supported (refused at construction): a custom `data_collator` for training (the planner packs),
     `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global minibatch needs random access), and
-    attention implementations that would attend across packed samples (see `hf_odc.trainer.attention`).
+    attention implementations that would attend across packed samples (see `hf_odc.trainer.core.attention`).
 
     Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
     `ODCSFTConfig`).
@@ -153,12 +152,3 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     def _model_inputs(self, microbatch: dict[str, Any]) -> dict[str, Any]:
         """A packed SFT microbatch is the model's inputs itself."""
         return microbatch
-
-    def _microbatch_context(self) -> contextlib.AbstractContextManager:
-        """SFTTrainer's activation offloading (``activation_offloading``), around the whole minibatch."""
-        return self.maybe_activation_offload_context
-
-    def _end_step(self, step: PlannedStep, metrics: dict[str, float]) -> None:
-        """SFTTrainer's ``num_tokens``: the tokens trained on so far."""
-        self._total_train_tokens += step.num_tokens
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]

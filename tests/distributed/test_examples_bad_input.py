@@ -20,7 +20,7 @@ import torch
 from _trainer_launch import EXAMPLES, launch
 from datasets import Dataset
 
-from hf_odc.trainer._checkpoint_format import COMPLETE_MARKER, STATE_DIR
+from hf_odc.trainer.core._checkpoint_format import COMPLETE_MARKER, STATE_DIR
 
 CHAT = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": "w3 w2 w1"}]
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 from _trainer_launch import SFT_FLAGS, SFT_STEPS, SUPPORT, assert_same_steps, logged_steps, run
 
-from hf_odc.trainer._checkpoint_format import COMPLETE_MARKER, STATE_DIR, check_resumable, last_complete_checkpoint
+from hf_odc.trainer.core._checkpoint_format import COMPLETE_MARKER, STATE_DIR, check_resumable, last_complete_checkpoint
 
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 processes
 WORKERS = str(SUPPORT / "_checkpoint_workers.py")

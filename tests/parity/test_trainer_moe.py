@@ -1,5 +1,5 @@
 """Mixture-of-Experts models in the three ODC trainers: the router's load-balancing loss over the whole global
-minibatch (:mod:`hf_odc.trainer._moe`), and the experts' 3-D weights sharded and read through ODC.
+minibatch (:mod:`hf_odc.trainer.core._moe`), and the experts' 3-D weights sharded and read through ODC.
 
 The fast tests check the loss's definition on packed rows and unequal splits against transformers' own
 ``load_balancing_loss_func`` over the whole batch (padded, with its attention mask). The slow ones train a tiny
@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM
 
 from hf_odc import _compat
 from hf_odc.demo import build_tokenizer
-from hf_odc.trainer._moe import ExpertLoad
-from hf_odc.trainer._step import packed_row
-from hf_odc.trainer.attention import use_packed_attention
+from hf_odc.trainer.core._moe import ExpertLoad
+from hf_odc.trainer.core._step import packed_row
+from hf_odc.trainer.core.attention import use_packed_attention
 
 QUIET = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 

@@ -11,7 +11,7 @@ import runpy
 import signal
 from pathlib import Path
 
-from hf_odc.trainer import _checkpoint_format
+from hf_odc.trainer.core import _checkpoint_format
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft.py"
 

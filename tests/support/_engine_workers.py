@@ -296,16 +296,16 @@ def mesh_error(rank: int, world_size: int, hosts: list[int], shard_size: int | N
 
 
 def vllm_sync(rank: int, world_size: int, case: Case) -> dict:
-    """What :class:`~hf_odc.trainer.vllm_sync.ODCWeightSync` hands vLLM from the ODC-sharded policy (LoRA merged with
-    ``case.lora``): colocated (every rank loads), then twice to a server (rank 0 streams, the other ranks only
-    publish); the collectives dispatched meanwhile, and the weights a single process holds, to compare."""
+    """What :class:`~hf_odc.trainer.generation.vllm_sync.ODCWeightSync` hands vLLM from the ODC-sharded policy (LoRA
+    merged with ``case.lora``): colocated (every rank loads), then twice to a server (rank 0 streams, the other ranks
+    only publish); the collectives dispatched meanwhile, and the weights a single process holds, to compare."""
     import copy
     from types import SimpleNamespace
 
     from _vllm_workers import Collectives
 
     from hf_odc.accelerate_plugin import ODCRuntime
-    from hf_odc.trainer.vllm_sync import ODCWeightSync
+    from hf_odc.trainer.generation.vllm_sync import ODCWeightSync
 
     model = tiny_model(lora=case.lora)
     reference = copy.deepcopy(model)
@@ -348,17 +348,17 @@ def vllm_sync(rank: int, world_size: int, case: Case) -> dict:
 
 
 def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> dict:
-    """:class:`~hf_odc.trainer.decoders.TensorParallelDecoder` on the ODC-sharded tiny policy (LoRA merged with
-    ``case.lora``): the logits of one forward of the sliced copy on prompts every rank shares, and each rank's own
-    prompts (a different number and width per rank) decoded together, greedily and sampled (each rank's generator
-    seeded apart); with what the whole policy gives for each: the same forward, greedy decoding of the rank's prompts
-    alone, and sampling of every rank's prompts in one batch from the seed rank 0 draws."""
+    """:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder` on the ODC-sharded tiny policy (LoRA merged
+    with ``case.lora``): the logits of one forward of the sliced copy on prompts every rank shares, and each rank's own
+    prompts (a different number and width per rank) decoded together, greedily and sampled (each rank's generator seeded
+    apart); with what the whole policy gives for each: the same forward, greedy decoding of the rank's prompts alone,
+    and sampling of every rank's prompts in one batch from the seed rank 0 draws."""
     import copy
 
     import torch.distributed as dist
 
     from hf_odc.accelerate_plugin import ODCRuntime
-    from hf_odc.trainer.decoders import TensorParallelDecoder
+    from hf_odc.trainer.generation.decoders import TensorParallelDecoder
 
     def prompts(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -24,7 +24,7 @@ from _parity import TRAINING, run_cases, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
-from hf_odc.trainer.attention import attention_implementation
+from hf_odc.trainer.core.attention import attention_implementation
 
 MINIBATCH = 8
 COMMON = TRAINING | dict(num_generations=4, max_completion_length=40)

@@ -33,7 +33,7 @@ wrong gradient to show in the parameters, every step logged, nothing saved."""
 def trained_state(trainer) -> dict | None:
     """After ``trainer.train()``: the logged training steps and the full parameters (gathered from the shards for an
     ODC trainer, which is then closed), on the first process; ``None`` on the others."""
-    from hf_odc.trainer._checkpoint_format import full_model_state_dict
+    from hf_odc.trainer.core._checkpoint_format import full_model_state_dict
 
     is_odc = hasattr(trainer, "close_odc")
     state = full_model_state_dict(trainer.model) if is_odc else trainer.model.state_dict()

@@ -6,7 +6,7 @@
 (sequential sampling), planned as one ODC minibatch. Cases (``CASES``): ``accumulation``, 8 samples per accumulation
 step and 4 accumulation steps (32 samples per optimizer step); the MoE cases (a Mixture-of-Experts model in
 ``MODEL_DIR``): ``moe-aux``, the router's load-balancing loss on, the 32 samples in one TRL forward (whose loss is
-then over the whole minibatch, as ODC's is: ``hf_odc.trainer._moe``), and ``moe-no-aux``, the loss off, with
+then over the whole minibatch, as ODC's is: ``hf_odc.trainer.core._moe``), and ``moe-no-aux``, the loss off, with
 accumulation. Rank 0 saves, per case, the logged steps and the full parameters.
 """
 

@@ -14,7 +14,7 @@ from _trainer_workers import shard_under_an_accelerate_fsdp_config
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime, mixed_precision_policy, remap_optimizer
-from hf_odc.liveness import DEFAULT_TIMEOUT_S
+from hf_odc.liveness import DEFAULT_TIMEOUT_S, heartbeat
 
 
 def test_fields_fall_back_to_the_environment(monkeypatch):
@@ -29,6 +29,20 @@ def test_fields_fall_back_to_the_environment(monkeypatch):
     assert (from_env.enabled, from_env.timeout, from_env.reshard_after_forward) == (False, 30.0, False)
     explicit = ODCPlugin(enabled=True, timeout=5)  # explicit fields win over the environment
     assert (explicit.enabled, explicit.timeout) == (True, 5.0)
+
+
+def test_the_odc_timeout_is_the_process_s_from_the_plugin_built_last(monkeypatch, tmp_path):
+    """The process's ODC timeout (the heartbeat's bound, what ``hf_odc.enable`` runs on by default) is resolved in one
+    place: unset, ``HF_ODC_TIMEOUT``; then what an ``ODCPlugin`` is built with, a trainer's config's ``odc_timeout``
+    included (its plugin is built before the process group exists)."""
+    from hf_odc.trainer import ODCSFTConfig
+
+    monkeypatch.setattr(heartbeat, "_timeout", None)  # as in a fresh process; restored after the test
+    monkeypatch.setenv("HF_ODC_TIMEOUT", "30")
+    assert heartbeat.current_timeout() == 30.0
+    assert ODCPlugin(timeout=7).timeout == heartbeat.current_timeout() == 7.0
+    config = ODCSFTConfig(str(tmp_path), odc_timeout=9, report_to="none")
+    assert config.odc_timeout == heartbeat.current_timeout() == 9.0
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ def test_a_renamed_private_name_is_named_where_it_is_read(monkeypatch, dropped, 
 
 
 def test_the_attention_operators_are_checked(monkeypatch):
-    """What activation checkpointing saves of the attention (hf_odc.trainer.attention): SDPA's fused operators, and
+    """What activation checkpointing saves of the attention (hf_odc.trainer.core.attention): SDPA's fused operators, and
     varlen_attn's custom operator; an SDPA operator a release renamed is named, not silently recomputed."""
     import torch
 

@@ -1,5 +1,5 @@
-"""The DPO trainer's data path (:mod:`hf_odc.trainer.pairs`): pairs truncated as TRL truncates them, packed as two
-documents each, never split across ranks or microbatches, and every rank planning the same minibatch alike."""
+"""The DPO trainer's data path (:mod:`hf_odc.trainer.preference.pairs`): pairs truncated as TRL truncates them, packed
+as two documents each, never split across ranks or microbatches, and every rank planning the same minibatch alike."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_odc.packing import MinibatchPlanner, named_cost
-from hf_odc.trainer.pairs import PairPacker, document_sums, indistinct_pairs, pack_pairs, pair_documents
+from hf_odc.trainer.preference.pairs import PairPacker, document_sums, indistinct_pairs, pack_pairs, pair_documents
 
 PAIRS = [
     {"prompt_ids": [10, 11], "chosen_ids": [20, 21, 22], "rejected_ids": [30]},

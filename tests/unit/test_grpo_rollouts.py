@@ -1,4 +1,4 @@
-"""The GRPO data path (:mod:`hf_odc.trainer.rollouts`) and ODCGRPOConfig's refusals."""
+"""The GRPO data path (:mod:`hf_odc.trainer.online.rollouts`) and ODCGRPOConfig's refusals."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import ODCGRPOConfig
-from hf_odc.trainer.rollouts import Rollouts, pack_rollouts, plan_generation_batch
+from hf_odc.trainer.online.rollouts import Rollouts, pack_rollouts, plan_generation_batch
 
 
 def rollouts(prompt_lengths, completion_lengths) -> Rollouts:

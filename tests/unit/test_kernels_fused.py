@@ -23,7 +23,7 @@ from _models import VOCAB, tiny_moe_config, tiny_qwen2_config
 from torch import nn
 
 from hf_odc.kernels import fused, install_fused_kernels, rms_norm, silu_mul
-from hf_odc.trainer.attention import save_attention_checkpoint_kwargs
+from hf_odc.trainer.core.attention import save_attention_checkpoint_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -235,7 +235,7 @@ def test_the_trainers_patch_cuda_runs_only(tmp_path, monkeypatch):
 
     from hf_odc.demo import build_tokenizer, chat_dataset
     from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
-    from hf_odc.trainer._base_trainer import _ODCTrainer
+    from hf_odc.trainer.core._base_trainer import _ODCTrainer
 
     (parsed,) = HfArgumentParser(ODCSFTConfig).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--report_to", "none", "--fused_kernels", "false"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datasets import Dataset
 
 from hf_odc.trainer import ODCKTOConfig
-from hf_odc.trainer.kto_trainer import _with_mismatched_completions
+from hf_odc.trainer.preference.kto_trainer import _with_mismatched_completions
 
 
 def config(tmp_path, **kwargs) -> ODCKTOConfig:

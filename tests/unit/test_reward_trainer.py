@@ -14,8 +14,8 @@ from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 from hf_odc.demo import build_tokenizer
 from hf_odc.trainer import ODCRewardConfig, ODCRewardTrainer, use_packed_attention
-from hf_odc.trainer._step import packed_row
-from hf_odc.trainer.reward_trainer import _last_positions, _scoring_every_position
+from hf_odc.trainer.core._step import packed_row
+from hf_odc.trainer.preference.reward_trainer import _last_positions, _scoring_every_position
 
 PAD = 0
 

@@ -13,7 +13,7 @@ import torch
 
 from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import GlobalMinibatchSampler, PlannedMinibatchCollator, count_target_tokens
-from hf_odc.trainer.data import check_sft_truncation, check_truncation, require_sft_columns
+from hf_odc.trainer.core.data import check_sft_truncation, check_truncation, require_sft_columns
 
 
 def _examples(n: int, seed: int = 0) -> list[dict]:

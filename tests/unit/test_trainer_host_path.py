@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import hf_odc.trainer._base_trainer as base_trainer
+import hf_odc.trainer.core._base_trainer as base_trainer
 from hf_odc.demo import build_tokenizer, chat_dataset
 from hf_odc.demo.models import MODEL_CONFIGS
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
-from hf_odc.trainer.attention import warm_attention_plans
+from hf_odc.trainer.core.attention import warm_attention_plans
 
 
 def _sft_trainer(tmp_path, **config) -> ODCSFTTrainer:

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoConfig
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
-from hf_odc.trainer.distillation_trainer import generalized_jsd
-from hf_odc.trainer.rloo_trainer import leave_one_out_advantages
+from hf_odc.trainer.online.distillation_trainer import generalized_jsd
+from hf_odc.trainer.online.rloo_trainer import leave_one_out_advantages
 
 
 def test_leave_one_out_advantages_skip_unscorable_rollouts_and_subtract_the_kl_penalty():

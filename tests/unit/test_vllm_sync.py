@@ -1,5 +1,5 @@
-"""``hf_odc.trainer.vllm_sync`` without vLLM: what a sync hands a (stand-in) engine or server, in which order, under
-which names, and PEFT's adapters merged as PEFT merges them. The real engine and server:
+"""``hf_odc.trainer.generation.vllm_sync`` without vLLM: what a sync hands a (stand-in) engine or server, in which
+order, under which names, and PEFT's adapters merged as PEFT merges them. The real engine and server:
 tests/distributed/test_vllm.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from _models import tiny_qwen2_config
 from transformers import Qwen2ForCausalLM
 
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.trainer.full_weights import full_named_weights
-from hf_odc.trainer.vllm_sync import ODCWeightSync
+from hf_odc.trainer.generation.full_weights import full_named_weights
+from hf_odc.trainer.generation.vllm_sync import ODCWeightSync
 
 
 class _Worker:

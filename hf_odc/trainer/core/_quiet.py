@@ -1,0 +1,70 @@
+"""Warnings that the libraries the ODC trainers drive print about what hf_odc itself did, and that are false there:
+each one is removed from its library's log, where it is known to be false, and nowhere else.
+
+* TRL's GRPOTrainer warns that ``model_init_kwargs`` "will be ignored" when the policy is passed as a model; an ODC
+  trainer sets ``{"device_map": None}`` there for the reference model, which TRL does load with it.
+* The Trainer warns, on every rank, that ``per_device_train_batch_size`` differs from the checkpoint's when a run
+  resumes on another number of processes; an ODC run trains on global minibatches, and the warning is false when the
+  global minibatch is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+from ..._compat import library_logger
+
+__all__ = ["without_ignored_model_init_kwargs_warning", "without_resumed_batch_size_warning"]
+
+# The modules whose loggers log the warnings (their module-level ``logger``: hf_odc._compat.library_logger).
+_TRL_GRPO = "trl.trainer.grpo_trainer"
+_TRAINER_UTILS = "transformers.trainer_utils"
+
+
+class _Rewrite(logging.Filter):
+    """Passes a record's message through ``rewrite``: the new message, or ``None`` to drop the record."""
+
+    def __init__(self, rewrite: Callable[[str], str | None]):
+        super().__init__()
+        self._rewrite = rewrite
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = self._rewrite(record.getMessage())
+        if message is None:
+            return False
+        record.msg, record.args = message, None
+        return True
+
+
+@contextlib.contextmanager
+def _rewriting(module: str, rewrite: Callable[[str], str | None]) -> Iterator[None]:
+    logger = library_logger(module)
+    rewriting = _Rewrite(rewrite)
+    logger.addFilter(rewriting)
+    try:
+        yield
+    finally:
+        logger.removeFilter(rewriting)
+
+
+def without_ignored_model_init_kwargs_warning() -> contextlib.AbstractContextManager:
+    """Inside: TRL's "``model_init_kwargs`` will be ignored" warning is dropped (hf_odc set them, for the reference
+    model)."""
+    ignored = "`model_init_kwargs` will be ignored"
+    return _rewriting(_TRL_GRPO, lambda message: None if ignored in message else message)
+
+
+def without_resumed_batch_size_warning() -> contextlib.AbstractContextManager:
+    """Inside: the line about ``per_device_train_batch_size`` is removed from the Trainer's warning about arguments
+    that differ from the checkpoint's (the whole warning when it was the only one). Enter it only when the global
+    minibatch is the checkpoint's."""
+
+    def rewrite(message: str) -> str | None:
+        if "do not match the ones in the `trainer_state.json`" not in message:
+            return message
+        lines = [line for line in message.split("\n") if "per_device_train_batch_size:" not in line]
+        return "\n".join(lines) if len(lines) > 1 else None
+
+    return _rewriting(_TRAINER_UTILS, rewrite)

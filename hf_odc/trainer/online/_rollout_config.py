@@ -1,0 +1,104 @@
+"""The field every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with transformers,
+``odc_generation`` (:class:`_ODCRolloutConfig`), its documentation (:func:`_document_generation_fields`), and the checks
+that hold for every trainer that plans its generation batches as ODC minibatches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core._base_config import _ODCConfig, whole_model_kwargs
+from ..generation.modes import GENERATION_MODES, check_generation_mode
+
+_GENERATION_PARAMETERS = """
+        > Parameters of generation on the sharded policy
+
+        odc_generation (`str`, *optional*):
+            How each rank decodes its prompts with transformers, never in lockstep but for `"lockstep"`: `"static"`
+            (a kept copy of the policy, refreshed once per generation batch), `"gathered"` (the full weights held
+            while decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC), `"tensor-parallel"`
+            (each rank of the shard group holds a slice of a kept copy and they decode their prompts together, the
+            activations all-reduced; Llama/Mistral/Qwen2/Qwen3 dense models whose heads and intermediate size the
+            group's size divides, no tools) or `"lockstep"` (TRL's path, the baseline); the modes, their costs and
+            vLLM's (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation.modes`. `None`:
+            on a GPU, by measured decoding speed, `"static"` when the copy takes at most a quarter of the device's
+            free memory, else `"tensor-parallel"` when its 1/N slice does (a model it slices, no tools), else
+            `"gathered"` when the copy takes at most half, else `"lockstep"` (`"sharded"` with tools under ODC,
+            where each rank decodes its own number of turns); on a CPU `"gathered"`. A rank that finishes decoding
+            first waits for the others at the rollouts' gather, within `odc_timeout`: set it above the spread of the
+            ranks' decoding times.
+        odc_decoding_loop (`bool`, *optional*):
+            With `odc_generation="static"` or `"tensor-parallel"`: decode with hf_odc's own loop
+            (`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph, the host
+            asking for the end every 16 steps instead of every token) wherever it decodes what transformers' `generate`
+            would (greedy or sampling with temperature, top-k, top-p, min-p and repetition penalty; anything else still
+            goes to `generate`), or not (`False`). `None`: the loop for `"tensor-parallel"` (whose forward, holding
+            collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
+            `generate` for `"static"` (the loop is faster per step there, but compiles a graph per cache width
+            where `generate` compiles one: it pays over long runs, not short ones).
+"""
+
+
+def _document_generation_fields(config_class: type) -> type:
+    """Put ``odc_generation``'s documentation where ``config_class``'s docstring says ``{generation_parameters}``."""
+    config_class.__doc__ = config_class.__doc__.replace(
+        "    {generation_parameters}", _GENERATION_PARAMETERS.strip("\n")
+    )
+    return config_class
+
+
+@dataclass
+class _ODCRolloutConfig(_ODCConfig):
+    """The ODC fields plus ``odc_generation``, for a config whose TRL class generates (``use_vllm``,
+    ``model_init_kwargs``; ``steps_per_generation`` and continuous batching where it has them). Refuses what no ODC
+    rollout trainer runs, naming what to set."""
+
+    odc_generation: str | None = field(
+        default=None,
+        metadata={
+            "help": "How each rank decodes its prompts (hf_odc.trainer.generation.modes): 'static', 'gathered', "
+            "'sharded', 'tensor-parallel' or 'lockstep'. Unset: on a GPU, static when the copy fits in a quarter of "
+            "the free device memory, tensor-parallel when its slice does, gathered when the copy fits in half, else "
+            "lockstep (sharded with tools under ODC); on a CPU gathered.",
+            "choices": list(GENERATION_MODES),
+        },
+    )
+    odc_decoding_loop: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With odc_generation='static' or 'tensor-parallel': decode with hf_odc's own loop (CUDA graphs, "
+            "no host sync per token) where it decodes what generate would. Unset: the loop for tensor-parallel, "
+            "generate for static."
+        },
+    )
+
+    def __post_init__(self):
+        trainer = type(self).__name__.removesuffix("Config") + "Trainer"
+        check_generation_mode(self.odc_generation, self.use_vllm)
+        if getattr(self, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                f"{trainer} generates with transformers' generate(), in lockstep across the sharded ranks; "
+                "continuous batching runs each rank on its own. Set use_transformers_continuous_batching=False."
+            )
+        super().__post_init__()
+        if getattr(self, "steps_per_generation", 0) % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"{trainer} plans each optimizer step's rollouts as one minibatch of a generation batch, so "
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}); leave steps_per_generation unset (it defaults to "
+                "gradient_accumulation_steps) or set a multiple of it."
+            )
+        # The policy given by name and the reference model are loaded whole on every rank. Unset, the trainer sets them
+        # when it loads a model, so that TRL does not warn they are ignored when it does not.
+        if self.model_init_kwargs is not None:
+            self.model_init_kwargs = whole_model_kwargs(self.model_init_kwargs)
+
+    def max_tokens_for(self, longest_sample: int) -> int:
+        """Tokens one packed microbatch of rollouts may hold: with neither ``max_tokens_per_microbatch`` nor
+        ``packing_ratio`` set, ``per_device_train_batch_size`` longest rollouts of the minibatch. That is what one of
+        stock TRL's forward passes holds (its padded batch of ``per_device_train_batch_size`` rollouts), so the update
+        holds no more activations than TRL's, while each microbatch, which reads every parameter shard once, carries
+        as many rollouts as that allows: rollouts are short beside an SFT sample, and one rollout per microbatch would
+        spend the update on parameter reads."""
+        if self.max_tokens_per_microbatch is None and self.packing_ratio is None:
+            return longest_sample * self.per_device_train_batch_size
+        return super().max_tokens_for(longest_sample)

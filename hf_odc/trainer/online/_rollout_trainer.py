@@ -1,0 +1,216 @@
+"""What the online trainers (GRPO, RLOO, distillation) share: :class:`_ODCRolloutTrainer`, TRL's generation and
+scoring with the rollouts re-planned across ranks, the old/reference passes deferred and packed.
+
+Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and checkpoints are every ODC trainer's:
+:class:`hf_odc.trainer.core._base_trainer._ODCTrainer`):
+
+* ``__init__``: the reference model (frozen) is sharded by hf_odc and ODC installed on it, like the policy
+  (:meth:`_setup_generation`, after :meth:`_setup_odc`); a PEFT policy's reference is the same sharded model with its
+  adapter disabled (:func:`hf_odc.trainer.core._reference.reference_of`).
+* ``_generate``, ``_generate_single_turn``, ``_tool_call_loop``: TRL's, in the run's generation mode, whose owner
+  (:func:`hf_odc.trainer.generation.modes.make_generator`, chosen once) is called at each: around the generation batch,
+  around its turns (held through TRL's tool loop: GRPO's ``tools``, ``environment_factory``), and at the run's end.
+  ``_generate`` records each completion's true length, tool results included (TRL pads them).
+* ``_get_per_token_logps_and_entropies``: while a training generation batch is scored, the old- and reference-policy
+  passes are deferred (a placeholder is returned); they run afterwards, packed and balanced (``_score_rollouts``).
+* ``_plan_step``: once per ``steps_per_generation * num_iterations`` calls of ``training_step``, TRL generates and
+  scores; then every rank gathers the rollouts, cuts and plans the minibatches (:mod:`hf_odc.trainer.online.rollouts`),
+  and runs the deferred passes the trainer asks for (:meth:`_deferred_passes`) on its own packed microbatches inside
+  forward-only minibatches, then the trainer's :meth:`_after_scoring`. Each optimizer step then takes its planned
+  minibatch. Evaluation is TRL's.
+
+The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``) adds its loss
+(``_microbatch_loss``), its metrics and the two hooks above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...accelerate_plugin import ODCRuntime
+from ..core._base_config import whole_model_kwargs
+from ..core._base_trainer import _ODCTrainer
+from ..core._quiet import without_ignored_model_init_kwargs_warning
+from ..core._reference import shard_reference
+from ..generation.modes import make_generator
+from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
+
+# A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.
+Pass = tuple[nn.Module, ODCRuntime, contextlib.AbstractContextManager, str]
+_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids", "mm_token_type_ids")
+
+
+class _ODCRolloutTrainer(_ODCTrainer):
+    """The ODC side of an online TRL trainer that generates and scores rollouts (a mixin placed before the TRL class,
+    whose ``__init__`` takes ``model`` and ``args`` by name). The subclass calls :meth:`_setup_odc`, then
+    :meth:`_setup_generation`, and implements :meth:`_deferred_passes` and ``_microbatch_loss``."""
+
+    def __init__(self, model: Any, args: Any, **kwargs: Any):
+        self._deferring_scores = False
+        self._completion_lengths: list[int] = []
+        quiet = contextlib.nullcontext()
+        if args.model_init_kwargs is None and self._loads_a_model(model, args, kwargs):
+            args.model_init_kwargs = whole_model_kwargs(None)
+            if not isinstance(model, str):
+                quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
+        with quiet:
+            super().__init__(model=model, args=args, **kwargs)
+
+    def _loads_a_model(self, model: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether TRL will load a model by name with ``model_init_kwargs``: the policy, the reference model
+        (``beta > 0`` without PEFT) or a reward model."""
+        funcs = kwargs.get("reward_funcs")
+        funcs = funcs if isinstance(funcs, list) else [funcs]
+        return isinstance(model, str) or args.beta != 0.0 or any(isinstance(func, str) for func in funcs)
+
+    def _setup_generation(self) -> None:
+        """After :meth:`_setup_odc`: the reference model (if any) sharded, then the generation mode's owner (the
+        default mode is chosen by the device memory left; vLLM's weight sync is installed)."""
+        self._ref_odc = shard_reference(self)
+        self._generator = make_generator(self)
+        self._generation_index = 0
+
+    def end(self) -> None:
+        """Release ODC, end the generation mode (a colocated vLLM engine is shut down: before the process groups go,
+        else its exit-time teardown fails on every rank), then finish the trackers and destroy the process group (if
+        the engine has not). Collective: call it once, on every rank, at the end."""
+        self.close_odc()
+        self._generator.end()
+        self.accelerator.end_training()
+
+    # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
+
+    def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
+        """The deferred log-probability passes the loss needs, given TRL's scored output: ``(model, runtime, context,
+        key)`` each (``context`` the one to run ``model`` in: :func:`~hf_odc.trainer.core._reference.reference_of`'s for
+        a reference), run on every packed microbatch of the generation batch and stored under ``key`` in its loss
+        inputs."""
+        raise NotImplementedError
+
+    def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
+        """After the deferred passes, with the gathered generation batch and this rank's planned steps."""
+
+    def _steps_per_generation(self) -> int:
+        """Calls of ``training_step`` one generation batch serves per iteration (TRL's ``steps_per_generation``)."""
+        return self.args.steps_per_generation
+
+    def _iterations_per_generation(self) -> int:
+        """How many times each generation batch is trained on (TRL's ``num_iterations``)."""
+        return self.num_iterations
+
+    # -- rollouts -----------------------------------------------------------------------------------------------------
+
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's, inside the generation mode's :meth:`~hf_odc.trainer.generation.modes.Generator.generation_batch`,
+        recording each completion's true length (TRL pads them to the longest)."""
+        with self._generator.generation_batch():
+            result = super()._generate(prompts)
+        self._completion_lengths = [len(ids) for ids in result[1]]
+        return result
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple:
+        """TRL's, decoded on this rank alone in the run's generation mode, or by vLLM. With tools, the turns' decoding
+        context (one forward-only ODC minibatch, or the gathered weights) is entered at the first turn and held
+        through TRL's tool loop (:meth:`_tool_call_loop`), so that each rank decodes as many turns as its own
+        completions need, alone, and meets the others once per generation batch."""
+        self._generator.hold_turns()
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        except BaseException:
+            self._generator.release_turns()
+            raise
+        finally:
+            if not getattr(self, "tools", None):
+                self._generator.release_turns()
+
+    def _tool_call_loop(self, *args: Any, **kwargs: Any) -> tuple:
+        """TRL's tool loop (run the tools, decode the next turn of the completions that called one), inside the
+        decoding context its first turn entered; left at its end."""
+        try:
+            return super()._tool_call_loop(*args, **kwargs)
+        finally:
+            self._generator.release_turns()
+
+    def _get_per_token_logps_and_entropies(self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        """TRL's, except while a training generation batch is scored: then the old/reference passes are deferred to
+        :meth:`_score_rollouts` (packed, balanced, one-sided), and a placeholder of the right shape is returned."""
+        if not self._deferring_scores:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        logits_to_keep = kwargs.get("logits_to_keep", args[1] if len(args) > 1 else None)
+        return input_ids.new_zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32), None, None
+
+    @contextlib.contextmanager
+    def _deferred_scoring(self) -> Iterator[None]:
+        self._deferring_scores = True
+        try:
+            yield
+        finally:
+            self._deferring_scores = False
+
+    def _plan_step(self, window: list[Any]) -> RolloutStep:
+        """This optimizer step's :class:`~hf_odc.trainer.online.rollouts.RolloutStep`: generating, scoring and planning
+        a new generation batch when TRL would (every ``steps_per_generation * num_iterations`` calls of
+        ``training_step``), then taking its next minibatch. ``window`` holds each accumulation call's prompts (TRL
+        repeats the generation batch's prompts for each call)."""
+        first, self._step = self._step, self._step + len(window)  # TRL counts calls of training_step
+        per_generation = self._steps_per_generation()
+        if first % (per_generation * self._iterations_per_generation()) == 0 or self._buffered_inputs is None:
+            with self.odc.bounded("generation and scoring"):
+                self._buffered_inputs = self._generate_and_plan(window[0])
+        return self._buffered_inputs[(first % per_generation) // self.args.gradient_accumulation_steps]
+
+    def _generate_and_plan(self, generation_batch: list[dict[str, Any]]) -> list[RolloutStep]:
+        """Generate and score with TRL, gather the rollouts, plan every minibatch of the generation batch, pack this
+        rank's microbatches and run the deferred passes on them."""
+        args, metrics = self.args, self._metrics["train"]
+        started = time.perf_counter()
+        with self._deferred_scoring():
+            scored = self._generate_and_score_completions(generation_batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        metrics["generation_s"].append(time.perf_counter() - started)
+        if any(key in scored for key in _MULTIMODAL_KEYS):
+            raise NotImplementedError(
+                f"{type(self).__name__} trains text-only policies; multimodal prompts are not supported. Train a "
+                f"vision-language policy with TRL's {type(self).__name__.removeprefix('ODC')}."
+            )
+        rollouts = gather_rollouts(Rollouts.from_scored(scored, self._completion_lengths))
+        planned = plan_generation_batch(
+            rollouts,
+            steps=self._steps_per_generation() // args.gradient_accumulation_steps,
+            rank=self.accelerator.process_index,
+            seed=args.seed + self._generation_index,
+            planner=self._planner,
+            max_tokens_for=args.max_tokens_for,
+        )
+        self._generation_index += 1
+        microbatches = [microbatch for step in planned for microbatch in step.microbatches]
+        passes = self._deferred_passes(scored)
+        if passes:
+            metrics["scoring_s"].append(sum(self._score_rollouts(*p[:3], microbatches, p[3]) for p in passes))
+        self._after_scoring(rollouts, planned)
+        return planned
+
+    def _score_rollouts(
+        self,
+        model: nn.Module,
+        runtime: ODCRuntime,
+        context: contextlib.AbstractContextManager,
+        microbatches: list[dict[str, Any]],
+        key: str,
+        output: str = "log_probs",
+    ) -> float:
+        """Per-token log-probabilities (or another per-position ``output`` of the forward, e.g. ``"entropy"``) of
+        ``model``, run in ``context``, at the completion tokens of this rank's packed microbatches, stored under
+        ``key`` in each one's loss inputs, in one forward-only minibatch; returns its device-timed span (seconds)."""
+
+        def store(microbatch: dict[str, Any], inputs: dict[str, Any], outputs: Any) -> None:
+            microbatch["loss"][key] = getattr(outputs, output)[0][inputs["loss"]["token_index"]].float()
+
+        return self._forward_only(model, runtime, microbatches, store, (context,))

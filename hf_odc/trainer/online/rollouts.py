@@ -1,0 +1,229 @@
+"""The GRPO trainer's data path: scored rollouts, gathered once per generation batch, re-planned across ranks and
+packed padding-free.
+
+TRL's ``GRPOTrainer`` trains each rank on the rollouts it generated, cut into equal slices, so a rank that drew the
+long completions sets the pace of every step. Here, once a generation batch is generated and scored (its advantages
+final), every rank gathers every rollout (:func:`gather_rollouts`, one gather per generation batch), cuts the batch
+into ``steps_per_generation`` minibatches with the same seeded permutation, and plans each minibatch with the
+trainer's planner on the rollouts' lengths (:func:`plan_generation_batch`): every rank computes the same plan and keeps
+its own row, so rollouts move between ranks without any further communication. Each microbatch is one padding-free
+row (:func:`pack_rollouts`): each rollout's prompt and completion, ``position_ids`` restarting at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+
+from ...packing import MinibatchPlanner
+from ..core._step import PlannedStep, packed_row
+
+__all__ = ["RolloutStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch"]
+
+
+@dataclass
+class Rollouts:
+    """Scored rollouts, one entry per sample, each unpadded (CPU tensors).
+
+    Attributes:
+        prompt_ids: each rollout's prompt token ids.
+        completion_ids: each rollout's completion token ids (up to and including its end-of-sequence token).
+        loss_mask: per completion token, 1.0 where it is trained: the completion mask times the tool mask (0 on tool
+            output), all zeros for a truncated completion with ``mask_truncated_completions``.
+        advantages: one per rollout, final (normalised over its group); zeros for a trainer without them
+            (distillation).
+        sampling_logps: per completion token, the generator's log-probabilities when it returned them
+            (a ``rollout_func``), else ``None``.
+    """
+
+    prompt_ids: list[torch.Tensor]
+    completion_ids: list[torch.Tensor]
+    loss_mask: list[torch.Tensor]
+    advantages: torch.Tensor
+    sampling_logps: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each rollout (prompt + completion): what a microbatch holds and the planner balances."""
+        return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
+
+    def count_loss_tokens(self, indices: Sequence[int] | None = None) -> int:
+        """Trained completion tokens of the rollouts ``indices`` (all of them by default: TRL's
+        ``num_items_in_batch`` of a generation batch)."""
+        masks = self.loss_mask if indices is None else [self.loss_mask[i] for i in indices]
+        return int(sum(float(mask.sum()) for mask in masks))
+
+    @classmethod
+    def from_scored(cls, scored: dict[str, Any], completion_lengths: Sequence[int]) -> Rollouts:
+        """This rank's rollouts from the padded output of ``GRPOTrainer._generate_and_score_completions``.
+
+        ``completion_lengths`` are the completions' true lengths (their padded width can be larger, and a truncated
+        completion's mask can be all zeros)."""
+        prompt_mask = scored["prompt_mask"].bool().cpu()
+        prompt_ids = [ids[mask] for ids, mask in zip(scored["prompt_ids"].cpu(), prompt_mask, strict=True)]
+        mask = scored["completion_mask"]
+        if scored.get("tool_mask") is not None:
+            mask = mask * scored["tool_mask"]
+        mask = mask.float().cpu()
+        completion_ids = scored["completion_ids"].cpu()
+        lengths = list(completion_lengths)
+        sampling = scored.get("sampling_per_token_logps")
+        return cls(
+            prompt_ids=prompt_ids,
+            completion_ids=[ids[:n] for ids, n in zip(completion_ids, lengths, strict=True)],
+            loss_mask=[m[:n] for m, n in zip(mask, lengths, strict=True)],
+            advantages=scored["advantages"].float().cpu() if "advantages" in scored else torch.zeros(len(prompt_ids)),
+            sampling_logps=None
+            if sampling is None
+            else [s[:n] for s, n in zip(sampling.float().cpu(), lengths, strict=True)],
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[Rollouts]) -> Rollouts:
+        """The rollouts of ``parts``, in order."""
+        sampling = [p.sampling_logps for p in parts]
+        return cls(
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            completion_ids=[x for p in parts for x in p.completion_ids],
+            loss_mask=[x for p in parts for x in p.loss_mask],
+            advantages=torch.cat([p.advantages for p in parts]),
+            sampling_logps=None if any(s is None for s in sampling) else [x for s in sampling for x in s],
+        )
+
+
+def gather_rollouts(local: Rollouts) -> Rollouts:
+    """Every rank's rollouts, in rank order (rank 0's first: the order of TRL's global generation batch).
+
+    One ``all_gather_object`` of CPU tensors, once per generation batch; with one process, ``local`` itself."""
+    return Rollouts.concat(gather_object([local]))
+
+
+@dataclass
+class RolloutStep(PlannedStep):
+    """One optimizer step's minibatch of rollouts, as this rank sees it: a :class:`~hf_odc.trainer.PlannedStep` whose
+    ``microbatches`` are packed rollouts (:func:`pack_rollouts`) and whose ``num_samples`` counts rollouts, plus what
+    GRPO's loss normalisers need.
+
+    Attributes:
+        rollout_indices: this rank's microbatches, each a list of rollout indices (into the generation batch), in the
+            order of ``microbatches``.
+        generation_loss_tokens: trained completion tokens of the whole generation batch.
+        generation_steps: optimizer steps (minibatches) the generation batch is cut into.
+    """
+
+    rollout_indices: list[list[int]] = field(default_factory=list)
+    generation_loss_tokens: int = 0
+    generation_steps: int = 1
+
+
+def plan_generation_batch(
+    rollouts: Rollouts,
+    *,
+    steps: int,
+    rank: int,
+    seed: int,
+    planner: MinibatchPlanner,
+    max_tokens_for: Callable[[int], int],
+) -> list[RolloutStep]:
+    """Cut the generation batch into ``steps`` minibatches, plan each one (the same on every rank) and pack this
+    rank's share.
+
+    Besides the plan's bubble, each step logs (in ``metrics``) ``predicted_bubble_rate_unbalanced``, the same
+    prediction if each rank kept the rollouts it generated (TRL's split), packed alike: what the rebalancing removed;
+    and ``tokens_generated/rank_R``, the tokens of the minibatch's rollouts rank R generated (what TRL's split would
+    train it on), against which the logged ``tokens/rank_R`` shows what the plan gave it.
+
+    The rollouts (in rank order, ``len(rollouts) / world_size`` generated by each rank) are permuted with a generator
+    seeded by ``seed`` (TRL shuffles a generation batch before slicing it, too) and cut into ``steps`` equal
+    minibatches. Each is planned by ``planner``, ``max_tokens_for(longest rollout of the minibatch)`` tokens per
+    microbatch.
+    """
+    lengths, generation_loss_tokens = rollouts.lengths, rollouts.count_loss_tokens()
+    total, world_size = len(lengths), planner.world_size
+    if total % (steps * world_size):
+        raise ValueError(f"{total} rollouts do not split into {steps} minibatches of {world_size} ranks.")
+    per_rank, size = total // world_size, total // steps
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    planned = []
+    for start in range(0, total, size):
+        indices = order[start : start + size]
+        local_lengths = [lengths[i] for i in indices]
+        max_tokens = max_tokens_for(max(local_lengths))
+        plan = planner.plan(local_lengths, max_tokens)
+        # TRL's split: every rank trains on the rollouts it generated, packed by the same planner.
+        generated_by = [[j for j, i in enumerate(indices) if i // per_rank == r] for r in range(world_size)]
+        unbalanced = [
+            [
+                [share[j] for j in microbatch]
+                for microbatch in planner.pack_alone([local_lengths[j] for j in share], max_tokens)
+            ]
+            if share
+            else []
+            for share in generated_by
+        ]
+        microbatches = [sorted(indices[j] for j in microbatch) for microbatch in plan[rank]]
+        generated = [sum(local_lengths[j] for j in share) for share in generated_by]
+        planned.append(
+            RolloutStep(
+                microbatches=[pack_rollouts(rollouts, microbatch) for microbatch in microbatches],
+                microbatch_lengths=[[[local_lengths[j] for j in microbatch] for microbatch in mine] for mine in plan],
+                num_samples=size,
+                num_tokens=sum(local_lengths),
+                num_loss_tokens=rollouts.count_loss_tokens(indices),
+                predicted_bubble_rate=planner.predicted_bubble(plan, local_lengths, max_tokens),
+                metrics={
+                    "predicted_bubble_rate_unbalanced": planner.predicted_bubble(unbalanced, local_lengths, max_tokens),
+                    **{f"tokens_generated/rank_{r}": tokens for r, tokens in enumerate(generated)},
+                },
+                rollout_indices=microbatches,
+                generation_loss_tokens=generation_loss_tokens,
+                generation_steps=steps,
+            )
+        )
+    return planned
+
+
+def pack_rollouts(rollouts: Rollouts, indices: Sequence[int]) -> dict[str, Any]:
+    """One padding-free microbatch of the rollouts ``indices``.
+
+    Returns ``{"model": ..., "loss": ...}``. ``model`` holds the forward's inputs: one row of the rollouts' prompts
+    and completions, ``position_ids`` restarting at 0 for each, ``labels`` equal to the tokens on completions and -100
+    elsewhere (so a fused LM head scores only completions), and ``cu_seq_lens_q/k`` / ``max_length_q/k`` for varlen
+    kernels. ``loss`` holds ``(k, C)`` tensors for the ``k`` rollouts, ``C`` the longest completion: ``token_index``
+    (each completion token's position in the row's ``log_probs``, which score token ``t`` at ``t - 1``; padding
+    points at position 0), ``mask`` (the loss mask, 0 on padding),
+    ``sampling_logps`` (or ``None``), and ``advantages`` ``(k,)``.
+    """
+    ids, labels, lengths, token_index = [], [], [], []
+    for i in indices:
+        prompt, completion = rollouts.prompt_ids[i], rollouts.completion_ids[i]
+        first = sum(lengths) + len(prompt)
+        ids.append(torch.cat([prompt, completion]))
+        labels.append(torch.cat([torch.full_like(prompt, -100), completion]))
+        token_index.append(torch.arange(first - 1, first - 1 + len(completion)))
+        lengths.append(len(prompt) + len(completion))
+    model_inputs = packed_row(torch.cat(ids), torch.cat(labels), lengths)
+    width = max(1, max(len(rollouts.completion_ids[i]) for i in indices))
+    loss = {
+        "token_index": _pad(token_index, width, 0).long(),
+        "mask": _pad([rollouts.loss_mask[i] for i in indices], width, 0.0).float(),
+        "advantages": rollouts.advantages[list(indices)].clone(),
+        "sampling_logps": None
+        if rollouts.sampling_logps is None
+        else _pad([rollouts.sampling_logps[i] for i in indices], width, 0.0).float(),
+    }
+    return {"model": model_inputs, "loss": loss}
+
+
+def _pad(rows: list[torch.Tensor], width: int, value: float) -> torch.Tensor:
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype if rows else torch.float32)
+    for row, values in zip(out, rows, strict=True):
+        row[: len(values)] = values
+    return out
