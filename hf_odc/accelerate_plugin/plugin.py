@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .._env import env, parse_bool, parse_shard_size, timeout_seconds
 from ..kernels import TRANSPORTS
 from ..liveness import DEFAULT_TIMEOUT_S
+from .parallelism import sequence_parallel_size
 
 __all__ = ["ODCPlugin"]
 
@@ -39,6 +40,11 @@ class ODCPlugin:
             Ranks per shard group. Parameters are sharded within a group and replicated across groups (hybrid ODC:
             one-sided inside a group, one all-reduce across replicas per minibatch). A group must lie within one
             host. ``None`` reads ``HF_ODC_SHARD_SIZE``, else a host's ranks (every rank when the job runs on one host).
+        sp_size (`int`, *optional*):
+            Ranks per sequence-parallel group: documents longer than a microbatch are split over the ranks of one
+            group, which attend together (:mod:`hf_odc.kernels.ulysses`). ``None`` reads the Accelerate config's
+            ``parallelism_config`` as ``accelerate launch`` exports it (:func:`~hf_odc.accelerate_plugin.
+            sequence_parallel_size`), else 1 (none).
     """
 
     enabled: bool | None = field(default=None, metadata={"help": "Run with ODC (env HF_ODC_ENABLED, default true)."})
@@ -63,6 +69,11 @@ class ODCPlugin:
         metadata={"help": "Ranks per shard group, replicated across groups (env HF_ODC_SHARD_SIZE; default a host's)."},
     )
 
+    sp_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks per sequence-parallel group (default: the Accelerate config's parallelism_config)."},
+    )
+
     def __post_init__(self) -> None:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"
         self.enabled = parse_bool(enabled, "ODCPlugin.enabled / HF_ODC_ENABLED")
@@ -79,3 +90,7 @@ class ODCPlugin:
                 f"ODCPlugin.transport / HF_ODC_TRANSPORT must be one of {sorted(TRANSPORTS)}, got {self.transport!r}."
             )
         self.shard_size = parse_shard_size(self.shard_size if self.shard_size is not None else env("SHARD_SIZE"))
+        if self.sp_size is None:
+            self.sp_size = sequence_parallel_size()
+        if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"ODCPlugin.sp_size must be a positive integer, got {self.sp_size!r}.")

@@ -44,6 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .._compat import attention_operators, attn_implementation
 from ..kernels.attention import Backend, packed_causal_attention
+from ..kernels.ulysses import sharded_causal_attention
 
 __all__ = [
     "CHECKPOINT_ATTENTION",
@@ -100,7 +101,10 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query (B, H_q, T, D)``, ``key/value (B, H_kv, T, D)`` in, the
     output ``(B, T, H_q, D)`` out. Document boundaries come from ``cu_seq_lens_q`` (one row) or ``position_ids`` (a
-    position that does not follow its predecessor by one starts a document); without either, each row is one."""
+    position that does not follow its predecessor by one starts a document); without either, each row is one. A
+    ``sequence_shard`` (:class:`~hf_odc.kernels.SequenceShard`, passed to the model's forward with a shard of a row
+    split over a group of ranks) attends the whole row with the group
+    (:func:`~hf_odc.kernels.sharded_causal_attention`), the documents' bounds its own."""
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError(
             f"attn_implementation={PACKED_ATTENTION!r} has no sliding-window attention; use flash_attention_2 or "
@@ -110,6 +114,20 @@ def packed_attention_forward(
     if not causal_rows:  # a padding mask, a KV cache or bidirectional attention: sdpa with the mask built for it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     batch, heads, tokens, dim = query.shape
+    shard = kwargs.get("sequence_shard")
+    if shard is not None:
+        if batch != 1:
+            raise ValueError(f"A row split over ranks is one row; got a batch of {batch}.")
+        out = sharded_causal_attention(
+            _tokens_first(query),
+            _tokens_first(key),
+            _tokens_first(value),
+            shard,
+            scale=scaling,
+            dropout_p=dropout,
+            backend=backend,
+        )
+        return out.view(batch, tokens, heads, dim), None
     lengths = _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
     out = packed_causal_attention(
         _tokens_first(query),

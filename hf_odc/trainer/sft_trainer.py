@@ -100,18 +100,26 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
             planner=self._planner,
             max_tokens=self.args.max_tokens_for(self.args.max_length),
             pad_token_id=self._tokenizer.pad_token_id,
+            sequence_group=self.odc.sequence_group,
         )
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
         """Refuse, before the first step, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
-        sample does not fit (the planner would only find out at the minibatch that draws it)."""
+        sample does not fit (the planner would only find out at the minibatch that draws it); with sequence
+        parallelism, a sample longer than ``sp_size`` microbatches."""
         args = self.args
         max_tokens = args.max_tokens_for(args.max_length)
         lengths = [len(ids) for ids in dataset["input_ids"]]
         longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-        if longest is None or lengths[longest] <= max_tokens:
+        if longest is None or lengths[longest] <= args.sp_size * max_tokens:
             return
+        if args.sp_size > 1:
+            raise ValueError(
+                f"Sample {longest} of the training dataset has {lengths[longest]} tokens, more than sp_size="
+                f"{args.sp_size} ranks hold ({args.sp_size} x {max_tokens} tokens per microbatch). Raise sp_size or "
+                "--max_tokens_per_microbatch, or drop or truncate that sample."
+            )
         setting = (
             f"max_tokens_per_microbatch={args.max_tokens_per_microbatch}"
             if args.max_tokens_per_microbatch is not None

@@ -7,7 +7,9 @@
 step and 4 accumulation steps (32 samples per optimizer step); the MoE cases (a Mixture-of-Experts model in
 ``MODEL_DIR``): ``moe-aux``, the router's load-balancing loss on, the 32 samples in one TRL forward (whose loss is
 then over the whole minibatch, as ODC's is: ``hf_odc.trainer._moe``), and ``moe-no-aux``, the loss off, with
-accumulation. Rank 0 saves, per case, the logged steps and the full parameters.
+accumulation; the long-document cases, launched with Accelerate's ``parallelism_config_sp_size: 2``, documents of up
+to twice ODC's microbatch tokens mixed with short ones, with and without accumulation. Rank 0 saves, per case, the
+logged steps and the full parameters.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ MOE_CASES = {
     "moe-aux": (32, 1, 112, {"router_aux_loss_coef": 0.2}),
     "moe-no-aux": (8, 4, 112, {"router_aux_loss_coef": 0.0}),
 }
-CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES}
+# Sequence parallelism (launched with `parallelism_config_sp_size: 2`): 32-token microbatches, documents of up to 59
+LONG_DOCUMENT_CASES = {"long-documents": (16, 1, 32, {}), "long-documents-accumulation": (8, 2, 32, {})}
+CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES}
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
