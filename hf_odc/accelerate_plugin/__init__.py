@@ -6,7 +6,7 @@ minibatch, close; see :mod:`hf_odc.accelerate_plugin.runtime` for the two lines 
 :mod:`hf_odc.accelerate_plugin.parallelism` how it takes Accelerate's ``parallelism_config`` over.
 """
 
-from .parallelism import accelerate_without_parallelism, sequence_parallel_size
+from .parallelism import accelerate_without_parallelism, parallelism_config_from, sequence_parallel_size
 from .plugin import ODCPlugin
 from .runtime import ODCRuntime
 from .sharding import device_mesh, mixed_precision_policy, remap_optimizer, shard_model
@@ -17,6 +17,7 @@ __all__ = [
     "accelerate_without_parallelism",
     "device_mesh",
     "mixed_precision_policy",
+    "parallelism_config_from",
     "remap_optimizer",
     "sequence_parallel_size",
     "shard_model",

@@ -20,44 +20,69 @@ host; ``odc_shard_size`` sets replicas).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._env import parse_bool
 
-__all__ = ["accelerate_without_parallelism", "sequence_parallel_size"]
+__all__ = ["accelerate_without_parallelism", "parallelism_config_from", "sequence_parallel_size"]
 
 _LAUNCHED = "ACCELERATE_USE_PARALLELISM_CONFIG"
 _PREFIX = "PARALLELISM_CONFIG_"
+_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+_SEQUENCE_HANDLER = ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
 
 
 def sequence_parallel_size(config: Any = None) -> int:
-    """The sequence-parallel group size Accelerate's settings ask for: ``config``'s (a ``ParallelismConfig``), else,
-    under ``accelerate launch`` with a ``parallelism_config`` in its yaml, the launcher's; 1 when neither says. Raises
-    ``ValueError`` (one line, naming what to change) for a setting ODC cannot honour."""
+    """The sequence-parallel group size Accelerate's settings ask for: ``config``'s (a ``ParallelismConfig``, or what
+    :func:`parallelism_config_from` takes), else, under ``accelerate launch`` with a ``parallelism_config`` in its
+    yaml, the launcher's; 1 when neither says. Raises ``ValueError`` (one line, naming what to change) for a setting
+    ODC cannot honour."""
+    config = parallelism_config_from(config)
     if config is not None:
-        values = {name: getattr(config, name, None) for name in ("dp_replicate_size", "dp_shard_size", "tp_size")}
-        values |= {name: getattr(config, name, None) for name in ("cp_size", "sp_size")}
         handler = getattr(config, "sp_handler", None)
-        values["sp_seq_length"] = getattr(handler, "sp_seq_length", None)
-        values["sp_attn_implementation"] = getattr(handler, "sp_attn_implementation", None)
-        values["sp_seq_length_is_variable"] = getattr(handler, "sp_seq_length_is_variable", None)
-        source = "ParallelismConfig"
-    elif parse_bool(os.environ.get(_LAUNCHED, "false"), _LAUNCHED):
-        names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "sp_seq_length")
-        values = {name: os.environ.get(_PREFIX + name.upper()) for name in names}
-        values["sp_attn_implementation"] = os.environ.get(_PREFIX + "SP_ATTN_IMPLEMENTATION")
-        values["sp_seq_length_is_variable"] = os.environ.get(_PREFIX + "SP_SEQ_LENGTH_IS_VARIABLE")
-        source = "the Accelerate config's parallelism_config"
-    else:
-        return 1
-    return _checked(values, source)
+        values = {name: getattr(config, name, None) for name in _SIZES}
+        values |= {name: getattr(handler, name, None) for name in _SEQUENCE_HANDLER}
+        return _checked(values, "ParallelismConfig")
+    if parse_bool(os.environ.get(_LAUNCHED, "false"), _LAUNCHED):
+        values = {name: os.environ.get(_PREFIX + name.upper()) for name in (*_SIZES, *_SEQUENCE_HANDLER)}
+        return _checked(values, "the Accelerate config's parallelism_config")
+    return 1
+
+
+def parallelism_config_from(value: Any) -> Any:
+    """``value`` as Accelerate's ``ParallelismConfig``: one as it is, or a mapping, or its JSON text (what a command
+    line's ``--parallelism_config '{"sp_size": 2}'`` gives), whose keys are the yaml's (``parallelism_config_sp_size``)
+    or the dataclass's (``sp_size``), the sequence-parallel handler's included. Anything else is refused in one
+    line."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    if value is None or isinstance(value, ParallelismConfig):
+        return value
+    example = "a JSON object such as '{\"sp_size\": 2}'"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"parallelism_config must be {example}, got {value!r}.") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"parallelism_config must be a ParallelismConfig or {example}, got {value!r}.")
+    fields = {str(key).removeprefix("parallelism_config_"): item for key, item in value.items()}
+    known = {"dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend"}
+    unknown = sorted(set(fields) - known - set(_SEQUENCE_HANDLER))
+    if unknown:
+        raise ValueError(f"parallelism_config has no key {', '.join(unknown)}; hf_odc honours sp_size.")
+    handler = {name: fields.pop(name) for name in _SEQUENCE_HANDLER if name in fields}
+    if handler:
+        fields["sp_handler"] = DeepSpeedSequenceParallelConfig(**handler)
+    return ParallelismConfig(**fields)
 
 
 def _checked(values: dict[str, Any], source: str) -> int:
-    sizes = {name: _size(values[name], name, source) for name in ("dp_replicate_size", "dp_shard_size", "tp_size")}
-    sizes |= {name: _size(values[name], name, source) for name in ("cp_size", "sp_size")}
+    sizes = {name: _size(values[name], name, source) for name in _SIZES}
     if sizes["cp_size"] > 1:
         raise ValueError(
             f"{source}: cp_size={sizes['cp_size']} (ring attention) is not supported by hf_odc; use "

@@ -15,7 +15,7 @@ import torch
 
 from .. import packing
 from .._env import parse_bool
-from ..accelerate_plugin import ODCPlugin, sequence_parallel_size
+from ..accelerate_plugin import ODCPlugin, parallelism_config_from, sequence_parallel_size
 from ..kernels import TRANSPORTS
 from ..liveness import DEFAULT_TIMEOUT_S, heartbeat
 from ..packing import COSTS, PLANNERS
@@ -272,7 +272,8 @@ class _ODCConfig:
             if self.bf16 is None:
                 self.bf16 = False
         # The settings resolved (HF_ODC_* fallbacks) and validated once, by the plugin; the fields show the result.
-        given = getattr(self, "parallelism_config", None)  # Accelerate's, taken over (hf_odc.accelerate_plugin)
+        # Accelerate's, taken over (hf_odc.accelerate_plugin.parallelism); JSON text from a command line parsed
+        given = self.parallelism_config = parallelism_config_from(self.parallelism_config)
         plugin = self._odc_plugin = ODCPlugin(
             enabled=self.odc,
             timeout=self.odc_timeout,

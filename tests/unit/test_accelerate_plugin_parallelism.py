@@ -11,7 +11,12 @@ import pytest
 from accelerate import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
 
-from hf_odc.accelerate_plugin import ODCPlugin, accelerate_without_parallelism, sequence_parallel_size
+from hf_odc.accelerate_plugin import (
+    ODCPlugin,
+    accelerate_without_parallelism,
+    parallelism_config_from,
+    sequence_parallel_size,
+)
 from hf_odc.trainer import ODCSFTConfig
 
 LAUNCHED = {  # what `accelerate launch` exports for a yaml with `parallelism_config: {parallelism_config_sp_size: 2}`
@@ -123,3 +128,16 @@ def test_the_accelerator_is_built_without_it(monkeypatch, launched):
     with accelerate_without_parallelism(args):
         assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ
     assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in os.environ
+
+
+def test_a_command_line_gives_it_as_json(tmp_path):
+    """``--parallelism_config '{"sp_size": 2}'`` (the examples' flag) reaches the config as text: read as a
+    ``ParallelismConfig``, in the yaml's spelling too; what is not one is refused in one line."""
+    args = ODCSFTConfig(str(tmp_path), report_to="none", parallelism_config='{"sp_size": 2}')
+    assert isinstance(args.parallelism_config, ParallelismConfig) and args.sp_size == 2
+    assert sequence_parallel_size({"parallelism_config_sp_size": 4}) == 4
+    assert parallelism_config_from({"sp_size": 2, "sp_seq_length": 64}).sp_handler.sp_seq_length == 64
+    for given, message in [("sp_size=2", "must be a JSON object such as"), ('{"sp_sise": 2}', "has no key sp_sise")]:
+        with pytest.raises(ValueError, match=message) as refusal:
+            ODCSFTConfig(str(tmp_path), report_to="none", parallelism_config=given)
+        assert "\n" not in str(refusal.value)
