@@ -6,7 +6,8 @@ are every ODC trainer's: :class:`hf_odc.trainer._base_trainer._ODCTrainer`):
 * ``get_train_dataloader``: one item per accumulation step, ``per_device_train_batch_size x world_size`` samples, the
   same on every rank (:mod:`hf_odc.trainer.data`); an optimizer step's items form its global minibatch.
 * ``_plan_step``: that minibatch planned (every rank the same plan, with the step's cost model) and this rank's share
-  packed padding-free (:class:`~hf_odc.trainer.data.PlannedMinibatchCollator`).
+  packed padding-free (:class:`~hf_odc.trainer.data.PlannedMinibatchCollator`); with Accelerate's ``sp_size``, its
+  shards of the documents longer than a microbatch first (group microbatches: :mod:`hf_odc.packing.sequence_parallel`).
 * ``_microbatch_loss``: the *sum* of the microbatch's token losses divided by ``N``, with ``N`` the target
   tokens of the whole global minibatch, counted locally by every rank (every rank holds every sample's labels), so no
   collective is needed and the update equals single-device training on the minibatch's mean token loss; entropy and
@@ -50,7 +51,8 @@ class ODCSFTTrainer(_ODCTrainer, SFTTrainer):
     attention implementations that would attend across packed samples (see `hf_odc.trainer.attention`).
 
     Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
-    `ODCSFTConfig`).
+    `ODCSFTConfig`). Documents longer than a microbatch train split over groups of ranks with Accelerate's
+    `parallelism_config` `sp_size` (see `ODCSFTConfig`).
 
     Example:
 
