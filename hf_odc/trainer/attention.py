@@ -115,25 +115,20 @@ def packed_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     batch, heads, tokens, dim = query.shape
     shard = kwargs.get("sequence_shard")
-    if shard is not None:
-        if batch != 1:
-            raise ValueError(f"A row split over ranks is one row; got a batch of {batch}.")
-        out = sharded_causal_attention(
-            _tokens_first(query),
-            _tokens_first(key),
-            _tokens_first(value),
-            shard,
-            scale=scaling,
-            dropout_p=dropout,
-            backend=backend,
+    if shard is None:
+        attend, layout = (
+            packed_causal_attention,
+            _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")),
         )
-        return out.view(batch, tokens, heads, dim), None
-    lengths = _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
-    out = packed_causal_attention(
+    elif batch == 1:
+        attend, layout = sharded_causal_attention, shard
+    else:
+        raise ValueError(f"A row split over ranks is one row; got a batch of {batch}.")
+    out = attend(
         _tokens_first(query),
         _tokens_first(key),
         _tokens_first(value),
-        lengths,
+        layout,
         scale=scaling,
         dropout_p=dropout,
         backend=backend,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -16,10 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from _machine import run_process, scaled
 from _models import tiny_qwen2_config
-from _slow import require_slow
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, SUPPORT, logged_steps, run
+from _trainer_launch import EXAMPLES, SUPPORT, launch, logged_steps, run
 from transformers import Qwen2ForCausalLM
 
 TRAINING = dict(
@@ -45,27 +42,14 @@ def trained_state(trainer) -> dict | None:
     return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
 
 
-def run_checked(
-    script: str,
-    *args: str,
-    processes: int = 1,
-    env: dict | None = None,
-    timeout: float = 600,
-    config: Path | None = None,
-) -> None:
-    """Run ``tests/support/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate
-    launch`` with ``config``, default ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
-    require_slow(f"the script {script}")
-    path = str(SUPPORT / script)
-    command = [sys.executable, path, *args]
-    if processes > 1:
-        config = str(config or EXAMPLES / "odc_cpu.yaml")
-        command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes), path, *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    returncode, out, err = run_process(
-        command, scaled(timeout, processes), cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, **launched: Any) -> None:
+    """Run ``tests/support/<script>`` as :func:`_trainer_launch.launch` runs an example (``launched``: its ``timeout``,
+    default 600 s, and ``config``, an Accelerate config in place of ``examples/odc_cpu.yaml``); fail with its output
+    unless it exits 0."""
+    returncode, output = launch(
+        str(SUPPORT / script), *args, processes=processes, env=env, **({"timeout": 600} | launched)
     )
-    assert returncode == 0, out[-4000:] + err[-8000:]
+    assert returncode == 0, output[-12000:]
 
 
 def train_with_reference(
