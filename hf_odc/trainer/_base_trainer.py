@@ -32,7 +32,7 @@ from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics
-from .attention import PACKED_ATTENTION, save_attention_in_checkpoints, use_packed_attention
+from .attention import check_sequence_parallel, save_attention_in_checkpoints, use_packed_attention
 
 
 class _ODCTrainer(_CheckpointHooks, ABC):
@@ -120,13 +120,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         (:mod:`hf_odc._compat`)."""
         _compat.check_trainer(self)
         args = self.args
-        implementation = use_packed_attention(self.model, args.packed_attention, args.device)
-        if args.sp_size > 1 and implementation != PACKED_ATTENTION:
-            raise ValueError(
-                f"sp_size={args.sp_size} splits long documents inside hf_odc's {PACKED_ATTENTION!r} attention, and the "
-                f"model uses {implementation!r}: load it with attn_implementation='sdpa' (switched) or "
-                f"{PACKED_ATTENTION!r}."
-            )
+        use_packed_attention(self.model, args.packed_attention, args.device)
+        check_sequence_parallel(self.model, args.sp_size)
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
         self._install_fused_kernels(self.model)
@@ -171,6 +166,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         trainer whose parity with TRL's loss has not been checked (:attr:`_weighs_moe_aux_loss`)."""
         if not getattr(self, "aux_loss_enabled", False):
             return None
+        if self.args.sp_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not weight MoE auxiliary losses with sequence parallelism yet; set "
+                "router_aux_loss_coef=0 or sp_size to 1."
+            )
         if not self._weighs_moe_aux_loss:
             raise NotImplementedError(
                 f"{type(self).__name__} does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0 (SFT, "

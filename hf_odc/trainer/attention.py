@@ -53,6 +53,7 @@ __all__ = [
     "PACKED_ATTENTION_IMPLEMENTATIONS",
     "attention_saving_context_fn",
     "check_packed_attention",
+    "check_sequence_parallel",
     "packed_attention_forward",
     "register_packed_attention",
     "save_attention_checkpoint_kwargs",
@@ -224,6 +225,26 @@ def check_packed_attention(model: nn.Module) -> str:
             f"{sorted(PACKED_ATTENTION_IMPLEMENTATIONS)} (e.g. attn_implementation={PACKED_ATTENTION!r})."
         )
     return implementation
+
+
+def check_sequence_parallel(model: nn.Module, sp_size: int) -> None:
+    """Refuse, before training, a model whose attention cannot run split over groups of ``sp_size`` ranks: one that
+    does not attend with :data:`PACKED_ATTENTION` (the only implementation that reads a ``sequence_shard``), or whose
+    query heads ``sp_size`` does not divide. Nothing to check for ``sp_size`` 1."""
+    if sp_size == 1:
+        return
+    implementation = attention_implementation(model)
+    if implementation != PACKED_ATTENTION:
+        raise ValueError(
+            f"sp_size={sp_size} splits long documents inside hf_odc's {PACKED_ATTENTION!r} attention, and the model "
+            f"uses {implementation!r}: load it with attn_implementation='sdpa' (switched) or {PACKED_ATTENTION!r}."
+        )
+    heads = _base_model(model).config.get_text_config().num_attention_heads
+    if heads % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} splits the attention heads among a group's ranks, and the model's {heads} query heads "
+            f"do not split into {sp_size}; use an sp_size that divides {heads}."
+        )
 
 
 def use_packed_attention(model: nn.Module, enabled: bool, device: torch.device) -> str:

@@ -2,7 +2,8 @@
 CPU processes launched with ``parallelism_config: {parallelism_config_sp_size: 2}`` in the Accelerate yaml trains
 documents of up to twice its microbatch's tokens as group microbatches of both ranks (Ulysses attention), beside
 short documents on one rank each, exactly as stock TRL ``SFTTrainer`` does on one process without a token budget:
-loss, gradient norm, TRL's metrics and the parameters, with and without gradient accumulation."""
+loss, gradient norm, TRL's metrics and the parameters, with and without gradient accumulation, and with LoRA (TRL's
+default activation checkpointing on throughout: the recomputation exchanges heads again)."""
 
 from __future__ import annotations
 

@@ -110,21 +110,23 @@ def test_more_ranks_than_samples_is_refused_before_the_first_step(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("attention", "message"),
+    ("attention", "shape", "message"),
     [
-        ("sdpa", r"sp_size=2 must divide the number of processes \(1\)"),
-        ("flex_attention", "splits long documents inside hf_odc's 'odc_packed' attention, and the model uses "
+        ("sdpa", {}, r"sp_size=2 must divide the number of processes \(1\)"),
+        ("flex_attention", {}, "splits long documents inside hf_odc's 'odc_packed' attention, and the model uses "
          "'flex_attention'"),
+        ("sdpa", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48},
+         "the model's 3 query heads do not split into 2; use an sp_size that divides 3"),
     ],
-    ids=["one-process", "own-attention"],
+    ids=["one-process", "own-attention", "heads"],
 )  # fmt: skip
-def test_sequence_parallelism_the_trainer_cannot_run_is_refused(tmp_path, attention, message):
+def test_sequence_parallelism_the_trainer_cannot_run_is_refused(tmp_path, attention, shape, message):
     """``ParallelismConfig(sp_size=2)`` reaches the trainer, not the ``Accelerator`` (which refuses any on CPU, with
     its own message), and the trainer refuses it in one line on one process, or with a model whose attention would
-    not split."""
+    not split (its own implementation, or heads that 2 does not divide)."""
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_config(
-        tiny_qwen2_config(vocab_size=len(tokenizer), attn_implementation=attention)
+        tiny_qwen2_config(vocab_size=len(tokenizer), attn_implementation=attention, **shape)
     )
     args = config(tmp_path, parallelism_config=ParallelismConfig(sp_size=2), max_length=64)
     with pytest.raises(ValueError, match=message) as refusal:
