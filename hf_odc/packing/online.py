@@ -76,27 +76,31 @@ class MinibatchPlanner:
         """The plan of a minibatch of ``lengths`` under the token cap ``max_tokens``. LB-Mini under ODC is given the
         calibrated per-microbatch cost as such (it weighs each rank's microbatch count, see
         :func:`~hf_odc.packing.lb_mini`); the other planners see it spread over the tokens."""
-        speeds = self.speeds  # set for LB-Mini under ODC once calibrated
+        cost, speeds, per_microbatch = self._balanced(max_tokens)
         if speeds is None:
-            return self._planner(lengths, self.world_size, max_tokens, self.cost_for(max_tokens))
-        cost = self.calibration.cost
-        return lb_mini(lengths, self.world_size, max_tokens, cost, speeds=speeds, per_microbatch=cost.per_microbatch)
+            return self._planner(lengths, self.world_size, max_tokens, cost)
+        return lb_mini(lengths, self.world_size, max_tokens, cost, speeds=speeds, per_microbatch=per_microbatch)
 
     def plan_groups(self, lengths: Sequence[int], max_tokens: int) -> GroupPlan:
         """The plan of a minibatch of ``lengths`` with documents longer than ``max_tokens`` split over groups of
-        :attr:`group_size` ranks (:func:`~hf_odc.packing.lb_mini_groups`); with a group size of 1, :meth:`plan`'s
-        plan and no group microbatch."""
+        :attr:`group_size` ranks (:func:`~hf_odc.packing.lb_mini_groups`, given what :meth:`plan` gives LB-Mini);
+        with a group size of 1, :meth:`plan`'s plan and no group microbatch."""
         if self.group_size == 1:
             return GroupPlan(self.plan(lengths, max_tokens), 1, [[] for _ in range(self.world_size)])
-        speeds, cost = self.speeds, self.cost_for(max_tokens)
-        per_microbatch = 0.0
-        if speeds is not None:
-            cost = self.calibration.cost
-            per_microbatch = cost.per_microbatch
+        cost, speeds, per_microbatch = self._balanced(max_tokens)
         return lb_mini_groups(
             lengths, self.world_size, max_tokens, cost, group_size=self.group_size, speeds=speeds,
             per_microbatch=per_microbatch,
         )  # fmt: skip
+
+    def _balanced(self, max_tokens: int) -> tuple[CostModel, tuple[float, ...] | None, float]:
+        """The cost, speeds and per-microbatch cost to plan with: once calibrated, LB-Mini under ODC balances the
+        ranks' speeds and weighs their microbatch counts; otherwise the cost under the cap, equal speeds."""
+        speeds = self.speeds
+        if speeds is None:
+            return self.cost_for(max_tokens), None, 0.0
+        cost = self.calibration.cost
+        return cost, speeds, cost.per_microbatch
 
     def pack_alone(self, lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
         """The microbatches (indices into ``lengths``) this planner packs ``lengths`` into for one rank alone, under
