@@ -27,6 +27,11 @@ accelerate launch --config_file examples/odc.yaml --num_processes 2 examples/sft
     --model_config qwen2-0.5b --dataset synthetic-longtail --num_samples 4096 --max_length 16384 \
     --per_device_train_batch_size 16 --max_steps 20
 
+# documents longer than a microbatch (up to 256 tokens on microbatches of 128) split over both ranks: Accelerate's
+# sequence parallelism (`parallelism_config_sp_size: 2` in the yaml does the same), run by hf_odc inside ODC
+accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py --max_tokens_per_microbatch 128 \
+    --parallelism_config '{"sp_size": 2}'
+
 # a real model and dataset from local disk (no Hub access needed)
 accelerate launch --config_file examples/odc.yaml examples/sft.py \
     --model_name_or_path /models/Qwen2.5-0.5B-Instruct --dataset_name /data/my_chats --assistant_only_loss true

@@ -17,6 +17,7 @@ from typing import Any
 from .._env import env, parse_bool, parse_shard_size
 from ..kernels import TRANSPORTS
 from ..liveness import DEFAULT_TIMEOUT_S, heartbeat
+from .parallelism import sequence_parallel_size
 
 __all__ = ["ODCPlugin", "odc_field"]
 
@@ -73,6 +74,11 @@ class ODCPlugin:
             Ranks per shard group. Parameters are sharded within a group and replicated across groups (hybrid ODC:
             one-sided inside a group, one all-reduce across replicas per minibatch). A group must lie within one
             host. ``None`` reads ``HF_ODC_SHARD_SIZE``, else a host's ranks (every rank when the job runs on one host).
+        sp_size (`int`, *optional*):
+            Ranks per sequence-parallel group: documents longer than a microbatch are split over the ranks of one
+            group, which attend together (:mod:`hf_odc.kernels.ulysses`). ``None`` reads the Accelerate config's
+            ``parallelism_config`` as ``accelerate launch`` exports it (:func:`~hf_odc.accelerate_plugin.
+            sequence_parallel_size`), else 1 (none).
     """
 
     enabled: bool | None = odc_field("enabled")
@@ -80,6 +86,11 @@ class ODCPlugin:
     reshard_after_forward: bool | None = odc_field("reshard_after_forward")
     transport: str | None = odc_field("transport")
     shard_size: int | None = odc_field("shard_size")
+
+    sp_size: int | None = field(
+        default=None,
+        metadata={"help": "Ranks per sequence-parallel group (default: the Accelerate config's parallelism_config)."},
+    )
 
     def __post_init__(self) -> None:
         enabled = self.enabled if self.enabled is not None else env("ENABLED") or "true"
@@ -97,3 +108,7 @@ class ODCPlugin:
                 f"ODCPlugin.transport / HF_ODC_TRANSPORT must be one of {sorted(TRANSPORTS)}, got {self.transport!r}."
             )
         self.shard_size = parse_shard_size(self.shard_size if self.shard_size is not None else env("SHARD_SIZE"))
+        if self.sp_size is None:
+            self.sp_size = sequence_parallel_size()
+        if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"ODCPlugin.sp_size must be a positive integer, got {self.sp_size!r}.")

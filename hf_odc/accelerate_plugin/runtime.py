@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..engine import ODC, CollectiveMinibatch, MinibatchStats, enable, held_unsharded
+from ..kernels import new_sequence_group
 from ..liveness import bounded
 from .plugin import ODCPlugin
 from .sharding import remap_optimizer, shard_model
@@ -53,6 +54,7 @@ class ODCRuntime:
         self.accelerator = accelerator
         self._odc: ODC | None = None
         self._runner: ODC | CollectiveMinibatch | None = None
+        self._sequence_group: Any = None
 
     # -- setup ------------------------------------------------------------------------------------------------------
 
@@ -70,7 +72,10 @@ class ODCRuntime:
         """Install ODC on the sharded ``model`` (collective) if the plugin enables it; after :meth:`shard`, before any
         forward. Otherwise (disabled, or one process) :meth:`minibatch` runs the model as it is, between the same
         meeting points. Either way every process group of the job gets the plugin's timeout (gloo's default is 30
-        minutes, and transformers passes none to a CPU group), so that no collective blocks for longer."""
+        minutes, and transformers passes none to a CPU group), so that no collective blocks for longer. With the
+        plugin's ``sp_size`` above 1, the sequence-parallel groups are created first (:attr:`sequence_group`)."""
+        if self.plugin.sp_size > 1 and self._sequence_group is None and isinstance(model, FSDPModule):
+            self._sequence_group = new_sequence_group(self.plugin.sp_size)
         if self.plugin.enabled and isinstance(model, FSDPModule) and self._odc is None:
             self._odc = enable(model, transport=self.plugin.transport)  # on the timeout the plugin set
         bounded.bound_process_groups(self.plugin.timeout)
@@ -112,6 +117,12 @@ class ODCRuntime:
     def hybrid(self) -> bool:
         """Whether ODC runs hybrid: shard groups replicated across hosts, all-reduced once per minibatch."""
         return self._odc is not None and self._odc.replicas is not None
+
+    @property
+    def sequence_group(self) -> Any:
+        """This rank's sequence-parallel process group (the plugin's ``sp_size`` consecutive ranks, which split long
+        documents together: :mod:`hf_odc.kernels.ulysses`), once :meth:`enable` created it; ``None`` without."""
+        return self._sequence_group
 
     @property
     def odc(self) -> ODC | None:

@@ -22,6 +22,7 @@ _PLAN_EXAMPLES = """examples:
   hf-odc plan --dataset ./my_chats --column messages --tokenizer ./Qwen2-7B --json - | jq .results  # table: stderr
   hf-odc plan --world-sizes 16,64,256 --gpus-per-host 8 --cross-host-gbps 25 --model-config ./Qwen2-7B  # hybrid
   hf-odc plan --world-sizes 16,64 --gpus-per-host 8 --calibration odc_calibration.json --params 1.5e9
+  hf-odc plan --distribution longalign --max-tokens 32768 --sp-size 4 --world-sizes 8,32  # documents up to 128K
 """
 
 
@@ -106,6 +107,15 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         metavar="R",
         help="token cap as a multiple of the longest possible sample (default: 1.0)",
     )
+    shape.add_argument(
+        "--sp-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="sequence parallelism: samples of up to N times the cap are split over groups of N ranks (ODC+LB-Mini: "
+        "those longer than the cap only, as group microbatches; the other schemes: every microbatch); N must divide "
+        "every world size (default: 1)",
+    )
 
     cost = plan.add_argument_group("cost model (default: --cost attention)")
     exclusive = cost.add_mutually_exclusive_group()
@@ -178,11 +188,19 @@ def _run_plan(args: argparse.Namespace) -> None:
 
     source = choose_source(args.distribution, args.lengths, args.dataset, args.column, args.split, args.tokenizer)
     max_tokens = args.max_tokens or max_tokens_for(source.max_length, args.packing_ratio)
-    _check_cap(source, max_tokens)
+    _check_cap(source, max_tokens, args.sp_size)
     cost = choose_cost(args.cost, args.model_config, args.calibration, max_tokens)
     cross_host = _cross_host(args, cost)
     simulation = simulate(
-        source, args.world_sizes, args.samples_per_rank, max_tokens, cost, args.minibatches, args.seed, cross_host
+        source,
+        args.world_sizes,
+        args.samples_per_rank,
+        max_tokens,
+        cost,
+        args.minibatches,
+        args.seed,
+        cross_host,
+        args.sp_size,
     )
     render_table(simulation, Console(stderr=args.json == "-"))
     if args.json:
@@ -213,10 +231,11 @@ def _cross_host(args: argparse.Namespace, cost: CostLike) -> CrossHost | None:
     return cross_host
 
 
-def _check_cap(source, max_tokens: int) -> None:
-    """Refuse a cap below the longest sample before simulating: the planners' own error would name a sample's
-    place in a random minibatch, not in the user's lengths, and a built-in distribution may only fail later."""
-    if source.max_length <= max_tokens:
+def _check_cap(source, max_tokens: int, sp_size: int = 1) -> None:
+    """Refuse a cap below the longest sample (``sp_size`` caps with sequence parallelism) before simulating: the
+    planners' own error would name a sample's place in a random minibatch, not in the user's lengths, and a built-in
+    distribution may only fail later."""
+    if source.max_length <= sp_size * max_tokens:
         return
     lengths = getattr(source, "lengths", None)
     if lengths:
@@ -224,8 +243,8 @@ def _check_cap(source, max_tokens: int) -> None:
     else:
         what = f"{source.name} draws samples of up to {source.max_length} tokens"
     raise ValueError(
-        f"{what}, more than max_tokens={max_tokens}; raise --max-tokens or --packing-ratio (to 1.0 at least): "
-        "the planners never truncate."
+        f"{what}, more than {f'--sp-size {sp_size} x ' if sp_size > 1 else ''}max_tokens={max_tokens}; raise "
+        "--max-tokens or --packing-ratio (to 1.0 at least) or --sp-size: the planners never truncate."
     )
 
 

@@ -217,6 +217,9 @@ class ExampleParser(TrlParser):
       process and several would not train alike.
     * A flag is spelt in full: argparse's prefix matching is off, so ``--max_step 3`` is an unknown flag, not
       ``--max_steps 3``.
+    * ``--parallelism_config`` takes Accelerate's ``ParallelismConfig`` as JSON (``'{"sp_size": 2}'``: documents
+      longer than a microbatch split over 2 ranks), which the ODC configs read; transformers' parser would call the
+      class with the text.
     * The inputs the flags name are checked before the configs are built (the training config joins the process
       group) and before any model is (:meth:`check_inputs`): a bad one ends the run with one line from the first
       process (:func:`_fail`).
@@ -237,6 +240,9 @@ class ExampleParser(TrlParser):
             dataclass_types, usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)", allow_abbrev=False
         )
         self._check_dataset = check_dataset
+        for action in self._actions:
+            if action.dest == "parallelism_config":
+                action.type = str  # JSON, read by the ODC configs (hf_odc.accelerate_plugin.parallelism_config_from)
         self.set_defaults(
             logging_steps=1, save_strategy="no", report_to="none", gradient_checkpointing=None, lora_dropout=0.0
         )

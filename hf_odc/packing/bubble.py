@@ -17,7 +17,16 @@ from .cost import CostLike, evaluate_costs
 from .partition import _validated_speeds
 from .planners import Plan
 
-__all__ = ["Sync", "bubble_rate", "idle_fraction", "plan_costs", "predicted_time", "step_times", "sync_time"]
+__all__ = [
+    "Sync",
+    "bubble_of_costs",
+    "bubble_rate",
+    "idle_fraction",
+    "plan_costs",
+    "predicted_time",
+    "step_times",
+    "sync_time",
+]
 
 Sync = Literal["layer", "minibatch"]
 
@@ -42,8 +51,13 @@ def bubble_rate(
 ) -> float:
     """Predicted idle fraction: ``1 - sum of the ranks' busy times / (world_size * predicted_time)``, a rank's busy
     time being its total cost (divided by its speed, with ``speeds``); 0 for a plan with no work."""
-    per_rank = _timed(plan_costs(plan, lengths, cost), speeds)
-    return idle_fraction([sum(rank) for rank in per_rank], sync_time(per_rank, sync))
+    return bubble_of_costs(plan_costs(plan, lengths, cost), sync, speeds)
+
+
+def bubble_of_costs(per_rank: list[list[float]], sync: Sync = "layer", speeds: Sequence[float] | None = None) -> float:
+    """:func:`bubble_rate` of a plan given as each rank's microbatch costs (``[rank][microbatch]``)."""
+    timed = _timed(per_rank, speeds)
+    return idle_fraction([sum(rank) for rank in timed], sync_time(timed, sync))
 
 
 def idle_fraction(work: Sequence[float], time: float) -> float:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .bubble import bubble_rate
+from .bubble import bubble_of_costs, bubble_rate
 from .calibration import Calibration, Calibrator
 from .cost import CostModel
 from .planners import Plan, get_planner, lb_mini
+from .sequence_parallel import GroupPlan, check_group_size, lb_mini_groups
 
 __all__ = ["MinibatchPlanner"]
 
@@ -27,10 +28,27 @@ class MinibatchPlanner:
             :class:`~hf_odc.packing.AttentionCost`).
         calibrator: learns the cost and each rank's speed from :meth:`record`. Speeds are used only by LB-Mini under
             ODC: with per-layer collectives every microbatch step runs at the slowest rank's pace whatever the plan.
+        group_size: the sequence-parallel size: documents longer than the token cap run as group microbatches of
+            that many ranks (:meth:`plan_groups`, LB-Mini under ODC only); 1: none.
     """
 
-    def __init__(self, balance: str, world_size: int, sync: str, cost: CostModel, calibrator: Calibrator | None = None):
+    def __init__(
+        self,
+        balance: str,
+        world_size: int,
+        sync: str,
+        cost: CostModel,
+        calibrator: Calibrator | None = None,
+        group_size: int = 1,
+    ):
         self.balance, self.world_size, self.sync = balance, world_size, sync
+        check_group_size(world_size, group_size)
+        if group_size > 1 and (balance != "lb-mini" or sync != "minibatch"):
+            raise ValueError(
+                f"Sequence parallelism (sp_size={group_size}) runs with ODC and balance='lb-mini' (group microbatches "
+                f"beside unequal microbatch counts), not with balance={balance!r} and {sync}-level synchronisation."
+            )
+        self.group_size = group_size
         self._planner = get_planner(balance)
         self._cost = cost
         self.calibrator = calibrator
@@ -58,20 +76,43 @@ class MinibatchPlanner:
         """The plan of a minibatch of ``lengths`` under the token cap ``max_tokens``. LB-Mini under ODC is given the
         calibrated per-microbatch cost as such (it weighs each rank's microbatch count, see
         :func:`~hf_odc.packing.lb_mini`); the other planners see it spread over the tokens."""
-        speeds = self.speeds  # set for LB-Mini under ODC once calibrated
+        cost, speeds, per_microbatch = self._balanced(max_tokens)
         if speeds is None:
-            return self._planner(lengths, self.world_size, max_tokens, self.cost_for(max_tokens))
+            return self._planner(lengths, self.world_size, max_tokens, cost)
+        return lb_mini(lengths, self.world_size, max_tokens, cost, speeds=speeds, per_microbatch=per_microbatch)
+
+    def plan_groups(self, lengths: Sequence[int], max_tokens: int) -> GroupPlan:
+        """The plan of a minibatch of ``lengths`` with documents longer than ``max_tokens`` split over groups of
+        :attr:`group_size` ranks (:func:`~hf_odc.packing.lb_mini_groups`, given what :meth:`plan` gives LB-Mini);
+        with a group size of 1, :meth:`plan`'s plan and no group microbatch."""
+        if self.group_size == 1:
+            return GroupPlan(self.plan(lengths, max_tokens), 1, [[] for _ in range(self.world_size)])
+        cost, speeds, per_microbatch = self._balanced(max_tokens)
+        return lb_mini_groups(
+            lengths, self.world_size, max_tokens, cost, group_size=self.group_size, speeds=speeds,
+            per_microbatch=per_microbatch,
+        )  # fmt: skip
+
+    def _balanced(self, max_tokens: int) -> tuple[CostModel, tuple[float, ...] | None, float]:
+        """The cost, speeds and per-microbatch cost to plan with: once calibrated, LB-Mini under ODC balances the
+        ranks' speeds and weighs their microbatch counts; otherwise the cost under the cap, equal speeds."""
+        speeds = self.speeds
+        if speeds is None:
+            return self.cost_for(max_tokens), None, 0.0
         cost = self.calibration.cost
-        return lb_mini(lengths, self.world_size, max_tokens, cost, speeds=speeds, per_microbatch=cost.per_microbatch)
+        return cost, speeds, cost.per_microbatch
 
     def pack_alone(self, lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
         """The microbatches (indices into ``lengths``) this planner packs ``lengths`` into for one rank alone, under
         the token cap ``max_tokens``: what a rank would train on if it kept its own samples."""
         return self._planner(lengths, 1, max_tokens, self.cost_for(max_tokens))[0]
 
-    def predicted_bubble(self, plan: Plan, lengths: Sequence[int], max_tokens: int) -> float:
+    def predicted_bubble(self, plan: Plan | GroupPlan, lengths: Sequence[int], max_tokens: int) -> float:
         """The idle fraction the cost model (and speeds) predict for ``plan``."""
-        return bubble_rate(plan, lengths, self.cost_for(max_tokens), sync=self.sync, speeds=self.speeds)
+        cost = self.cost_for(max_tokens)
+        if isinstance(plan, GroupPlan):
+            return bubble_of_costs(plan.rank_costs(lengths, cost), self.sync, self.speeds)
+        return bubble_rate(plan, lengths, cost, sync=self.sync, speeds=self.speeds)
 
     def record(self, microbatch_lengths: Sequence[Sequence[Sequence[int]]], seconds: Sequence[Sequence[float]]) -> bool:
         """Feed one step's measured microbatches (every rank's) to the calibrator; whether the calibration changed."""

@@ -25,6 +25,8 @@ class ODCSFTConfig(_ODCConfig, SFTConfig):
     {odc_parameters}
     """
 
+    _splits_sequences = True
+
     def __post_init__(self):
         if self.packing or self.padding_free:
             raise ValueError(

@@ -6,7 +6,9 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 * ``get_train_dataloader``: one item per accumulation step, ``per_device_train_batch_size x world_size`` samples, the
   same on every rank (:mod:`hf_odc.trainer.core.data`); an optimizer step's items form its global minibatch.
 * ``_plan_step``: that minibatch planned (every rank the same plan, with the step's cost model) and this rank's share
-  packed padding-free (:class:`~hf_odc.trainer.core.data.PlannedMinibatchCollator`).
+  packed padding-free (:class:`~hf_odc.trainer.core.data.PlannedMinibatchCollator`); with Accelerate's ``sp_size``,
+  its shards of the documents longer than a microbatch first (group microbatches:
+  :mod:`hf_odc.packing.sequence_parallel`).
 * ``_microbatch_loss``: the *sum* of the microbatch's token losses divided by ``N``, with ``N`` the target
   tokens of the whole global minibatch, counted locally by every rank (every rank holds every sample's labels), so no
   collective is needed and the update equals single-device training on the minibatch's mean token loss; entropy and
@@ -49,7 +51,8 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
     attention implementations that would attend across packed samples (see `hf_odc.trainer.core.attention`).
 
     Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
-    `ODCSFTConfig`).
+    `ODCSFTConfig`). Documents longer than a microbatch train split over groups of ranks with Accelerate's
+    `parallelism_config` `sp_size` (see `ODCSFTConfig`).
 
     Example:
 
@@ -101,18 +104,26 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
             planner=self._planner,
             max_tokens=self.args.max_tokens_for(self.args.max_length),
             pad_token_id=self._tokenizer.pad_token_id,
+            sequence_group=self.odc.sequence_group,
         )
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
         """Refuse, before the first step, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
-        sample does not fit (the planner would only find out at the minibatch that draws it)."""
+        sample does not fit (the planner would only find out at the minibatch that draws it); with sequence
+        parallelism, a sample longer than ``sp_size`` microbatches."""
         args = self.args
         max_tokens = args.max_tokens_for(args.max_length)
         lengths = [len(ids) for ids in dataset["input_ids"]]
         longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-        if longest is None or lengths[longest] <= max_tokens:
+        if longest is None or lengths[longest] <= args.sp_size * max_tokens:
             return
+        if args.sp_size > 1:
+            raise ValueError(
+                f"Sample {longest} of the training dataset has {lengths[longest]} tokens, more than sp_size="
+                f"{args.sp_size} ranks hold ({args.sp_size} x {max_tokens} tokens per microbatch). Raise sp_size or "
+                "--max_tokens_per_microbatch, or drop or truncate that sample."
+            )
         setting = (
             f"max_tokens_per_microbatch={args.max_tokens_per_microbatch}"
             if args.max_tokens_per_microbatch is not None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -16,10 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from _machine import run_process, scaled
 from _models import tiny_qwen2_config
-from _slow import require_slow
-from _trainer_launch import ACCELERATE, EXAMPLES, ROOT, SUPPORT, logged_steps, run
+from _trainer_launch import EXAMPLES, SUPPORT, launch, logged_steps, run
 from transformers import Qwen2ForCausalLM
 
 TRAINING = dict(
@@ -45,20 +42,14 @@ def trained_state(trainer) -> dict | None:
     return {"logs": logs, "params": {k: v.detach().cpu().clone() for k, v in state.items()}}
 
 
-def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 600) -> None:
-    """Run ``tests/support/<script>`` on one process (``python``) or on ``processes`` CPU processes (``accelerate
-    launch`` with ``examples/odc_cpu.yaml``); fail with its output unless it exits 0."""
-    require_slow(f"the script {script}")
-    path = str(SUPPORT / script)
-    command = [sys.executable, path, *args]
-    if processes > 1:
-        config = str(EXAMPLES / "odc_cpu.yaml")
-        command = [str(ACCELERATE), "launch", "--config_file", config, "--num_processes", str(processes), path, *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    returncode, out, err = run_process(
-        command, scaled(timeout, processes), cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, **launched: Any) -> None:
+    """Run ``tests/support/<script>`` as :func:`_trainer_launch.launch` runs an example (``launched``: its ``timeout``,
+    default 600 s, and ``config``, an Accelerate config in place of ``examples/odc_cpu.yaml``); fail with its output
+    unless it exits 0."""
+    returncode, output = launch(
+        str(SUPPORT / script), *args, processes=processes, env=env, **({"timeout": 600} | launched)
     )
-    assert returncode == 0, out[-4000:] + err[-8000:]
+    assert returncode == 0, output[-12000:]
 
 
 def train_with_reference(
@@ -135,11 +126,13 @@ def parity_runs(
     model: torch.nn.Module | None = None,
     model_class: type = Qwen2ForCausalLM,
     env: dict | None = None,
+    accelerate: str = "",
     **config: Any,
 ) -> tuple[dict, dict]:
     """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
     fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
-    process and by ODC on two; their saved states, by case."""
+    process and by ODC on two (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch); their saved
+    states, by case."""
     if model is None:
         torch.manual_seed(0)
         fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
@@ -148,7 +141,9 @@ def parity_runs(
     model.save_pretrained(directory / "model")
     model, names = str(directory / "model"), list(cases)
     run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
-    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env)
+    accelerate_config = directory / "odc_cpu.yaml"
+    accelerate_config.write_text((EXAMPLES / "odc_cpu.yaml").read_text() + accelerate)
+    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env, config=accelerate_config)
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 

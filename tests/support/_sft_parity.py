@@ -7,7 +7,9 @@
 step and 4 accumulation steps (32 samples per optimizer step); the MoE cases (a Mixture-of-Experts model in
 ``MODEL_DIR``): ``moe-aux``, the router's load-balancing loss on, the 32 samples in one TRL forward (whose loss is
 then over the whole minibatch, as ODC's is: ``hf_odc.trainer.core._moe``), and ``moe-no-aux``, the loss off, with
-accumulation. Rank 0 saves, per case, the logged steps and the full parameters.
+accumulation; the long-document cases, launched with Accelerate's ``parallelism_config_sp_size: 2``, documents of up
+to twice ODC's microbatch tokens mixed with short ones, with and without accumulation, and with a LoRA adapter. Rank 0
+saves, per case, the logged steps and the full parameters.
 """
 
 from __future__ import annotations
@@ -27,21 +29,32 @@ MOE_CASES = {
     "moe-aux": (32, 1, 112, {"router_aux_loss_coef": 0.2}),
     "moe-no-aux": (8, 4, 112, {"router_aux_loss_coef": 0.0}),
 }
-CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES}
+# Sequence parallelism (launched with `parallelism_config_sp_size: 2`): 32-token microbatches, documents of up to 59
+LONG_DOCUMENT_CASES = {
+    "long-documents": (16, 1, 32, {}),
+    "long-documents-accumulation": (8, 2, 32, {}),
+    "long-documents-lora": (16, 1, 32, {"lora": True}),
+}
+CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES}
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
+    from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
 
     batch, accumulation, max_tokens, settings = CASES[name]
     settings = COMMON | {"gradient_accumulation_steps": accumulation} | settings
+    lora = settings.pop("lora", False)
+    peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if lora else None
     dataset = chat_dataset(batch * accumulation * STEPS, COMMON["max_length"], "swe-smith", seed=0)
     if kind == "trl":
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
         args = SFTConfig(output_dir, per_device_train_batch_size=batch, **settings)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer())
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft_config
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -49,7 +62,9 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
             output_dir, per_device_train_batch_size=batch // world_size, max_tokens_per_microbatch=max_tokens,
             cost_model="tokens", **settings,
         )  # fmt: skip
-        trainer = ODCSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer())
+        trainer = ODCSFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft_config
+        )
     trainer.train()
     return trained_state(trainer)
 

@@ -443,3 +443,23 @@ def test_planning_does_not_import_torch():
         "assert 'torch' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sp_size_plans_documents_longer_than_the_cap_on_groups(tmp_path, capsys):
+    """``--sp-size 2`` with a cap of half the longest sample: every scheme plans it, ODC+LB-Mini with group
+    microbatches (the lengths over the cap on two ranks each, counted on both), the others splitting every microbatch
+    over a group; the caption says so and the JSON records the size. A size that does not divide a world size, or a
+    sample longer than the groups hold, is refused."""
+    lengths_file, out_json = str(_lengths_file(tmp_path)), tmp_path / "sp.json"
+    out = _plan(capsys, "--lengths", lengths_file, "--max-tokens", "12000", "--sp-size", "2", "--world-sizes", "2,4",
+                "--minibatches", "2", "--samples-per-rank", "4", "--json", str(out_json))  # fmt: skip
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    assert [row[:2] for row in rows] == [[str(w), name] for w in (2, 4) for name in SCHEMES]
+    assert "sp_size=2: samples over max_tokens split over 2 ranks" in " ".join(out.split())
+    report = json.loads(out_json.read_text())
+    assert report["config"]["sp_size"] == 2
+    assert all(0 <= result["bubble_rate"] < 1 for result in report["results"])
+    err = _fails(capsys, "--lengths", lengths_file, "--sp-size", "4", "--max-tokens", "12000", "--world-sizes", "2")
+    assert "must divide the number of processes (2)" in err
+    err = _fails(capsys, "--lengths", lengths_file, "--max-tokens", "6000", "--sp-size", "2")
+    assert "has 24000 tokens, more than --sp-size 2 x max_tokens=6000" in err

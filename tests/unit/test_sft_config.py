@@ -7,9 +7,13 @@ import warnings
 
 import pytest
 import torch
+from _models import tiny_qwen2_config
 from _trainer_launch import run
+from accelerate import ParallelismConfig
+from transformers import AutoModelForCausalLM
 
-from hf_odc.trainer import ODCDistillationConfig, ODCGRPOConfig, ODCRLOOConfig, ODCSFTConfig
+from hf_odc.demo import build_tokenizer, chat_dataset
+from hf_odc.trainer import ODCDistillationConfig, ODCGRPOConfig, ODCRLOOConfig, ODCSFTConfig, ODCSFTTrainer
 
 
 def config(tmp_path, **kwargs) -> ODCSFTConfig:
@@ -103,3 +107,29 @@ def test_more_ranks_than_samples_is_refused_before_the_first_step(tmp_path):
                 r"number of processes\): lower --per_device_train_batch_size, run fewer processes")  # fmt: skip
     assert re.search(expected, message), message[-2000:]
     assert "'loss'" not in message, "refused before any step ran"
+
+
+@pytest.mark.parametrize(
+    ("attention", "shape", "message"),
+    [
+        ("sdpa", {}, r"sp_size=2 must divide the number of processes \(1\)"),
+        ("flex_attention", {}, "splits long documents inside hf_odc's 'odc_packed' attention, and the model uses "
+         "'flex_attention'"),
+        ("sdpa", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48},
+         "the model's 3 query heads do not split into 2; use an sp_size that divides 3"),
+    ],
+    ids=["one-process", "own-attention", "heads"],
+)  # fmt: skip
+def test_sequence_parallelism_the_trainer_cannot_run_is_refused(tmp_path, attention, shape, message):
+    """``ParallelismConfig(sp_size=2)`` reaches the trainer, not the ``Accelerator`` (which refuses any on CPU, with
+    its own message), and the trainer refuses it in one line on one process, or with a model whose attention would
+    not split (its own implementation, or heads that 2 does not divide)."""
+    tokenizer = build_tokenizer()
+    model = AutoModelForCausalLM.from_config(
+        tiny_qwen2_config(vocab_size=len(tokenizer), attn_implementation=attention, **shape)
+    )
+    args = config(tmp_path, parallelism_config=ParallelismConfig(sp_size=2), max_length=64)
+    with pytest.raises(ValueError, match=message) as refusal:
+        ODCSFTTrainer(model=model, args=args, train_dataset=chat_dataset(4, 64, "swe-smith", seed=0),
+                      processing_class=tokenizer)  # fmt: skip
+    assert "\n" not in str(refusal.value)

@@ -4,6 +4,7 @@ of refusal, a row per trainer and input (a trainer's other refusals are in its o
 from __future__ import annotations
 
 import pytest
+from accelerate import ParallelismConfig
 from datasets import Dataset
 from trl import DPOConfig, SFTConfig
 
@@ -53,6 +54,11 @@ INVALID_CONFIGS = [
         ({"odc_timeout": -5}, "positive"),
         ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be >= 1"),
         ({"odc_shard_size": 0}, "odc_shard_size / HF_ODC_SHARD_SIZE\\) must be a positive integer"),
+        ({"parallelism_config": ParallelismConfig(cp_size=2)}, r"cp_size=2 \(ring attention\) .* use sp_size=2"),
+        ({"parallelism_config": ParallelismConfig(tp_size=2)}, "tp_size=2 is not supported by hf_odc"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "odc": False, "balance": "lb-micro"}, "needs odc=True"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "balance": "lb-micro"}, "and balance='lb-mini'"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "packed_attention": False}, "packed_attention=True"),
     ]),
     *_rows("dpo", [
         ({"loss_type": "aot"}, r"loss_type='aot': it sorts the log-ratios of every pair .* Use one of"),
@@ -62,24 +68,28 @@ INVALID_CONFIGS = [
         ({"sync_ref_model": True}, "sync_ref_model .* Set sync_ref_model=False"),
         ({"padding_free": True}, "packs each microbatch itself"),
         ({"odc": False, "balance": "lb-mini"}, "deadlock"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCDPOConfig: sp_size=2 .* ODCSFTConfig only"),
     ]),
     *_rows("kto", [
         ({"loss_type": "bco"}, r"Unknown KTO loss_type 'bco'; ODCKTOTrainer supports \('kto', 'apo_zero_unpaired'\)"),
         ({"sync_ref_model": True}, "sync_ref_model .* Set sync_ref_model=False, or use trl.KTOTrainer"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCKTOConfig: sp_size=2 .* ODCSFTConfig only"),
     ]),
     *_rows("grpo", [
         ({"use_vllm": True, "odc_generation": "gathered"}, "Leave odc_generation unset"),
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
         ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
         ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCGRPOConfig: sp_size=2 .* ODCSFTConfig only"),
     ]),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("trainer", "kwargs", "message"), INVALID_CONFIGS)
 def test_invalid_configs_are_refused(tmp_path, trainer, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refusal:
         config(trainer, tmp_path, **kwargs)
+    assert "\n" not in str(refusal.value)
 
 
 CANNOT_HONOUR = [

@@ -25,6 +25,12 @@ def render_table(simulation: Simulation, console: Console | None = None) -> None
         f"{config['source']}, {config['samples_per_rank']} samples/rank, max_tokens={config['max_tokens']}, "
         f"cost={config['cost']}, {config['num_minibatches']} minibatches, seed={config['seed']}"
     )
+    if "sp_size" in config:
+        caption += (
+            f"\nsp_size={config['sp_size']}: samples over max_tokens split over {config['sp_size']} ranks "
+            "(ODC+LB-Mini: as group microbatches, counted in Microbatches/rank; the others: every microbatch split "
+            "over a group)"
+        )
     if "cross_host" in config:
         caption += "\n" + _cross_host_caption(simulation)
     table = Table(title=f"Predicted bubble rate and speedup over {BASELINE}", caption=caption)

@@ -7,6 +7,13 @@ minibatches. Bubble rates and speedups are ratios of those sums, so long minibat
 With a :class:`CrossHost` layout, world sizes that span several whole hosts get two more rows, hybrid ODC and its
 collective counterpart HSDP: the compute of ODC+LB-Mini and Collective+LB-Micro plus the one cross-host all-reduce
 of the gradient shards that both run per minibatch.
+
+With sequence parallelism (``sp_size`` above 1) documents of up to ``sp_size`` microbatches are planned too, as
+training runs them (:mod:`hf_odc.packing.sequence_parallel`): ODC+LB-Mini runs each document longer than a microbatch
+as a group microbatch of ``sp_size`` ranks and every other one on a single rank; the other schemes, whose ranks run
+microbatches in step, split every microbatch over a group, as Accelerate's Ulysses does (the groups plan as ranks
+with ``sp_size`` times the cap). A split document costs each rank of its group its share plus the all-to-alls
+(:func:`~hf_odc.packing.split_costs`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import numpy as np
 
 from ...packing.bubble import Sync, idle_fraction, plan_costs, sync_time
 from ...packing.cost import AttentionCost, CalibratedCost, CostLike, resolve_cost
-from ...packing.schemes import BASELINE, SCHEMES
+from ...packing.schemes import BASELINE, SCHEMES, Scheme
+from ...packing.sequence_parallel import check_group_size, lb_mini_groups, split_costs
 from .sources import LengthSource
 
 __all__ = ["HYBRID_SCHEMES", "CrossHost", "SchemeResult", "Simulation", "simulate"]
@@ -144,43 +152,50 @@ def simulate(
     num_minibatches: int = 10,
     seed: int = 0,
     cross_host: CrossHost | None = None,
+    sp_size: int = 1,
 ) -> Simulation:
     """Plan ``num_minibatches`` minibatches per world size with every scheme and compare predicted times.
 
     Minibatches for world size ``w`` come from ``numpy.random.default_rng([seed, w])``, so results are
     reproducible and adding a world size does not change the others. With ``cross_host``, each world size that
     spans several hosts also gets the :data:`HYBRID_SCHEMES` rows: their compute rows' plans and times plus one
-    all-reduce per minibatch, counted as idle time; their speedups are over the compute-only baseline too.
+    all-reduce per minibatch, counted as idle time; their speedups are over the compute-only baseline too. With
+    ``sp_size`` above 1 (a divisor of every world size), documents longer than ``max_tokens`` are split over groups
+    of that many ranks (see the module's docstring).
     """
     if samples_per_rank < 1 or num_minibatches < 1:
         raise ValueError(
             f"samples_per_rank and num_minibatches must be >= 1, got {samples_per_rank} and {num_minibatches}."
         )
+    for world_size in world_sizes:
+        check_group_size(world_size, sp_size)
     results: list[SchemeResult] = []
     timelines: dict[int, dict[str, list[list[float]]]] = {}
     for world_size in world_sizes:
         rng = np.random.default_rng([seed, world_size])
         times = dict.fromkeys((scheme.name for scheme in SCHEMES), 0.0)
+        work = dict.fromkeys(times, 0.0)
         counts: dict[str, list[int]] = {scheme.name: [] for scheme in SCHEMES}
-        total_cost = 0.0
         for minibatch in range(num_minibatches):
             lengths = source.draw(samples_per_rank * world_size, rng)
             costs_by_planner: dict[str, list[list[float]]] = {}  # two schemes share the LB-Micro plan
             for scheme in SCHEMES:
                 if scheme.balance not in costs_by_planner:
-                    plan = scheme.planner(lengths, world_size, max_tokens, cost)
-                    costs_by_planner[scheme.balance] = plan_costs(plan, lengths, cost)
+                    costs_by_planner[scheme.balance] = _planned_costs(
+                        scheme, lengths, world_size, max_tokens, cost, sp_size
+                    )
                 per_rank = costs_by_planner[scheme.balance]
                 times[scheme.name] += sync_time(per_rank, scheme.sync)
+                work[scheme.name] += sum(map(sum, per_rank))  # split documents cost their all-to-alls besides
                 counts[scheme.name] += map(len, per_rank)
                 if minibatch == 0:
                     timelines.setdefault(world_size, {})[scheme.name] = per_rank
-            total_cost += sum(map(sum, per_rank))  # the same for every scheme: they all run every sample once
         syncs = {scheme.name: scheme.sync for scheme in SCHEMES}
         if cross_host is not None and cross_host.spans_hosts(world_size):
             all_reduces = num_minibatches * cross_host.all_reduce_time(world_size)
             for hybrid, compute in HYBRID_SCHEMES.items():
                 times[hybrid] = times[compute] + all_reduces
+                work[hybrid] = work[compute]
                 counts[hybrid] = counts[compute]
                 syncs[hybrid] = syncs[compute]
         results += [
@@ -188,7 +203,7 @@ def simulate(
                 world_size=world_size,
                 scheme=name,
                 sync=syncs[name],
-                bubble_rate=idle_fraction([total_cost / world_size] * world_size, time),
+                bubble_rate=idle_fraction([work[name] / world_size] * world_size, time),
                 speedup=times[BASELINE] / time,
                 time=time,
                 min_microbatches=min(counts[name]),
@@ -205,6 +220,21 @@ def simulate(
         "num_minibatches": num_minibatches,
         "seed": seed,
     }
+    if sp_size > 1:
+        config["sp_size"] = sp_size
     if cross_host is not None:
         config["cross_host"] = asdict(cross_host)
     return Simulation(config=config, results=results, timelines=timelines)
+
+
+def _planned_costs(
+    scheme: Scheme, lengths: list[int], world_size: int, max_tokens: int, cost: CostLike, sp_size: int
+) -> list[list[float]]:
+    """``[rank][microbatch]`` -> cost: the minibatch as ``scheme`` plans it, with groups of ``sp_size`` ranks."""
+    if sp_size == 1:
+        return plan_costs(scheme.planner(lengths, world_size, max_tokens, cost), lengths, cost)
+    if scheme.balance == "lb-mini":
+        return lb_mini_groups(lengths, world_size, max_tokens, cost, group_size=sp_size).rank_costs(lengths, cost)
+    plan = scheme.planner(lengths, world_size // sp_size, max_tokens * sp_size, cost)  # every microbatch split
+    split = split_costs(lengths, sp_size, cost)
+    return [[float(split[microbatch].sum()) for microbatch in group] for group in plan for _ in range(sp_size)]

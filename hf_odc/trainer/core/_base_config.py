@@ -15,7 +15,7 @@ import torch
 
 from ... import packing
 from ..._env import parse_bool
-from ...accelerate_plugin import ODCPlugin
+from ...accelerate_plugin import ODCPlugin, parallelism_config_from, sequence_parallel_size
 from ...accelerate_plugin.plugin import odc_field
 from ...packing import COSTS, PLANNERS
 from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
@@ -110,6 +110,16 @@ _ODC_PARAMETERS = """
     > without it every process would silently train alone.
 
     > [!NOTE]
+    > Documents longer than a microbatch: Accelerate's `parallelism_config` with `sp_size` (the yaml's
+    > `parallelism_config: {parallelism_config_sp_size: N}` or `ParallelismConfig(sp_size=N)` as `parallelism_config`)
+    > turns on sequence parallelism inside ODC, hf_odc's own, on CPU and GPU alike (Accelerate never sees the
+    > setting): a document longer than the microbatch's tokens, up to `N` times them, is split over a group of `N`
+    > consecutive ranks that run it together, attention exchanging heads for tokens all-to-all (Ulysses); every other
+    > document stays a microbatch of one rank. It needs `odc=True`, `balance="lb-mini"` and `packed_attention=True`,
+    > a number of processes that `N` divides and attention heads that `N` divides. `cp_size` (ring attention) and the
+    > other sizes are refused, naming what to set instead. SFT only: the other trainers refuse it.
+
+    > [!NOTE]
     > Mixture-of-Experts models (Qwen3-MoE, Mixtral, OLMoE...): as in TRL, the router's load-balancing loss is on for
     > a model whose config declares `output_router_logits` (whatever its value) when `router_aux_loss_coef` (else the
     > config's own) is non-zero, and the loss gains `router_aux_loss_coef * aux_loss`, with `aux_loss` transformers'
@@ -173,6 +183,10 @@ class _ODCConfig:
     The ODC fields of every ODC trainer's config; each config's docstring documents them (see
     :class:`~hf_odc.trainer.ODCSFTConfig`), and :meth:`__post_init__` validates them before TRL's own checks.
     """
+
+    _splits_sequences = False
+    """Whether the trainer runs documents longer than a microbatch split over ranks (Accelerate's ``sp_size``);
+    ``False`` refuses ``sp_size > 1``."""
 
     odc: bool | None = odc_field("enabled")
     odc_timeout: float | None = odc_field("timeout")
@@ -250,8 +264,15 @@ class _ODCConfig:
                 self.bf16 = False
         # The settings resolved (HF_ODC_* fallbacks) and validated once, by the plugin, which also makes the timeout
         # the process's before TrainingArguments' __post_init__ creates the process group; the fields show the result.
+        # Accelerate's parallelism_config is taken over (hf_odc.accelerate_plugin.parallelism); JSON text from a
+        # command line is parsed.
+        given = self.parallelism_config = parallelism_config_from(self.parallelism_config)
         plugin = self._odc_plugin = ODCPlugin(
-            enabled=self.odc, timeout=self.odc_timeout, transport=self.odc_transport, shard_size=self.odc_shard_size
+            enabled=self.odc,
+            timeout=self.odc_timeout,
+            transport=self.odc_transport,
+            shard_size=self.odc_shard_size,
+            sp_size=sequence_parallel_size(given) if given is not None else None,
         )
         self.odc, self.odc_timeout, self.odc_transport = plugin.enabled, plugin.timeout, plugin.transport
         self.odc_shard_size = plugin.shard_size
@@ -265,6 +286,8 @@ class _ODCConfig:
                 "cannot run: its per-layer collectives would deadlock. Use --balance lb-micro for the baseline, or "
                 "--odc true."
             )
+        if plugin.sp_size > 1:
+            self._check_sequence_parallel(plugin.sp_size)
         if self.cost_model not in _COST_MODELS:
             raise ValueError(f"cost_model must be one of {_COST_MODELS}, got {self.cost_model!r}.")
         if self.calibration_file is not None and self.cost_model != "calibrated":
@@ -312,6 +335,28 @@ class _ODCConfig:
             save_attention_checkpoint_kwargs(
                 getattr(self, "activation_checkpointing_kwargs", self.gradient_checkpointing_kwargs)
             )
+
+    def _check_sequence_parallel(self, sp_size: int) -> None:
+        """Refuse sequence parallelism where it cannot run: another trainer than SFT, plain FSDP2, another planner than
+        LB-Mini, or the model's own attention."""
+        setting = f"sp_size={sp_size} (Accelerate's parallelism_config)"
+        if not self._splits_sequences:
+            raise ValueError(
+                f"{type(self).__name__}: {setting} is supported by ODCSFTConfig only; set sp_size to 1 for this "
+                "trainer."
+            )
+        if not self.odc or self.balance != "lb-mini":
+            raise ValueError(
+                f"{setting} runs long documents as group microbatches beside unequal microbatch counts, which needs "
+                f"odc=True and balance='lb-mini' (got odc={self.odc}, balance={self.balance!r})."
+            )
+        if not self.packed_attention:
+            raise ValueError(f"{setting} runs in hf_odc's 'odc_packed' attention; leave packed_attention=True.")
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks per sequence-parallel group (1: none), as Accelerate's ``parallelism_config`` set it."""
+        return self._odc_plugin.sp_size
 
     def odc_plugin(self) -> ODCPlugin:
         """The :class:`~hf_odc.accelerate_plugin.ODCPlugin` these fields describe, built once, when the config was."""

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 
 from ... import _compat
-from ...accelerate_plugin import ODCRuntime
+from ...accelerate_plugin import ODCRuntime, accelerate_without_parallelism
 from ...kernels import install_fused_kernels
 from ...packing import MinibatchPlanner, idle_fraction, named_cost
 from ...packing.calibration import FEATURES, Calibration, Calibrator
@@ -32,7 +32,12 @@ from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
 from ._step import PlannedStep, StepMetrics
-from .attention import save_attention_in_checkpoints, use_packed_attention, warm_attention_plans
+from .attention import (
+    check_sequence_parallel,
+    save_attention_in_checkpoints,
+    use_packed_attention,
+    warm_attention_plans,
+)
 
 
 class _ODCTrainer(_CheckpointHooks, ABC):
@@ -112,6 +117,12 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     # -- setup --------------------------------------------------------------------------------------------------------
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's, with Accelerate's ``parallelism_config`` hidden from the ``Accelerator``: hf_odc honours it
+        itself (the config's ``sp_size``), on CPU too, where the ``Accelerator`` would refuse it."""
+        with accelerate_without_parallelism(self.args):
+            super().create_accelerator_and_postprocess()
+
     def _setup_odc(self, step_metrics: StepMetrics) -> None:
         """Packed attention and what activation checkpointing keeps of it (enabled later, by ``Trainer.train``), the
         fused kernels, then (with several processes) FSDP2 sharding and ODC; the planner's cost model; the metrics the
@@ -120,6 +131,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         _compat.check_trainer(self)
         args = self.args
         use_packed_attention(self.model, args.packed_attention, args.device)
+        check_sequence_parallel(self.model, args.sp_size)
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
         self._install_fused_kernels(self.model)
@@ -169,6 +181,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         trainer whose parity with TRL's loss has not been checked (:attr:`_weighs_moe_aux_loss`)."""
         if not getattr(self, "aux_loss_enabled", False):
             return None
+        if self.args.sp_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not weight MoE auxiliary losses with sequence parallelism yet; set "
+                "router_aux_loss_coef=0 or sp_size to 1."
+            )
         if not self._weighs_moe_aux_loss:
             raise NotImplementedError(
                 f"{type(self).__name__} does not weight MoE auxiliary losses yet; set router_aux_loss_coef=0 (SFT, "
@@ -222,7 +239,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         analytical = "attention" if args.cost_model == "calibrated" else args.cost_model
         cost = named_cost(analytical, self.model.config.get_text_config())
         sync = "minibatch" if self.odc.active else "layer"
-        return MinibatchPlanner(args.balance, world_size, sync, cost, calibrator)
+        return MinibatchPlanner(args.balance, world_size, sync, cost, calibrator, group_size=args.sp_size)
 
     # -- one optimizer step -------------------------------------------------------------------------------------------
 
@@ -335,7 +352,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         stats = self.odc.last
         lengths = step.microbatch_lengths
         peak_gib = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-        counts = [len(rank) for rank in lengths]
+        counts = step.microbatch_counts()
         times = stats.microbatches + [0.0] * (max(counts) - len(stats.microbatches))  # the same width on every rank
         # The minibatch ended at its exit meeting point, after this device's work: the host clock is current here.
         now = time.perf_counter()
@@ -362,17 +379,16 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         if torch.cuda.is_available():
             metrics["peak_memory_gib"].append(max(peak))  # the largest rank's, since the start
         if self._peak_flops is not None:
-            documents = (length for rank in lengths for microbatch in rank for length in microbatch)
-            flops = training_flops(documents, self.model.config.get_text_config())
+            flops = training_flops(step.documents(), self.model.config.get_text_config())
             metrics["mfu"].append(mfu(flops, step_s, len(lengths), self._peak_flops))
         if self.odc.hybrid:
             metrics["all_reduce_s"].append(max(all_reduce))
-        for rank, rank_lengths in enumerate(lengths):
+        for rank in range(len(lengths)):
             metrics[f"busy_s/rank_{rank}"].append(busy[rank])
             metrics[f"wait_s/rank_{rank}"].append(wait[rank])
             metrics[f"microbatches/rank_{rank}"].append(counts[rank])
-            metrics[f"tokens/rank_{rank}"].append(sum(map(sum, rank_lengths)))
-        self._planner.record(lengths, [times[rank][:count] for rank, count in enumerate(counts)])
+            metrics[f"tokens/rank_{rank}"].append(step.rank_tokens(rank))
+        self._planner.record(lengths, [step.own_times(rank, times[rank]) for rank in range(len(lengths))])
         calibration = self._planner.calibration
         if calibration is not None:
             for name in FEATURES:

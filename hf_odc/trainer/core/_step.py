@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ...packing import shard_sizes
+
 __all__ = ["PlannedStep", "StepMetrics", "packed_row"]
 
 
@@ -34,6 +36,11 @@ class PlannedStep:
         num_loss_tokens: tokens that carry a loss in the whole minibatch (the mean token loss's normaliser).
         predicted_bubble_rate: the plan's predicted idle fraction, under the run's synchronisation.
         metrics: values the plan itself logs this step, by name (e.g. GRPO's bubble under TRL's split).
+        shared_lengths: with sequence parallelism, every rank's group microbatches (a document split over its group
+            of ``sp_size`` ranks, which run it together: :mod:`hf_odc.packing.sequence_parallel`) as the lengths of
+            those whole documents; they are the first of a rank's ``microbatches``, and ``microbatch_lengths`` holds
+            its own ones only. Empty lists (or none at all) without.
+        sp_size: the ranks per sequence-parallel group (1: none).
     """
 
     microbatches: list[Any]
@@ -43,10 +50,32 @@ class PlannedStep:
     num_loss_tokens: int
     predicted_bubble_rate: float
     metrics: dict[str, float] = field(default_factory=dict)
+    shared_lengths: list[list[int]] = field(default_factory=list)
+    sp_size: int = 1
+
+    def _shared(self, rank: int) -> list[int]:
+        return self.shared_lengths[rank] if self.shared_lengths else []
 
     def rank_tokens(self, rank: int) -> int:
-        """Tokens of ``rank``'s share."""
-        return sum(map(sum, self.microbatch_lengths[rank]))
+        """Tokens of ``rank``'s share: its own microbatches' and its shards of its group microbatches'."""
+        shards = sum(shard_sizes(length, self.sp_size)[rank % self.sp_size] for length in self._shared(rank))
+        return sum(map(sum, self.microbatch_lengths[rank])) + shards
+
+    def microbatch_counts(self) -> list[int]:
+        """The microbatches each rank runs, its group microbatches included."""
+        return [len(self._shared(rank)) + len(own) for rank, own in enumerate(self.microbatch_lengths)]
+
+    def own_times(self, rank: int, times: Sequence[float]) -> list[float]:
+        """Of ``rank``'s measured microbatch ``times`` (in the order it ran them), those of its own microbatches
+        (``microbatch_lengths[rank]``'s), without its group microbatches'."""
+        first = len(self._shared(rank))
+        return list(times[first : first + len(self.microbatch_lengths[rank])])
+
+    def documents(self) -> list[int]:
+        """The lengths of every document of the minibatch, once each (a group's split documents once)."""
+        own = [length for rank in self.microbatch_lengths for microbatch in rank for length in microbatch]
+        shared = [length for rank in range(0, len(self.shared_lengths), self.sp_size) for length in self._shared(rank)]
+        return own + shared
 
 
 class StepMetrics:

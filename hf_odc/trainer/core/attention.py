@@ -44,6 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..._compat import attention_operators, attn_implementation
 from ...kernels.attention import Backend, packed_causal_attention, warm_sdpa_plans
+from ...kernels.ulysses import sharded_causal_attention
 
 __all__ = [
     "CHECKPOINT_ATTENTION",
@@ -52,6 +53,7 @@ __all__ = [
     "PACKED_ATTENTION_IMPLEMENTATIONS",
     "attention_saving_context_fn",
     "check_packed_attention",
+    "check_sequence_parallel",
     "packed_attention_forward",
     "register_packed_attention",
     "save_attention_checkpoint_kwargs",
@@ -101,7 +103,10 @@ def packed_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query (B, H_q, T, D)``, ``key/value (B, H_kv, T, D)`` in, the
     output ``(B, T, H_q, D)`` out. Document boundaries come from ``cu_seq_lens_q`` (one row) or ``position_ids`` (a
-    position that does not follow its predecessor by one starts a document); without either, each row is one."""
+    position that does not follow its predecessor by one starts a document); without either, each row is one. A
+    ``sequence_shard`` (:class:`~hf_odc.kernels.SequenceShard`, passed to the model's forward with a shard of a row
+    split over a group of ranks) attends the whole row with the group
+    (:func:`~hf_odc.kernels.sharded_causal_attention`), the documents' bounds its own."""
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError(
             f"attn_implementation={PACKED_ATTENTION!r} has no sliding-window attention; use flash_attention_2 or "
@@ -111,12 +116,21 @@ def packed_attention_forward(
     if not causal_rows:  # a padding mask, a KV cache or bidirectional attention: sdpa with the mask built for it
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     batch, heads, tokens, dim = query.shape
-    lengths = _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
-    out = packed_causal_attention(
+    shard = kwargs.get("sequence_shard")
+    if shard is None:
+        attend, layout = (
+            packed_causal_attention,
+            _document_lengths(batch, tokens, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")),
+        )
+    elif batch == 1:
+        attend, layout = sharded_causal_attention, shard
+    else:
+        raise ValueError(f"A row split over ranks is one row; got a batch of {batch}.")
+    out = attend(
         _tokens_first(query),
         _tokens_first(key),
         _tokens_first(value),
-        lengths,
+        layout,
         scale=scaling,
         dropout_p=dropout,
         backend=backend,
@@ -212,6 +226,26 @@ def check_packed_attention(model: nn.Module) -> str:
             f"{sorted(PACKED_ATTENTION_IMPLEMENTATIONS)} (e.g. attn_implementation={PACKED_ATTENTION!r})."
         )
     return implementation
+
+
+def check_sequence_parallel(model: nn.Module, sp_size: int) -> None:
+    """Refuse, before training, a model whose attention cannot run split over groups of ``sp_size`` ranks: one that
+    does not attend with :data:`PACKED_ATTENTION` (the only implementation that reads a ``sequence_shard``), or whose
+    query heads ``sp_size`` does not divide. Nothing to check for ``sp_size`` 1."""
+    if sp_size == 1:
+        return
+    implementation = attention_implementation(model)
+    if implementation != PACKED_ATTENTION:
+        raise ValueError(
+            f"sp_size={sp_size} splits long documents inside hf_odc's {PACKED_ATTENTION!r} attention, and the model "
+            f"uses {implementation!r}: load it with attn_implementation='sdpa' (switched) or {PACKED_ATTENTION!r}."
+        )
+    heads = _base_model(model).config.get_text_config().num_attention_heads
+    if heads % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} splits the attention heads among a group's ranks, and the model's {heads} query heads "
+            f"do not split into {sp_size}; use an sp_size that divides {heads}."
+        )
 
 
 def use_packed_attention(model: nn.Module, enabled: bool, device: torch.device) -> str:

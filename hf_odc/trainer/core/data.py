@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..._compat import padding_free_collator
-from ...packing import MinibatchPlanner, Plan
+from ...kernels import SequenceShard
+from ...packing import MinibatchPlanner, Plan, shard_sizes
 from ._step import PlannedStep
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "global_minibatch",
     "minibatch_loader",
     "require_sft_columns",
+    "shard_row",
 ]
 
 
@@ -179,13 +181,16 @@ class PlannedMinibatchCollator:
     Its ``microbatches`` (a list, possibly empty) are padding-free batches from TRL's
     ``DataCollatorForLanguageModeling``: one row, ``position_ids`` restarting at 0 for each sample, the label at each
     sample's first token set to -100, and ``cu_seq_lens_*`` for varlen kernels. ``num_loss_tokens`` counts the whole
-    minibatch's target tokens (:func:`count_target_tokens`).
+    minibatch's target tokens (:func:`count_target_tokens`). With sequence parallelism (the planner's ``group_size``
+    above 1, ``sequence_group`` this rank's group) a sample longer than ``max_tokens`` is a group microbatch, first:
+    this rank's shard of it (:func:`shard_row`), and the step logs ``group_microbatches``, their number.
     """
 
     rank: int
     planner: MinibatchPlanner
     max_tokens: int
     pad_token_id: int
+    sequence_group: Any = None
 
     def __post_init__(self) -> None:
         self._pack = padding_free_collator(self.pad_token_id)
@@ -195,12 +200,38 @@ class PlannedMinibatchCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> PlannedStep:
         lengths = [len(example["input_ids"]) for example in examples]
-        plan = self.plan(lengths)
+        plan = self.planner.plan_groups(lengths, self.max_tokens)
+        size, shared = plan.group_size, plan.shared(self.rank)
+        shards = [shard_row(self._pack([examples[i]]), self.sequence_group, self.rank % size, size) for i in shared]
         return PlannedStep(
-            microbatches=[self._pack([examples[i] for i in microbatch]) for microbatch in plan[self.rank]],
-            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
+            microbatches=shards
+            + [self._pack([examples[i] for i in microbatch]) for microbatch in plan.plan[self.rank]],
+            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan.plan],
             num_samples=len(examples),
             num_tokens=sum(lengths),
             num_loss_tokens=sum(count_target_tokens(example) for example in examples),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, self.max_tokens),
+            metrics={"group_microbatches": float(sum(map(len, plan.groups)))} if size > 1 else {},
+            shared_lengths=[[lengths[i] for i in plan.shared(rank)] for rank in range(len(plan.plan))],
+            sp_size=size,
         )
+
+
+def shard_row(row: dict[str, Any], group: Any, index: int, size: int) -> dict[str, Any]:
+    """Group rank ``index``'s shard of a packed ``row`` (:func:`padding_free_collator`'s, one sample) split over a
+    group of ``size`` ranks (``group``, its process group): its contiguous tokens (:func:`~hf_odc.packing.
+    shard_sizes`) with their positions in the whole row, their next-token labels as ``shift_labels`` (the next token
+    may be on the next rank, so the labels are shifted before the row is cut), and the
+    :class:`~hf_odc.kernels.SequenceShard` the attention reads (as a forward keyword)."""
+    labels = row["labels"][0]
+    length = labels.shape[0]
+    sizes = shard_sizes(length, size)
+    start = sum(sizes[:index])
+    window = slice(start, start + sizes[index])
+    shifted = torch.cat([labels[1:], labels.new_full((1,), -100)])
+    return {
+        "input_ids": row["input_ids"][:, window],
+        "position_ids": row["position_ids"][:, window],
+        "shift_labels": shifted[None, window],
+        "sequence_shard": SequenceShard(group, sizes, (length,)),
+    }
