@@ -60,18 +60,24 @@ def test_the_copy_decodes_what_the_policy_decodes(lora, attention):
     assert not any("lora" in name for name, _ in decoder.model.named_parameters())  # adapters merged, not copied
 
 
-def test_refresh_copies_the_policys_new_weights_in_place():
-    policy = tiny_model()
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_refresh_copies_the_policys_new_weights_in_place(fuse):
+    """Each refresh writes the policy's current weights where the copy holds them (fused: rows of its fused
+    projections), in place, and the copy then decodes what the changed policy decodes."""
+    policy = tiny_model().eval()
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, fuse=fuse)
     decoder.refresh()
     addresses = {name: p.data_ptr() for name, p in decoder.model.named_parameters()}
     with torch.no_grad():
         for param in policy.parameters():
             param.add_(torch.randn_like(param))
     decoder.refresh()
-    copied = dict(decoder.model.named_parameters())
-    assert all(torch.equal(copied[name], param) for name, param in policy.named_parameters())
-    assert {name: p.data_ptr() for name, p in copied.items()} == addresses
+    assert all(torch.equal(decoder.weight(name), param) for name, param in policy.named_parameters())
+    assert {name: p.data_ptr() for name, p in decoder.model.named_parameters()} == addresses
+    prompts = _prompts(3, 10)
+    assert torch.equal(_greedy(decoder.model, prompts), _greedy(policy, prompts))
+    attention = decoder.model.model.layers[0].self_attn
+    assert hasattr(attention, "qkv_proj") == fuse and isinstance(attention.q_proj, nn.Linear) != fuse
 
 
 def test_a_policy_holding_its_tied_weights_apart_gets_a_copy_that_does_too():
@@ -222,15 +228,16 @@ def test_grouped_decoding_attention_compiles_as_one_graph():
 # -- hf_odc's decoding loop (hf_odc.trainer._static_decoding) ---------------------------------------------------------
 
 
-def _copy(attention: str = "eager") -> StaticDecoder:
-    """A static decoder of a tiny policy whose weight matrices are scaled up: the tiny model as initialised repeats
-    one token per row, this one varies them (so that EOS ids can end rows at different steps)."""
+def _copy(attention: str = "eager", fuse: bool = True) -> StaticDecoder:
+    """A static decoder (its projections fused, or not) of a tiny policy whose weight matrices are scaled up: the tiny
+    model as initialised repeats one token per row, this one varies them (so that EOS ids can end rows at different
+    steps)."""
     policy = tiny_model().eval()
     policy.set_attn_implementation(attention)
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter.mul_(10 if parameter.ndim == 2 else 1)
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True)
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True, fuse=fuse)
     decoder.refresh()
     return decoder
 
@@ -293,6 +300,25 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
         _generate(decoder, monkeypatch, True, **prompts, max_new_tokens=5, eos_token_id=eos, pad_token_id=1)
         filled = 16 if attention == DECODING_ATTENTION else 256  # slots 9 to 12 rounded up to 8, or the cache's 256
         assert read[2:] == [filled] * 8  # 4 steps of 2 layers, after the prefill's
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])
+def test_the_fused_copy_decodes_what_the_unfused_one_does_with_fewer_projections(monkeypatch, loop):
+    """q/k/v and gate/up fused into one projection each: the same logits (fp32 tolerance) and greedy tokens as the
+    copy with the layers' own projections, from 4 linear layers a layer instead of 7."""
+    fused, unfused = _copy("sdpa"), _copy("sdpa", fuse=False)
+    prompts = _prompts(4, 9, seed=3)
+    counts = []
+    with monkeypatch.context() as patch, torch.no_grad():
+        linear = F.linear
+        patch.setattr(F, "linear", lambda *args: counts.append(1) or linear(*args))
+        logits = [decoder.model(**prompts).logits for decoder in (fused, unfused)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert len(counts) == (4 + 7) * 2 + 2  # 2 layers each, and the head
+    options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1)
+    expected = _generate(unfused, monkeypatch, loop, **prompts, **options)
+    assert torch.equal(_generate(fused, monkeypatch, loop, **prompts, **options), expected)
+    assert len(set(expected[:, 9:].flatten().tolist())) > 4  # tokens that vary
 
 
 def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths(monkeypatch):
