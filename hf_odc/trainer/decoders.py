@@ -158,8 +158,10 @@ class _DecodingCopy:
                 names = self._tied.get(name, (name,))
                 if filled.intersection(names):
                     # The policy holds apart what its config ties: the copy holds them apart too, from the first
-                    # refresh on, before anything is compiled for it.
+                    # refresh on, before anything is compiled for it, and each takes its own weight from then on.
                     self._untie(name, [self._places[other] for other in names if other in filled])
+                    for other in names:
+                        del self._tied[other]
                     names = (name,)
                 written: set[tuple] = set()
                 for place_name in names:

@@ -5,8 +5,8 @@ and the LM head whole where the ranks do not divide them) computes the whole pol
 decodes each rank's prompts greedily as the whole policy does, and samples on every rank the tokens the whole policy
 samples for the group's batch from rank 0's seed; with one process it is the whole copy. Qwen2.5-1.5B's and 7B's
 heads go to 2, 4 and 8 ranks, each computed once with the key/value head it reads; the chooser counts the largest
-slice. Refused, naming the modes to use, for models it cannot slice over the shard group, with tools, and with vLLM. Inside the trainer:
-tests/parity/test_grpo_generation.py.
+slice. Refused, naming the modes to use, for models it cannot slice over the shard group, with tools, and with vLLM.
+Inside the trainer: tests/parity/test_grpo_generation.py.
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ _TWO_RANKS = [
     ),
 ]
 _FOUR_RANKS = [
-    ({**_SCALED, "config": {"num_attention_heads": 8}}, [(2, 1, 32)] * 4, 32),  # each key/value head on 2 ranks
+    (  # Qwen2.5-1.5B's heads (12, 2 key/value): 3 a rank, each key/value head on 2 ranks
+        {**_SCALED, "config": {"num_attention_heads": 12, "head_dim": 8}},
+        [(3, 1, 32)] * 4,
+        32,
+    ),
     (  # 3 query heads per key/value head: 2 and 1; the MLP (90 rows) and the head (130 words) whole on every rank
         {**_SCALED, "config": {"num_attention_heads": 6, "head_dim": 16, "intermediate_size": 90, "vocab_size": 130}},
         [(2, 1, 90), (1, 1, 90)] * 2,
