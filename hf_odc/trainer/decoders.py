@@ -641,7 +641,7 @@ def grouped_decoding_attention(
 
     A mask narrower than the keys (hf_odc's decoding loop, :mod:`hf_odc.trainer._static_decoding`) covers the cache's
     first slots, all that is filled: the keys and values beyond it are not read."""
-    if attention_mask is not None and attention_mask.shape[-1] < key.shape[-2]:
+    if attention_mask is not None:  # (sliced to its own length where it is as wide: one compiled graph for both)
         key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, length, _ = query.shape

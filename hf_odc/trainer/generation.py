@@ -12,9 +12,10 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by
   hf_odc's own loop (:mod:`hf_odc.trainer._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
   host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid once
-  per run, as the copy's weights and the cache's tensors never move. The loop is faster per step but compiles one
-  forward per cache width, so it is not this mode's default. Costs the full weights in the compute dtype for the
-  whole run, plus the cache.
+  per run, as the copy's weights and the cache's tensors never move. The loop is faster per step; its first batch
+  compiles its forward (once for every cache width narrower than the cache, once for the whole cache) and records a
+  CUDA graph per width, which made it slower than ``generate`` from the first batch when it compiled once per width,
+  so it is not this mode's default. Costs the full weights in the compute dtype for the whole run, plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights

@@ -321,30 +321,34 @@ def test_the_fused_copy_decodes_what_the_unfused_one_does_with_fewer_projections
     assert len(set(expected[:, 9:].flatten().tolist())) > 4  # tokens that vary
 
 
-def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths(monkeypatch):
+def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths_compiled_once(monkeypatch):
     """The loop's forward compiled (as on a GPU, here by inductor for the CPU): the same greedy tokens as
-    transformers' ``generate``, one compiled graph per width read, and a long cache read at no more than
-    ``_MAX_WIDTHS`` widths (the multiple raised from 8 to 128 for a 256-slot cache)."""
+    transformers' ``generate``; a long cache read at no more than ``_MAX_WIDTHS`` widths (the multiple raised from 8 to
+    64 for a 256-slot cache), every width narrower than the cache by one compiled graph, the whole cache (whose keys
+    are contiguous) by one more."""
     monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", 8)
-    monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 2)
+    monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 4)
     decoder = _copy("sdpa")
     decoder.model.set_attn_implementation(DECODING_ATTENTION)
     prompts = _prompts(3, 9, seed=4)
-    options = dict(max_new_tokens=140, do_sample=False, eos_token_id=None, pad_token_id=1)
-    expected = _generate(decoder, monkeypatch, False, **prompts, **options)
+    options = [dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=1) for n in (140, 240)]
+    expected = [_generate(decoder, monkeypatch, False, **prompts, **o) for o in options]
     widths, make = [], _static_decoding.Loop.__init__
 
     def compiled(self, *args, **kwargs):
         make(self, *args, **{**kwargs, "compile": True})
         forward = self._forward
-        self._forward = lambda width: widths.append(width) or forward(width)
+        self._forward = lambda mask: widths.append(mask.shape[-1]) or forward(mask)
 
     monkeypatch.setattr(_static_decoding.Loop, "__init__", compiled)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), expected)
-    assert sorted(set(widths)) == [128, 256]  # slots 9 to 148: two widths of 128, not 19 of 8
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # compiled: a graph per width at least
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options[0]), expected[0])
+    assert sorted(set(widths)) == [64, 128, 192]  # slots 9 to 148: three widths of 64, not 18 of 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one compiled graph for the three
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options[1]), expected[1])
+    assert sorted(set(widths)) == [64, 128, 192, 256]  # slots 9 to 248, the same cache
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(monkeypatch):
