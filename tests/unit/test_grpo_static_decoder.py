@@ -321,6 +321,26 @@ def test_the_fused_copy_decodes_what_the_unfused_one_does_with_fewer_projections
     assert len(set(expected[:, 9:].flatten().tolist())) > 4  # tokens that vary
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_every_fused_family_computes_the_policys_logits(family):
+    """Each family of ``FUSED_ATTENTION_CLASSES`` (and its dense MLP where it has one) fused: the policy's logits."""
+    from _models import tiny_moe_config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, attn_implementation="eager")  # fmt: skip
+    configs = {"llama": lambda: LlamaConfig(**shape), "qwen3": lambda: Qwen3Config(**shape, head_dim=16)}
+    config = configs[family]() if family in configs else tiny_moe_config(family)
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config).eval()
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+    decoder.refresh()
+    assert hasattr(decoder.model.model.layers[0].self_attn, "qkv_proj")
+    ids = _prompts(2, 7)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(decoder.model(input_ids=ids).logits, policy(input_ids=ids).logits)
+
+
 def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths_compiled_once(monkeypatch):
     """The loop's forward compiled (as on a GPU, here by inductor for the CPU): the same greedy tokens as
     transformers' ``generate``; a long cache read at no more than ``_MAX_WIDTHS`` widths (the multiple raised from 8 to
