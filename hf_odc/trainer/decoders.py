@@ -377,6 +377,7 @@ def _close_if_alive(decoder: weakref.ref) -> None:
 
 
 _TENSOR_PARALLEL_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+_ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -447,6 +448,12 @@ class _RankSlice:
         self.mlp_sliced = size > 1 and intermediate % size == 0
         self.mlp_rows = _even(intermediate, size, rank) if self.mlp_sliced else range(intermediate)
         self.vocab_rows = _even(config.vocab_size, size, rank) if size > 1 and config.vocab_size % size == 0 else None
+        query = range(self.heads.start * self.head_dim, self.heads.stop * self.head_dim)
+        key_value = range(self.kv_heads.start * self.head_dim, self.kv_heads.stop * self.head_dim)
+        # A sliced projection's rows (column-parallel) or input columns (row-parallel) of the full weight.
+        self._parts = {"q_proj": query, "k_proj": key_value, "v_proj": key_value, "o_proj": query}
+        if self.mlp_sliced:
+            self._parts |= dict.fromkeys(("gate_proj", "up_proj", "down_proj"), self.mlp_rows)
 
     def config(self, config: Any) -> Any:
         """A copy of ``config`` with this rank's head and MLP row counts (the head dimension kept), so that
@@ -465,25 +472,15 @@ class _RankSlice:
         (the outputs are summed over the ranks), the LM head's vocabulary rows; all of anything else."""
         if name == "lm_head.weight" and self.vocab_rows is not None:
             return tensor[self.vocab_rows.start : self.vocab_rows.stop]
-        if ".layers." not in name:
+        module, leaf = name.rsplit(".", 2)[-2:] if ".layers." in name else (None, None)
+        part = self._parts.get(module)
+        if part is None:
             return tensor
-        module, leaf = name.rsplit(".", 2)[-2:]
-        rows = {
-            "q_proj": range(self.heads.start * self.head_dim, self.heads.stop * self.head_dim),
-            "k_proj": range(self.kv_heads.start * self.head_dim, self.kv_heads.stop * self.head_dim),
-            "o_proj": range(self.heads.start * self.head_dim, self.heads.stop * self.head_dim),
-            "gate_proj": self.mlp_rows,
-            "down_proj": self.mlp_rows,
-        }
-        rows["v_proj"], rows["up_proj"] = rows["k_proj"], rows["gate_proj"]
-        if module not in rows or (module in ("gate_proj", "up_proj", "down_proj") and not self.mlp_sliced):
-            return tensor
-        part = rows[module]
-        if module in ("o_proj", "down_proj"):  # row-parallel
-            if leaf == "weight":
-                return tensor[:, part.start : part.stop]
-            return tensor if self.rank == 0 else torch.zeros_like(tensor)
-        return tensor[part.start : part.stop]
+        if module not in _ROW_PARALLEL:
+            return tensor[part.start : part.stop]
+        if leaf == "weight":
+            return tensor[:, part.start : part.stop]
+        return tensor if self.rank == 0 else torch.zeros_like(tensor)
 
 
 class TensorParallelDecoder(StaticDecoder):
@@ -562,7 +559,7 @@ class TensorParallelDecoder(StaticDecoder):
             self._move_places(head, sliced)
             sliced.register_forward_hook(self._gather_vocabulary)
         if self.size > 1:
-            summed = ("o_proj", "down_proj") if self._slice.mlp_sliced else ("o_proj",)
+            summed = _ROW_PARALLEL if self._slice.mlp_sliced else ("o_proj",)
             for name, module in model.named_modules():
                 if name.rpartition(".")[2] in summed:
                     module.register_forward_hook(self._sum_over_group)
