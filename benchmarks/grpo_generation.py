@@ -12,7 +12,9 @@ a run. ``--static-attention sdpa`` decodes the copy with
 transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison; ``static`` decodes with hf_odc's
 decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
 with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does
-``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest.
+``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. The copies fuse each
+layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which
+(``fused``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows).
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -21,6 +23,8 @@ generation + update. ``lockstep`` is timed on at most ``--lockstep-tokens`` step
 is the measured ms per step times the longest completion, marked as an estimate.
 
     torchrun --nproc_per_node 2 benchmarks/grpo_generation.py --json out/grpo_generation.json
+    torchrun --nproc_per_node 4 benchmarks/grpo_generation.py --modes tensor-parallel,static,lockstep \
+        --model-config qwen2.5-7b --max-new-tokens 128 --json out/grpo_generation_7b.json
     torchrun --nproc_per_node 2 benchmarks/grpo_generation.py --model-config tiny --prompts 4 --max-new-tokens 32 \
         --prompt-length 16 --row-tokens 256          # a CPU smoke run
 """
@@ -34,7 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import EndAt, device_time
+from _common import MODELS, EndAt, device_time
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
@@ -47,10 +51,15 @@ from hf_odc.trainer.generation.modes import GENERATION_MODES, decoding
 
 EOS = 2
 
+SHAPES = MODEL_CONFIGS | {"qwen2.5-7b": {"model_type": "qwen2", **MODELS["qwen2.5-7b"]}}
+"""The models ``--model-config`` names: hf_odc.demo's, and Qwen2.5-7B's shape (28 heads on 4 key/value heads)."""
+
 
 def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.Module, ODCRuntime]:
-    raw = {"vocab_size": 151936, "max_position_embeddings": 32768, **MODEL_CONFIGS[args.model_config]}
-    raw |= {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": EOS, "tie_word_embeddings": True}
+    raw = {"vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": True}
+    raw |= SHAPES[args.model_config] | {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": EOS}
+    if args.num_layers:
+        raw["num_hidden_layers"] = args.num_layers
     config = AutoConfig.for_model(**raw)
     config._attn_implementation = PACKED_ATTENTION  # private: transformers.PretrainedConfig._attn_implementation
     torch.manual_seed(0)
@@ -150,7 +159,8 @@ def update(model, runtime, sequences: list[torch.Tensor], row_tokens: int) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-config", default="qwen2.5-1.5b", choices=list(MODEL_CONFIGS))
+    parser.add_argument("--model-config", default="qwen2.5-1.5b", choices=list(SHAPES))
+    parser.add_argument("--num-layers", type=int, default=None, help="the model's layers (default: its shape's)")
     parser.add_argument("--prompts", type=int, default=64, help="completions per rank")
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
@@ -165,6 +175,12 @@ def main() -> None:
         default="loop",
         help="static: hf_odc's decoding loop (every completion decoded to the longest length), or transformers' "
         "generate (the lengths forced by a logits processor, which the loop leaves to generate)",
+    )
+    parser.add_argument(
+        "--unfused-decoding",
+        action="store_true",
+        help="the decoding copies (static, tensor-parallel) keep each layer's q/k/v and gate/up projections apart "
+        "instead of fusing them (their default), for an A/B",
     )
     parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
@@ -195,14 +211,20 @@ def main() -> None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             if decoder is not None:
                 decoder.close()
+            copy = {"loop": args.static_decoding == "loop", "fuse": not args.unfused_decoding}
             if mode == "static":
-                decoder = StaticDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
+                decoder = StaticDecoder(model, runtime, dtype, **copy)
             else:
-                decoder = TensorParallelDecoder(model, runtime, dtype, loop=args.static_decoding == "loop")
+                decoder = TensorParallelDecoder(model, runtime, dtype, **copy)
                 group = shard_group(model)
                 ranks = dist.get_process_group_ranks(group) if group is not None else [rank]
                 group_lengths = [n for r in ranks for n in all_lengths[r * args.prompts : (r + 1) * args.prompts]]
             first["first_refresh_s"] = timed(device, decoder.refresh)
+            first["fused"] = decoder.fuse
+            local = decoder.model.config  # tensor-parallel: this rank's part of the heads and MLP rows
+            first["local"] = {"heads": local.num_attention_heads, "kv_heads": local.num_key_value_heads,
+                              "mlp_rows": local.intermediate_size,
+                              "head_rows": decoder.model.get_output_embeddings().out_features}  # fmt: skip
             if mode == "static" and args.static_attention == "sdpa":
                 decoder.model.set_attn_implementation("sdpa")
             batch = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)
@@ -242,7 +264,8 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n{len(per_rank)} rank(s), {args.model_config}, {args.prompts} completions/rank, up to "
         f"{args.max_new_tokens} new tokens; static decodes with {args.static_attention} attention by "
-        f"{args.static_decoding}; policy update "
+        f"{args.static_decoding}, the copies' projections {'unfused' if args.unfused_decoding else 'fused'}; "
+        "policy update "
         f"{update_s and round(update_s, 2)} s"
     )
     print("| mode | rank | decode s | steps | ms/step | tokens/s | generation's share |")
@@ -260,6 +283,10 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
             estimate = f" (est. {row['decode_s_estimated']:.1f} full)" if "decode_s_estimated" in row else ""
             if "compile_s" in row:
                 estimate += f" (first batch +{row['compile_s']:.1f} compile; refresh {row['refresh_s']:.2f})"
+            if mode == "tensor-parallel":  # this rank's slice
+                local = row["local"]
+                estimate += (f" (heads {local['heads']}, key/value {local['kv_heads']}, MLP rows {local['mlp_rows']}, "
+                             f"head rows {local['head_rows']})")  # fmt: skip
             print(f"| {mode} | {rank} | {row['decode_s']:.2f}{estimate} | {row['steps']} | {row['ms_per_step']:.1f} | "
                   f"{row['tokens_per_s']:.0f} | {share:.0%} |")  # fmt: skip
             if "device" in row:  # the profiled run: kernels' busy time against the run's, per decoding step

@@ -384,6 +384,12 @@ def set_group_timeout(group: Any, timeout: timedelta) -> None:
     set_timeout(timeout, group)
 
 
+def dynamic_dimension(tensor: Any, dim: int) -> None:
+    """Compile one graph for every size dimension ``dim`` of ``tensor`` takes, where the compiled code allows
+    (torch's ``torch._dynamo.maybe_mark_dynamic``, before the compiled function is called with ``tensor``)."""
+    _checked("torch._dynamo", "maybe_mark_dynamic").maybe_mark_dynamic(tensor, dim)
+
+
 def symmetric_memory() -> ModuleType:
     """torch's private ``torch.distributed._symmetric_memory`` (CUDA symmetric memory), with what the CUDA transport
     calls of it checked."""

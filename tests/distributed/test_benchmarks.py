@@ -187,9 +187,13 @@ def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
         assert ranks[0][mode]["steps"] < ranks[1][mode]["steps"], mode
     assert all({"first_batch_s", "refresh_s", "compile_s"} <= set(r["static"]) for r in ranks)
     assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
-    # Tensor-parallel: the ranks decode their prompts together, to the longest completion of either.
+    # Tensor-parallel: the ranks decode their prompts together, to the longest completion of either, each with half the
+    # heads (2 of 4, 1 key/value head of 2), MLP rows and LM head rows. The copies' projections fused, by default.
     longest = max(r["tensor-parallel"]["longest"] for r in ranks)
     assert [r["tensor-parallel"]["steps"] for r in ranks] == [longest - 1] * 2
+    local = {"heads": 2, "kv_heads": 1, "mlp_rows": 64, "head_rows": 151936 // 2}
+    assert all(r["tensor-parallel"]["local"] == local for r in ranks)
+    assert all(r[mode]["fused"] for r in ranks for mode in ("static", "tensor-parallel"))
 
 
 @pytest.mark.parametrize("mode", ["model", "forward"])

@@ -347,17 +347,21 @@ def vllm_sync(rank: int, world_size: int, case: Case) -> dict:
     }
 
 
-def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> dict:
-    """:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder` on the ODC-sharded tiny policy (LoRA merged
-    with ``case.lora``): the logits of one forward of the sliced copy on prompts every rank shares, and each rank's own
-    prompts (a different number and width per rank) decoded together, greedily and sampled (each rank's generator seeded
-    apart); with what the whole policy gives for each: the same forward, greedy decoding of the rank's prompts alone,
-    and sampling of every rank's prompts in one batch from the seed rank 0 draws."""
+def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> list[dict]:
+    """:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder` on each of ``case.extra["policies"]`` (dicts
+    of :func:`_tensor_parallel_policy`'s ``family``, ``config`` and ``scale``; ``odc``: sharded with ODC, else plain
+    FSDP2; the decoder's ``loop`` and ``fuse``), by default the ODC-sharded tiny policy (LoRA merged with
+    ``case.lora``), decoded by ``generate``, fused: the logits of one forward of the sliced copy on prompts every rank
+    shares, and each rank's own prompts (a different number and width per rank) decoded together, greedily and sampled
+    (each rank's generator seeded apart); with what the whole policy gives for each: the same forward, greedy decoding
+    of the rank's prompts alone, and sampling of every rank's prompts in one batch from the seed rank 0 draws. Also the
+    copy's local parameter shapes and config, and how many calls hf_odc's decoding loop decoded."""
     import copy
 
     import torch.distributed as dist
 
     from hf_odc.accelerate_plugin import ODCRuntime
+    from hf_odc.trainer.generation import _static_decoding
     from hf_odc.trainer.generation.decoders import TensorParallelDecoder
 
     def prompts(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
@@ -370,28 +374,78 @@ def tensor_parallel_decoding(rank: int, world_size: int, case: Case) -> dict:
     def decode(model, inputs: dict, sample: bool) -> torch.Tensor:
         return model.generate(**inputs, max_new_tokens=8, do_sample=sample, pad_token_id=0, eos_token_id=None)
 
-    model = tiny_model(lora=case.lora).eval()
-    whole = copy.deepcopy(model)
-    whole = whole.merge_and_unload() if case.lora else whole
-    runtime = ODCRuntime()
-    runtime.enable(shard(model, case))
-    decoder = TensorParallelDecoder(model, runtime, torch.float32)
-    decoder.refresh()
-    shared, own = prompts(2, 9, seed=7), prompts(3 - rank, 10 - 3 * rank, seed=rank)
+    loop_calls, decode_with_loop = [0], _static_decoding.Loop.decode
+
+    def counted(self, plan):
+        loop_calls[0] += 1
+        return decode_with_loop(self, plan)
+
+    _static_decoding.Loop.decode = counted
+    results = []
+    for policy in case.extra.get("policies", [{}]):
+        lora = case.lora and "family" not in policy
+        model = _tensor_parallel_policy(policy.get("family"), policy.get("config", {}), policy.get("scale", 1), lora)
+        whole = copy.deepcopy(model)
+        whole = whole.merge_and_unload() if lora else whole
+        runtime = ODCRuntime()
+        model = shard(model, Case(splits=case.splits, lora=lora))
+        if policy.get("odc", True):
+            runtime.enable(model)
+        decoder = TensorParallelDecoder(
+            model, runtime, torch.float32, loop=policy.get("loop", False), fuse=policy.get("fuse", True)
+        )
+        decoder.refresh()
+        loop_calls[0] = 0
+        shared, own = prompts(2, 9, seed=7), prompts(3 - rank % 3, 10 - 3 * (rank % 3), seed=rank)
+        with torch.no_grad():
+            result = {"logits": decoder.model(**shared).logits, "whole_logits": whole(**shared).logits}
+        result["greedy"], result["whole_greedy"] = decode(decoder.model, own, False), decode(whole, own, False)
+        torch.manual_seed(100 + rank)
+        result["sampled"] = decode(decoder.model, own, True)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, own)
+        width = max(p["input_ids"].shape[1] for p in everyone)
+        batch = {key: torch.cat([F.pad(p[key], (width - p[key].shape[1], 0)) for p in everyone]) for key in own}
+        torch.manual_seed(100)
+        seed = int(torch.randint(2**62, (1,)))  # rank 0's draw
+        torch.manual_seed(seed)
+        start = sum(p["input_ids"].shape[0] for p in everyone[:rank])
+        rows = decode(whole, batch, True)[start : start + own["input_ids"].shape[0]]
+        result["whole_sampled"] = rows[:, width - own["input_ids"].shape[1] :]
+        result["local_shapes"] = {
+            name: tuple(p.shape) for name, p in decoder.model.named_parameters(remove_duplicate=False)
+        }
+        config = decoder.model.config
+        result["local"] = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
+        result["loop_calls"] = loop_calls[0]
+        decoder.close()
+        runtime.close()
+        results.append(result)
+    return results
+
+
+def _tensor_parallel_policy(family: str | None, config: dict, scale: float, lora: bool) -> torch.nn.Module:
+    """:func:`~_models.tiny_model` (LoRA with ``lora``), or (``family``: ``"qwen2"``, ``"llama"``) a model of the
+    same tiny shape with ``config``'s fields, its biases drawn at random, its weight matrices multiplied by ``scale``
+    (which varies the tokens it decodes)."""
+    if family is None:
+        return tiny_model(lora=lora).eval()
+    from _models import tiny_qwen2_config
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = {"max_position_embeddings": 256, "tie_word_embeddings": True, **config}
+    if family == "llama":
+        tiny = tiny_qwen2_config()
+        fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        shape = {key: getattr(tiny, key) for key in (*fields, "num_key_value_heads")} | shape
+        shape["attn_implementation"] = "eager"
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    else:
+        model = Qwen2ForCausalLM(tiny_qwen2_config(**shape))
     with torch.no_grad():
-        result = {"logits": decoder.model(**shared).logits, "whole_logits": whole(**shared).logits}
-    result["greedy"], result["whole_greedy"] = decode(decoder.model, own, False), decode(whole, own, False)
-    torch.manual_seed(100 + rank)
-    result["sampled"] = decode(decoder.model, own, True)
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, own)
-    width = max(p["input_ids"].shape[1] for p in everyone)
-    batch = {key: torch.cat([F.pad(p[key], (width - p[key].shape[1], 0)) for p in everyone]) for key in own}
-    torch.manual_seed(100)
-    seed = int(torch.randint(2**62, (1,)))  # rank 0's draw
-    torch.manual_seed(seed)
-    start = sum(p["input_ids"].shape[0] for p in everyone[:rank])
-    rows = decode(whole, batch, True)[start : start + own["input_ids"].shape[0]]
-    result["whole_sampled"] = rows[:, width - own["input_ids"].shape[1] :]
-    result["local_shapes"] = {name: tuple(p.shape) for name, p in decoder.model.named_parameters()}
-    return result
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):  # (transformers initialises them to zero)
+                parameter.normal_()
+            parameter.mul_(scale if parameter.ndim == 2 else 1)
+    return model.eval()

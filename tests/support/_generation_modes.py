@@ -111,14 +111,13 @@ def run(model_dir: str, mode: str, out: str) -> dict:
 
 
 def copy_distance(trainer) -> float:
-    """The largest difference between a weight of the decoding copy and what it holds of the policy's (assembled as
-    vLLM's are; in ``"tensor-parallel"`` the rank's slice)."""
+    """The largest difference between what the decoding copy holds of each of the policy's weights (its rows of a
+    fused projection) and the weight (assembled as vLLM's are; in ``"tensor-parallel"`` the rank's slice)."""
     from hf_odc.trainer.generation.full_weights import full_named_weights
 
     decoder = trainer._generator.decoder
-    copy = dict(decoder.model.named_parameters())
     weights = full_named_weights(trainer.model, trainer.odc)
-    return max((copy[name] - decoder._local(name, tensor)).abs().max().item() for name, tensor in weights)
+    return max((decoder.weight(name) - decoder._local(name, tensor)).abs().max().item() for name, tensor in weights)
 
 
 def main() -> None:

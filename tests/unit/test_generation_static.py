@@ -60,18 +60,24 @@ def test_the_copy_decodes_what_the_policy_decodes(lora, attention):
     assert not any("lora" in name for name, _ in decoder.model.named_parameters())  # adapters merged, not copied
 
 
-def test_refresh_copies_the_policys_new_weights_in_place():
-    policy = tiny_model()
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_refresh_copies_the_policys_new_weights_in_place(fuse):
+    """Each refresh writes the policy's current weights where the copy holds them (fused: rows of its fused
+    projections), in place, and the copy then decodes what the changed policy decodes."""
+    policy = tiny_model().eval()
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, fuse=fuse)
     decoder.refresh()
     addresses = {name: p.data_ptr() for name, p in decoder.model.named_parameters()}
     with torch.no_grad():
         for param in policy.parameters():
             param.add_(torch.randn_like(param))
     decoder.refresh()
-    copied = dict(decoder.model.named_parameters())
-    assert all(torch.equal(copied[name], param) for name, param in policy.named_parameters())
-    assert {name: p.data_ptr() for name, p in copied.items()} == addresses
+    assert all(torch.equal(decoder.weight(name), param) for name, param in policy.named_parameters())
+    assert {name: p.data_ptr() for name, p in decoder.model.named_parameters()} == addresses
+    prompts = _prompts(3, 10)
+    assert torch.equal(_greedy(decoder.model, prompts), _greedy(policy, prompts))
+    attention = decoder.model.model.layers[0].self_attn
+    assert hasattr(attention, "qkv_proj") == fuse and isinstance(attention.q_proj, nn.Linear) != fuse
 
 
 def test_a_policy_holding_its_tied_weights_apart_gets_a_copy_that_does_too():
@@ -222,15 +228,16 @@ def test_grouped_decoding_attention_compiles_as_one_graph():
 # -- hf_odc's decoding loop (hf_odc.trainer.generation._static_decoding) ----------------------------------------------
 
 
-def _copy(attention: str = "eager") -> StaticDecoder:
-    """A static decoder of a tiny policy whose weight matrices are scaled up: the tiny model as initialised repeats
-    one token per row, this one varies them (so that EOS ids can end rows at different steps)."""
+def _copy(attention: str = "eager", fuse: bool = True) -> StaticDecoder:
+    """A static decoder (its projections fused, or not) of a tiny policy whose weight matrices are scaled up: the tiny
+    model as initialised repeats one token per row, this one varies them (so that EOS ids can end rows at different
+    steps)."""
     policy = tiny_model().eval()
     policy.set_attn_implementation(attention)
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter.mul_(10 if parameter.ndim == 2 else 1)
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True)
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True, fuse=fuse)
     decoder.refresh()
     return decoder
 
@@ -295,30 +302,73 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
         assert read[2:] == [filled] * 8  # 4 steps of 2 layers, after the prefill's
 
 
-def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths(monkeypatch):
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])
+def test_the_fused_copy_decodes_what_the_unfused_one_does_with_fewer_projections(monkeypatch, loop):
+    """q/k/v and gate/up fused into one projection each: the same logits (fp32 tolerance) and greedy tokens as the
+    copy with the layers' own projections, from 4 linear layers a layer instead of 7."""
+    fused, unfused = _copy("sdpa"), _copy("sdpa", fuse=False)
+    prompts = _prompts(4, 9, seed=3)
+    counts = []
+    with monkeypatch.context() as patch, torch.no_grad():
+        linear = F.linear
+        patch.setattr(F, "linear", lambda *args: counts.append(1) or linear(*args))
+        logits = [decoder.model(**prompts).logits for decoder in (fused, unfused)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert len(counts) == (4 + 7) * 2 + 2  # 2 layers each, and the head
+    options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1)
+    expected = _generate(unfused, monkeypatch, loop, **prompts, **options)
+    assert torch.equal(_generate(fused, monkeypatch, loop, **prompts, **options), expected)
+    assert len(set(expected[:, 9:].flatten().tolist())) > 4  # tokens that vary
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+def test_every_fused_family_computes_the_policys_logits(family):
+    """Each family of ``FUSED_ATTENTION_CLASSES`` (and its dense MLP where it has one) fused: the policy's logits."""
+    from _models import tiny_moe_config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, attn_implementation="eager")  # fmt: skip
+    configs = {"llama": lambda: LlamaConfig(**shape), "qwen3": lambda: Qwen3Config(**shape, head_dim=16)}
+    config = configs[family]() if family in configs else tiny_moe_config(family)
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config).eval()
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32)
+    decoder.refresh()
+    assert hasattr(decoder.model.model.layers[0].self_attn, "qkv_proj")
+    ids = _prompts(2, 7)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(decoder.model(input_ids=ids).logits, policy(input_ids=ids).logits)
+
+
+def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths_compiled_once(monkeypatch):
     """The loop's forward compiled (as on a GPU, here by inductor for the CPU): the same greedy tokens as
-    transformers' ``generate``, one compiled graph per width read, and a long cache read at no more than
-    ``_MAX_WIDTHS`` widths (the multiple raised from 8 to 128 for a 256-slot cache)."""
+    transformers' ``generate``; a long cache read at no more than ``_MAX_WIDTHS`` widths (the multiple raised from 8 to
+    64 for a 256-slot cache), every width narrower than the cache by one compiled graph, the whole cache (whose keys
+    are contiguous) by one more."""
     monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", 8)
-    monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 2)
+    monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 4)
     decoder = _copy("sdpa")
     decoder.model.set_attn_implementation(DECODING_ATTENTION)
     prompts = _prompts(3, 9, seed=4)
-    options = dict(max_new_tokens=140, do_sample=False, eos_token_id=None, pad_token_id=1)
-    expected = _generate(decoder, monkeypatch, False, **prompts, **options)
+    options = [dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=1) for n in (140, 240)]
+    expected = [_generate(decoder, monkeypatch, False, **prompts, **o) for o in options]
     widths, make = [], _static_decoding.Loop.__init__
 
     def compiled(self, *args, **kwargs):
         make(self, *args, **{**kwargs, "compile": True})
         forward = self._forward
-        self._forward = lambda width: widths.append(width) or forward(width)
+        self._forward = lambda mask: widths.append(mask.shape[-1]) or forward(mask)
 
     monkeypatch.setattr(_static_decoding.Loop, "__init__", compiled)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), expected)
-    assert sorted(set(widths)) == [128, 256]  # slots 9 to 148: two widths of 128, not 19 of 8
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # compiled: a graph per width at least
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options[0]), expected[0])
+    assert sorted(set(widths)) == [64, 128, 192]  # slots 9 to 148: three widths of 64, not 18 of 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one compiled graph for the three
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options[1]), expected[1])
+    assert sorted(set(widths)) == [64, 128, 192, 256]  # slots 9 to 248, the same cache
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(monkeypatch):

@@ -7,10 +7,12 @@ device's add up instead of overlapping. Here one decoding step (the forward of o
 KV cache, the next token chosen from its logits, finished rows given the pad token) reads and writes only tensors of a
 static shape that live as long as the cache, so on a GPU it is recorded once in a CUDA graph and replayed per token;
 the host asks whether every row has finished only every :data:`_CHECK_EVERY` steps and cuts the steps run past that.
-The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULTIPLE` slots beyond the filled part
-(one graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
-(``torch.compile``, one static graph per width, made by the eager warm-up steps before the recording), so the graph
-replays fused kernels rather than the eager forward's many small ones; a copy whose forward holds collectives
+The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULTIPLE` slots beyond the filled part (one
+CUDA graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
+(``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
+than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, so one
+compile serves every width narrower than the cache and one more the whole cache (whose keys, read whole, are
+contiguous), whatever the number of widths. A copy whose forward holds collectives
 (:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU
 the same step runs eagerly.
 
@@ -52,10 +54,11 @@ run after that are cut from the output."""
 
 _WIDTH_MULTIPLE = 256
 """The attention's cache width is the filled length rounded up to this, or to a larger multiple of it where the cache
-would otherwise have more than :data:`_MAX_WIDTHS` widths (one CUDA graph, and one compiled forward, per width)."""
+would otherwise have more than :data:`_MAX_WIDTHS` widths (one CUDA graph per width)."""
 
 _MAX_WIDTHS = 8
-"""The most widths a cache is read at: each is compiled once (within ``torch.compile``'s default recompile limit)."""
+"""The most widths a cache is read at: each is recorded in a CUDA graph of its own (the compiled forward serves them
+all)."""
 
 _WARMUP_STEPS = 2
 """Eager steps on a side stream before a step is recorded in a CUDA graph, as CUDA graphs require (they are real
@@ -378,11 +381,11 @@ class Loop:
             self._seen.scatter_(1, tokens[:, None], True)
         self._next_slot.add_(1)
 
-    def _eager_forward(self, width: int) -> torch.Tensor:
-        """The last chosen token's forward into the cache, attending to its first ``width`` slots: its logits, in
-        float32. Passing the 4-D mask the model would build (the 2-D mask already holds the causal order: no slot
-        beyond the token is filled) keeps transformers' mask code, which reads values on the host, out of the step."""
-        mask = self._attended[:, None, None, :width].contiguous()
+    def _eager_forward(self, mask: torch.Tensor) -> torch.Tensor:
+        """The last chosen token's forward into the cache, attending to the slots ``mask`` holds (the 2-D mask's first
+        ``width``, ``[batch, 1, 1, width]``): its logits, in float32. Passing the 4-D mask the model would build (the
+        2-D mask already holds the causal order: no slot beyond the token is filled) keeps transformers' mask code,
+        which reads values on the host, out of the step."""
         if self._additive_mask:
             dtype = self.model.dtype
             mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
@@ -397,8 +400,11 @@ class Loop:
         return out.logits[:, -1].to(dtype=torch.float32)
 
     def _step(self, width: int) -> None:
-        """One decoding step: static shapes only, every result written into the loop's buffers."""
-        logits = self._forward(width)
+        """One decoding step: static shapes only, every result written into the loop's buffers. The width is a
+        dimension of the compiled forward's mask, not a constant of it: one compiled forward serves every width."""
+        mask = self._attended[:, None, None, :width].contiguous()  # (strides of one pattern for every width)
+        _compat.dynamic_dimension(mask, 3)
+        logits = self._forward(mask)
         self._positions.add_(1)
         self._choose(logits)
 

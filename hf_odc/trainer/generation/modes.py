@@ -5,16 +5,16 @@ are described; :func:`check_generation_mode` is where a requested one is checked
 transformers' ``generate`` on an FSDP2 model all-gathers every layer group for every decoded token, and keeps the
 ranks in lockstep (``synced_gpus``): a rank whose completions end early runs dummy forwards until the longest one
 anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
-
-* ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
-  kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group
-  at a time, one-sided: :mod:`hf_odc.trainer.generation.full_weights`), decodes with a static KV cache kept beside it,
-  by transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by
-  hf_odc's own loop (:mod:`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph,
-  with no host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid
-  once per run, as the copy's weights and the cache's tensors never move. The loop is faster per step but compiles one
-  forward per cache width, so it is not this mode's default. Costs the full weights in the compute dtype for the
-  whole run, plus the cache.
+ * ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
+  kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group at
+  a time, one-sided: :mod:`hf_odc.trainer.generation.full_weights`), decodes with a static KV cache kept beside it, by
+  transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by hf_odc's
+  own loop (:mod:`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
+  host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid once per
+  run, as the copy's weights and the cache's tensors never move. The loop is faster per step; its first batch compiles
+  its forward (once for every cache width narrower than the cache, once for the whole cache) and records a CUDA graph
+  per width, which made it slower than ``generate`` from the first batch when it compiled once per width, so it is not
+  this mode's default. Costs the full weights in the compute dtype for the whole run, plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights
@@ -23,19 +23,21 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   layer shards it needs from the peers one-sidedly, as in training, so no copy is held and no collective runs; each
   token pays the reads. Needs ODC.
 * ``"tensor-parallel"`` (:class:`TensorParallelGenerator`, :class:`TensorParallelDecoder`): for a policy whose copy
-  does not fit beside it, a copy kept for the whole run of which each rank of the shard group holds a 1/N slice of
-  every decoder layer (query and key/value heads and MLP rows column-parallel; ``o_proj`` and ``down_proj``
-  row-parallel, their outputs all-reduced over the group; embeddings, norms and head whole), refreshed in place once
-  per generation batch as the static copy is. The group's ranks decode their prompts together (gathered once per
+  does not fit beside it, a copy kept for the whole run of which each rank of the shard group holds a slice of every
+  decoder layer (its query heads and the key/value heads they read, replicated where the ranks outnumber them, and
+  its MLP rows column-parallel; ``o_proj`` and ``down_proj`` row-parallel, their outputs all-reduced over the group)
+  and of the LM head's vocabulary (its logits all-gathered), embeddings and norms whole, refreshed in place once per
+  generation batch as the static copy is. The group's ranks decode their prompts together (gathered once per
   ``generate`` call), sampling alike from a seed they agree on, so the weights never move per token: two all-reduces
-  of the activations per layer per token instead. Each rank keeps its own rows, ended where they would have ended
-  alone, but every rank steps until the longest completion of the group ends. Decodes as ``"static"`` does (a kept
-  static cache, hf_odc's loop, its CUDA graphs recording the all-reduces), with the forward not compiled. Llama,
-  Mistral, Qwen2 and Qwen3 dense decoders whose heads, key/value heads and intermediate size the group's size
-  divides, without bias on ``o_proj`` or ``down_proj`` (:func:`check_tensor_parallel`); not with tools (the ranks
-  decode different numbers of turns); with one process it is the whole copy. Chosen by default where the static copy
-  does not fit and its slice does (:func:`choose_generation_mode`). Costs 1/N of the weights in the compute dtype
-  (plus the embeddings and head whole) for the whole run, plus the group's KV cache sliced by heads.
+  of the activations per layer per token and one all-gather of the logits instead. Each rank keeps its own rows,
+  ended where they would have ended alone, but every rank steps until the longest completion of the group ends.
+  Decodes as ``"static"`` does (a kept static cache, fused projections, hf_odc's loop, its CUDA graphs recording the
+  collectives), with the forward not compiled. Llama, Mistral, Qwen2 and Qwen3 dense decoders with at least as many
+  attention heads as the group has ranks (:func:`check_tensor_parallel`), any key/value head count; the MLP and the
+  LM head are held whole where the group's size does not divide them; not with tools (the ranks decode different
+  numbers of turns); with one process it is the whole copy. Chosen by default where the static copy does not fit and
+  the largest rank's slice does (:func:`choose_generation_mode`). Costs about 1/N of the layers' weights and LM head
+  in the compute dtype (plus the embeddings whole) for the whole run, plus the group's KV cache sliced by heads.
 * ``"lockstep"`` (:class:`Generator`): TRL's own path, kept as the baseline the others are measured against.
 * ``"vllm"`` (:class:`VLLMGenerator`, ``use_vllm=True``): TRL's vLLM generation, ``vllm_mode="colocate"`` (an engine
   on each rank) or ``"server"`` (rank 0 sends TRL's requests to a vLLM server), with hf_odc's weight sync
@@ -125,9 +127,10 @@ def choose_generation_mode(
 ) -> str:
     """``requested`` checked against the run (:func:`check_generation_mode`), or (``None``) on a GPU ``device``, by
     measured speed per decoding step: ``"static"`` where its copy of the full weights in ``dtype`` fits its share of
-    the device's free memory (:data:`_COPY_SHARE_OF_FREE_MEMORY`); else ``"tensor-parallel"`` where a 1/N slice of it
-    fits that share, the model decodes tensor-parallel over its shard group of N > 1 ranks
-    (:func:`check_tensor_parallel`) and the run has no ``tools``; else ``"gathered"`` where the full weights fit
+    the device's free memory (:data:`_COPY_SHARE_OF_FREE_MEMORY`); else ``"tensor-parallel"`` where the model decodes
+    tensor-parallel over its shard group of N > 1 ranks (:func:`check_tensor_parallel`), the largest rank's slice of
+    the copy fits that share (:meth:`TensorParallelDecoder.bytes_per_rank`: its layers' part, the embeddings whole)
+    and the run has no ``tools``; else ``"gathered"`` where the full weights fit
     theirs; else ``"lockstep"``, or ``"sharded"`` for a run with ``tools`` under ODC (each rank then decodes its own
     number of turns, which lockstep's per-token collectives cannot). ``"sharded"`` moves every layer's weights per
     token as lockstep does and was measured slower per step; the slowest rank steps to the longest completion in
@@ -146,7 +149,7 @@ def choose_generation_mode(
     if copy_bytes <= kept_share * free_bytes:
         return "static"
     size = 1 if tools else _tensor_parallel_size(model)
-    if size > 1 and copy_bytes / size <= kept_share * free_bytes:
+    if size > 1 and TensorParallelDecoder.bytes_per_rank(model, size, dtype) <= kept_share * free_bytes:
         return "tensor-parallel"
     if copy_bytes <= _COPY_SHARE_OF_FREE_MEMORY["gathered"] * free_bytes:
         return "gathered"

@@ -13,19 +13,19 @@ _GENERATION_PARAMETERS = """
         > Parameters of generation on the sharded policy
 
         odc_generation (`str`, *optional*):
-            How each rank decodes its prompts with transformers, never in lockstep but for `"lockstep"`: `"static"`
-            (a kept copy of the policy, refreshed once per generation batch), `"gathered"` (the full weights held
-            while decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC), `"tensor-parallel"`
-            (each rank of the shard group holds a slice of a kept copy and they decode their prompts together, the
-            activations all-reduced; Llama/Mistral/Qwen2/Qwen3 dense models whose heads and intermediate size the
-            group's size divides, no tools) or `"lockstep"` (TRL's path, the baseline); the modes, their costs and
-            vLLM's (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation.modes`. `None`:
-            on a GPU, by measured decoding speed, `"static"` when the copy takes at most a quarter of the device's
-            free memory, else `"tensor-parallel"` when its 1/N slice does (a model it slices, no tools), else
-            `"gathered"` when the copy takes at most half, else `"lockstep"` (`"sharded"` with tools under ODC,
-            where each rank decodes its own number of turns); on a CPU `"gathered"`. A rank that finishes decoding
-            first waits for the others at the rollouts' gather, within `odc_timeout`: set it above the spread of the
-            ranks' decoding times.
+            How each rank decodes its prompts with transformers, never in lockstep but for `"lockstep"`: `"static"` (a
+            kept copy of the policy, refreshed once per generation batch), `"gathered"` (the full weights held while
+            decoding), `"sharded"` (one-sided reads per forward, no copy; needs ODC), `"tensor-parallel"` (each rank of
+            the shard group holds a slice of a kept copy and they decode their prompts together, the activations
+            all-reduced; Llama/Mistral/Qwen2/Qwen3 dense models with at least one attention head per rank, any key/value
+            head count, no tools) or `"lockstep"` (TRL's path, the baseline); the modes, their costs and vLLM's
+            (`use_vllm`, with which this stays unset) are described in `hf_odc.trainer.generation.modes`. `None`: on a
+            GPU, by measured decoding speed, `"static"` when the copy takes at most a quarter of the device's free
+            memory, else `"tensor-parallel"` when the largest rank's slice does (a model it slices, no tools), else
+            `"gathered"` when the copy takes at most half, else `"lockstep"` (`"sharded"` with tools under ODC, where
+            each rank decodes its own number of turns); on a CPU `"gathered"`. A rank that finishes decoding first waits
+            for the others at the rollouts' gather,
+            within `odc_timeout`: set it above the spread of the ranks' decoding times.
         odc_decoding_loop (`bool`, *optional*):
             With `odc_generation="static"` or `"tensor-parallel"`: decode with hf_odc's own loop
             (`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph, the host
@@ -33,8 +33,8 @@ _GENERATION_PARAMETERS = """
             would (greedy or sampling with temperature, top-k, top-p, min-p and repetition penalty; anything else still
             goes to `generate`), or not (`False`). `None`: the loop for `"tensor-parallel"` (whose forward, holding
             collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
-            `generate` for `"static"` (the loop is faster per step there, but compiles a graph per cache width
-            where `generate` compiles one: it pays over long runs, not short ones).
+            `generate` for `"static"` (the loop is faster per step there, but its first batch compiles its forward
+            and records a CUDA graph per cache width: it pays over long runs, not short ones).
 """
 
 

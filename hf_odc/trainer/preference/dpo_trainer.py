@@ -152,7 +152,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
 
     def _training_documents(self) -> list[int] | None:
-        """Each pair's two sequences, as :func:`~hf_odc.trainer.pairs.pair_documents` truncates them."""
+        """Each pair's two sequences, as :func:`~hf_odc.trainer.preference.pairs.pair_documents` truncates them."""
         if self.train_dataset is None:
             return None
         limit = self.args.max_length or float("inf")
