@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -128,7 +129,7 @@ def _run(command: str, program: str, argv: list[str]) -> int:
 
     parser = _load_script(script).make_parser()
     parser.processes = processes  # the global minibatch is split over the processes to come (GlobalBatchParser)
-    with _environment(config.fsdp_variables()):
+    with _environment(config.fsdp_variables()), _quiet():
         parser.parse_args_and_config(script_args)  # every check; one line and exit status 2 on a bad input
     launch_options = LaunchOptions(
         processes, options.num_machines, options.machine_rank, options.main_process_ip, options.main_process_port
@@ -167,6 +168,26 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Inside: no warning and no progress bar, only errors: what the checks print, the first worker prints again
+    (datasets reading a data file, the libraries' notes on the training config)."""
+    import datasets
+    import transformers
+
+    verbosity, bars = transformers.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _load_script(script: Path) -> ModuleType:
