@@ -11,6 +11,7 @@ import platform
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 from .._env import PREFIX, env
 
@@ -26,6 +27,7 @@ def environment() -> dict[str, str]:
     cuda = torch.cuda.is_available()
     info = {"Platform": platform.platform(), "Python": platform.python_version()}
     info |= {package: _version(package) for package in _PACKAGES}
+    info["hf-odc"] += _checkout()
     info["Devices"] = _devices(torch)
     info["ODC transport"] = _transport(torch, cuda)
     info["CUDA symmetric memory"] = _symmetric_memory(torch, cuda)
@@ -48,6 +50,17 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _checkout() -> str:
+    """Where hf_odc is imported from, with its git commit when that is a checkout (a bug report's exact code)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    return f"+{commit} ({root})" if commit else f" ({root})"
 
 
 def _devices(torch) -> str:
