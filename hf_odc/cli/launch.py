@@ -12,16 +12,20 @@ one line and the workers' own exit status.
 * **The launch.** :func:`launch` runs ``accelerate launch`` in this process, as TRL's ``trl`` command does, so that
   torchrun's agent is this process: its report of a failed worker (forty lines ending in a link, after the worker's
   own line) is replaced by one line, or by nothing when the worker already said what was wrong (exit status 2, the
-  examples' one-line errors), and the command exits with the worker's status, not torchrun's 1.
+  examples' one-line errors), and the command exits with the worker's status, not torchrun's 1. Once a worker has
+  ended, a worker still stopped (SIGSTOP) is ended at once rather than after torchrun's 30 s of grace, so that a run
+  whose peer named a stopped rank ends within the ODC timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -32,6 +36,7 @@ import yaml
 
 from .._env import PREFIX, parse_bool, parse_seconds, parse_shard_size
 from ..kernels.transports import TRANSPORTS
+from ..liveness import procfs
 
 SHIPPED = ("odc", "odc_cpu")
 """The Accelerate configs hf_odc ships (``hf_odc/cli/accelerate_configs/<name>.yaml``; ``examples/`` links to them):
@@ -194,7 +199,7 @@ def launch(program: str, script: Path, script_args: Sequence[str], config: Accel
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with config.file_for_accelerate() as file, _quiet_torchrun():
+    with config.file_for_accelerate() as file, _quiet_torchrun(), _ending_stopped_workers():
         args = launch_command_parser().parse_args(
             ["--config_file", str(file), *options.accelerate_flags(), str(script), *script_args]
         )
@@ -220,6 +225,33 @@ def _failed(program: str, failures: dict[int, Any]) -> int:
         what, status = f"exited with status {failure.exitcode}", failure.exitcode
     sys.stderr.write(f"{program}: error: rank {rank} (pid {failure.pid}) {what}; its output is above\n")
     return status
+
+
+@contextlib.contextmanager
+def _ending_stopped_workers(interval: float = 0.25) -> Iterator[None]:
+    """Inside: once a worker has ended, the workers still stopped (SIGSTOP, a paused debugger) are ended with SIGKILL.
+    The run is over by then (a peer named the stopped rank and exited, or the others finished), and torchrun would
+    otherwise give a stopped process 30 s to act on its SIGTERM, which it cannot, before it kills it."""
+    done = threading.Event()
+
+    def watch() -> None:
+        me, most = os.getpid(), 0
+        while not done.wait(interval):
+            workers = [pid for pid in procfs.pids() if procfs.parent(pid) == me]
+            most = max(most, len(workers))
+            if len(workers) < most:
+                for pid in workers:
+                    if procfs.stopped(procfs.process_state(pid)):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+
+    watcher = threading.Thread(target=watch, name="hf_odc-stopped-workers", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 @contextlib.contextmanager

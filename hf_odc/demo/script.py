@@ -23,6 +23,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 from trl.import_utils import is_vllm_available
 
 from .._env import env
+from ..liveness import PeerFailureError
 from ..packing import DISTRIBUTIONS
 from ..trainer import _checkpoint_format
 from .data import prompt_dataset
@@ -155,9 +156,17 @@ def save_policy_for_reference(
 
 
 def train_and_save(trainer) -> None:
-    """Train (resuming if asked), save the model and the trainer state, then release ODC and the process group."""
+    """Train (resuming if asked), save the model and the trainer state, then release ODC and the process group.
+
+    A peer that died, raised or went silent ends this process with hf_odc's one line naming it
+    (``PeerFailureError: hf_odc: rank R ...``), exit status 1: the traceback would only show where this rank waited,
+    and the backend's error it chains (gloo's "Connection reset by peer") would come before the line."""
     output_dir = trainer.args.output_dir
-    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    except PeerFailureError as error:
+        sys.stderr.write(f"{type(error).__name__}: {error}\n")
+        raise SystemExit(1) from None
     trainer.save_model(output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Training completed; model saved to {output_dir}.")

@@ -174,6 +174,29 @@ def test_a_worker_failure_is_one_line_with_the_workers_status(capsys):
     assert capsys.readouterr().err == "hf-odc dpo: error: rank 1 (pid 5) exited with status 1; its output is above\n"
 
 
+def test_a_stopped_worker_is_ended_once_another_has_ended():
+    """Two workers, one stopped: left alone while both run (a debugger may hold it); once the other ends, the stopped
+    one is ended at once (torchrun would give it 30 s to act on a SIGTERM it cannot take)."""
+    import signal
+    import time
+
+    from hf_odc.liveness import procfs
+
+    with launching._ending_stopped_workers(interval=0.05):
+        stopped, other = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+        try:
+            os.kill(stopped.pid, signal.SIGSTOP)
+            time.sleep(0.5)
+            assert procfs.stopped(procfs.process_state(stopped.pid)), "left alone while no worker has ended"
+            other.kill()
+            other.wait()
+            assert stopped.wait(timeout=scaled(10)) == -signal.SIGKILL
+        finally:
+            for process in (stopped, other):
+                process.kill()
+                process.wait()
+
+
 def test_env_prints_versions_devices_and_the_transport(capsys):
     assert main(["env"]) == 0
     report = dict(line[2:].split(": ", 1) for line in capsys.readouterr().out.splitlines() if line.startswith("- "))
