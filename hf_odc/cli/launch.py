@@ -51,7 +51,7 @@ _TORCHRUN_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torc
 
 def shipped_config(name: str) -> Path:
     """The path of the shipped Accelerate config ``name`` (one of :data:`SHIPPED`)."""
-    return Path(str(resources.files(__package__).joinpath("accelerate_configs", f"{name}.yaml")))
+    return Path(str(resources.files(__package__) / "accelerate_configs" / f"{name}.yaml"))
 
 
 def default_config_name(cuda: bool) -> str:
