@@ -9,6 +9,7 @@ checks are measured with. Each trial prints one line; a table closes each mode.
     python benchmarks/fault_trials.py hybrid --runs 200 --busy-every 2  # hybrid runs (2 replicas x 2) back to back
     python benchmarks/fault_trials.py chaos --trials 60 --hybrid-trials 20  # SIGKILL/SIGSTOP anywhere, then resume
     python benchmarks/fault_trials.py chaos --trials 15 --hybrid-trials 5 --after-first-checkpoint  # resumes
+    python benchmarks/fault_trials.py cli --trials 20 --timeout 10       # hf-odc sft: SIGKILL/SIGSTOP, who speaks first
 
 ``stall``: ``examples/sft.py`` (or ``grpo.py``) with ``--odc_timeout T``; after step 20 (``--after``), at a random
 moment (uniform over the next second and a half; for GRPO over the span one step took), rank 1 is stopped; the trial
@@ -24,7 +25,11 @@ random moment between the launch and the end of an uninterrupted run of the same
 which also gives the reference parameters); measured: how long after the fault each survivor lived and whether the run
 named the rank, the processes and ``/dev/shm`` entries left 10 s after the run ended (everything still alive is then
 killed), and, when a checkpoint was saved before the fault, the largest parameter difference between the run resumed
-from the last one and the uninterrupted run.
+from the last one and the uninterrupted run. ``cli``: ``hf-odc sft`` (the command line, whose process is the launcher)
+with ``--odc_timeout T``; after step ``--after``, at a random moment within the next second and a half, rank 1 gets
+SIGKILL (``--trials`` times) or SIGSTOP (as many); measured: whether the first line naming rank 1 is hf_odc's (a
+survivor's, or the command's own), whether a traceback or torchrun's report came before it, and how long after the
+fault the command ended (the target: within ``T + 5`` s), with its exit status.
 """
 
 from __future__ import annotations
@@ -165,6 +170,62 @@ def startup(args: argparse.Namespace) -> None:
         results.append(result)
         print(f"startup trial {trial + 1}: {result}", flush=True)
     _table("startup", results, args.timeout, 10)
+
+
+CLI_NAMED = re.compile(r"(hf_odc: |^PeerFailureError: hf_odc: |^hf-odc sft: error: )(rank 1 \(pid|ranks \[1\] did not)")
+FOREIGN = re.compile(r"Traceback|ChildFailedError|torch\.distributed\.elastic|Connection reset|^\[rank\d\]")
+
+
+def cli(args: argparse.Namespace) -> None:
+    rows = []
+    for name, sent in (("SIGKILL", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP)):
+        for trial in range(args.trials):
+            row = _cli_trial(sent, args)
+            rows.append({"signal": name, **row})
+            print(f"cli {name} trial {trial + 1}: {row}", flush=True)
+    print("\n| signal | trials | hf_odc named rank 1 first | no traceback or report before it | ended within "
+          "timeout + 5 s | ended after the fault | exit status |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
+    for name in ("SIGKILL", "SIGSTOP"):
+        mine = [row for row in rows if row["signal"] == name]
+        ends = [row["end_s"] for row in mine if row.get("end_s") is not None]
+        span = f"{min(ends):.1f}-{max(ends):.1f} s" if ends else "-"
+        statuses = ", ".join(sorted({str(row.get("status")) for row in mine}))
+        cells = [name, len(mine), sum(row.get("named_first", False) for row in mine),
+                 sum(row.get("clean", False) for row in mine),
+                 sum(t <= args.timeout + 5 for t in ends), span, statuses]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
+def _cli_trial(sent: signal.Signals, args: argparse.Namespace) -> dict:
+    """One ``hf-odc sft`` run, rank 1 sent ``sent`` after step ``args.after``: what the output said first, and when
+    the command ended."""
+    with tempfile.TemporaryDirectory(prefix="hf_odc_trial_") as tmp:
+        log = Path(tmp) / "log"
+        flags = [*SFT_FAST, "--max_steps", "100000", "--odc_timeout", str(args.timeout), "--output_dir", tmp]
+        with open(log, "w") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "hf_odc.cli", "sft", *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            )  # fmt: skip
+        ranks: dict[int, int] = {}
+        try:
+            if not _wait_until(lambda: log.read_text().count("'loss'") >= args.after, 300):
+                return {"error": "did not get there", "log": log.read_text()[-2000:]}
+            ranks.update(_ranks(process.pid))
+            time.sleep(random.uniform(0, 1.5))
+            os.kill(ranks[1], sent)
+            faulted = time.monotonic()
+            ended = _wait_until(lambda: process.poll() is not None, args.timeout + 60)
+            end_s = time.monotonic() - faulted if ended else None
+            lines = log.read_text().splitlines()
+            first = next((i for i, line in enumerate(lines) if CLI_NAMED.search(line)), None)
+            before = lines if first is None else lines[:first]
+            return {"end_s": end_s, "status": process.poll(), "named_first": first is not None,
+                    "clean": not any(FOREIGN.search(line) for line in before),
+                    "says": lines[first][:160] if first is not None else None}  # fmt: skip
+        finally:
+            _end(process, list(ranks.values()))
 
 
 def _table(mode: str, results: list[dict], timeout: float, slack: float) -> None:
@@ -428,6 +489,10 @@ def main() -> None:
         sub.add_argument("--script", choices=["sft", "grpo"], default="sft")
     sub = modes.add_parser("launcher")
     sub.add_argument("--at", type=float, nargs="+", default=[1, 3, 5, 10])
+    sub = modes.add_parser("cli")
+    sub.add_argument("--trials", type=int, default=20, help="trials of each signal")
+    sub.add_argument("--timeout", type=float, default=10.0, help="the runs' --odc_timeout")
+    sub.add_argument("--after", type=int, default=3, help="steps before the fault")
     sub = modes.add_parser("exits")
     sub.add_argument("--repeats", type=int, default=20)
     sub.add_argument("--only", nargs="*", help="run only the runs whose name holds one of these words")
@@ -448,7 +513,7 @@ def main() -> None:
                      help="fault only after the first checkpoint (where a resume can be checked)")  # fmt: skip
     args = parser.parse_args()
     modes_by_name = {"stall": stall, "startup": startup, "launcher": launcher, "exits": exits, "hybrid": hybrid}
-    modes_by_name["chaos"] = chaos
+    modes_by_name |= {"chaos": chaos, "cli": cli}
     modes_by_name[args.mode](args)
 
 

@@ -15,6 +15,7 @@ python examples/distill.py
 
 # two CPU processes, ODC + LB-Mini
 accelerate launch --config_file examples/odc_cpu.yaml examples/distill.py
+hf-odc distill  # the same, through hf_odc's command line (hf_odc/cli): every input checked before a process starts
 
 # the generalized JSD, a LoRA student
 accelerate launch --config_file examples/odc_cpu.yaml examples/distill.py --beta 0.5 --use_peft

@@ -15,6 +15,7 @@ python examples/dpo.py
 
 # two CPU processes, ODC + LB-Mini
 accelerate launch --config_file examples/odc_cpu.yaml examples/dpo.py
+hf-odc dpo  # the same, through hf_odc's command line (hf_odc/cli): every input checked before a process starts
 
 # the plain-FSDP2 baseline: every rank runs the same number of microbatches
 accelerate launch --config_file examples/odc_cpu.yaml examples/dpo.py --odc false --balance lb-micro

@@ -13,6 +13,7 @@ python examples/grpo.py
 
 # two CPU processes, ODC + LB-Mini
 accelerate launch --config_file examples/odc_cpu.yaml examples/grpo.py
+hf-odc grpo  # the same, through hf_odc's command line (hf_odc/cli): every input checked before a process starts
 
 # the plain-FSDP2 baseline (every rank trains on the same number of microbatches)
 accelerate launch --config_file examples/odc_cpu.yaml examples/grpo.py --odc false --balance lb-micro

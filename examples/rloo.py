@@ -15,6 +15,7 @@ python examples/rloo.py
 
 # two CPU processes, ODC + LB-Mini
 accelerate launch --config_file examples/odc_cpu.yaml examples/rloo.py
+hf-odc rloo  # the same, through hf_odc's command line (hf_odc/cli): every input checked before a process starts
 
 # the plain-FSDP2 baseline (every rank trains on the same number of microbatches)
 accelerate launch --config_file examples/odc_cpu.yaml examples/rloo.py --odc false --balance lb-micro

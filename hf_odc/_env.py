@@ -12,6 +12,7 @@ An explicit argument always wins; the variable is the fallback, the way Accelera
 | ``HF_ODC_HOST_ID`` | tests only: ranks with different values are different hosts (``kernels.transports.hosts``) |
 | ``HF_ODC_SCATTER_PROGRAMS`` | cap on the GPU accumulate kernel's programs (0: uncapped), a tuning knob |
 | ``HF_ODC_PEAK_TFLOPS`` | a device's peak dense bf16 TFLOP/s, for MFU where ``hf_odc.packing.flops`` lacks it |
+| ``HF_ODC_PROG`` | the program the example scripts' one-line errors name (``hf-odc sft`` sets it for its processes) |
 """
 
 from __future__ import annotations

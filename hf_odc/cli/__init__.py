@@ -1,5 +1,7 @@
-"""The ``hf-odc`` command line. Each subcommand parses its arguments here and hands over to its back end
-(:mod:`hf_odc.cli.plan` for ``hf-odc plan``)."""
+"""The ``hf-odc`` command line: ``hf-odc sft|dpo|grpo|rloo|kto|reward|distill`` (:mod:`hf_odc.cli.train`: an example
+script launched on ODC, every input checked first), ``hf-odc env`` (:mod:`hf_odc.cli.env`: what a bug report needs)
+and ``hf-odc plan`` (its arguments here, its back end :mod:`hf_odc.cli.plan`). A training command's arguments are the
+script's, passed on whole; the others are parsed here."""
 
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ _PLAN_EXAMPLES = """examples:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in (*_TRAINING, *_TRAINING_ALIASES):
+        from .train import run_training  # imports torch, transformers and TRL: not for the other commands
+
+        return run_training(argv[0], argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -36,14 +43,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+# The training commands (hf_odc.cli.train.COMMANDS and ALIASES), named here so that `hf-odc plan` imports no torch.
+_TRAINING = {
+    "sft": "supervised fine-tuning",
+    "dpo": "Direct Preference Optimization",
+    "grpo": "GRPO (online RL, generating with the policy)",
+    "rloo": "REINFORCE Leave-One-Out (online RL)",
+    "kto": "Kahneman-Tversky Optimization",
+    "reward": "reward modelling",
+    "distill": "on-policy distillation",
+}
+_TRAINING_ALIASES = {"distillation": "distill"}
+
+
 def _build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: a flag is spelt in full (argparse would take "--world 8" for --world-sizes, silently).
     parser = argparse.ArgumentParser(
-        prog="hf-odc", description="On-Demand Communication for FSDP2: tools.", allow_abbrev=False
+        prog="hf-odc", description="On-Demand Communication for FSDP2: training and tools.", allow_abbrev=False
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, what in _TRAINING.items():
+        aliases = [alias for alias, command in _TRAINING_ALIASES.items() if command == name]
+        commands.add_parser(name, aliases=aliases, help=f"train with ODC: {what} (examples/{name}.py; --help)")
+    env = commands.add_parser("env", help="print what a bug report needs: versions, devices, the transport")
+    env.set_defaults(handler=_run_env)
     _add_plan(commands)
     return parser
+
+
+def _run_env(args: argparse.Namespace) -> None:
+    from .env import print_env
+
+    print_env()
 
 
 def _add_plan(commands: argparse._SubParsersAction) -> None:

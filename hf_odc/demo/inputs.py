@@ -18,7 +18,9 @@ import datasets
 import huggingface_hub
 from datasets import Dataset, load_dataset, load_from_disk
 from huggingface_hub import constants
+from transformers import AutoConfig
 
+from .models import MODEL_CONFIGS
 from .tokenizer import missing_tokenizer
 
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -68,9 +70,11 @@ def check_model(name: str) -> None:
         missing = missing_tokenizer(name)
         if missing:
             raise ValueError(f"{flag}: {missing}")
+        _check_config(flag, lambda: AutoConfig.from_pretrained(name))
         return
     cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
     if isinstance(cached, str):
+        _check_config(flag, lambda: AutoConfig.from_pretrained(name))
         return
     reason = hub_unreachable()
     if reason is not None:
@@ -79,6 +83,35 @@ def check_model(name: str) -> None:
             f"({constants.HF_HUB_CACHE}) while {reason}; download it where the Hub is reachable (hf download {name}) "
             "or pass a local directory"
         )
+
+
+def check_model_config(path: str) -> None:
+    """``--model_config`` naming a file: a ``config.json`` (or a directory holding one) that transformers builds a
+    config from."""
+    flag = f"--model_config {path}"
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        what = "the directory has no config.json" if os.path.isdir(path) else "no such file or directory"
+        raise ValueError(f"{flag}: {what}; name one of {', '.join(MODEL_CONFIGS)} or a config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{flag}: {file} is not a JSON config: {' '.join(str(error).split())}") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{flag}: {file} has no model_type; a transformers config.json names its model's type")
+    _check_config(flag, lambda: AutoConfig.for_model(**raw))
+
+
+def _check_config(flag: str, load: Callable[[], object]) -> None:
+    """Raise ``ValueError`` in one line when transformers refuses the model's config (``load``): an unknown model
+    type, or a field of the wrong type (``"router_aux_loss_coef": null``), which it would otherwise say in a
+    traceback on every process once the model is built."""
+    try:
+        load()
+    except Exception as error:  # transformers' validation errors are of many types
+        raise ValueError(f"{flag}: transformers refuses its config.json: {' '.join(str(error).split())}; fix the "
+                         "config (or remove the key, for its default)") from None  # fmt: skip
 
 
 def require_columns(dataset: Dataset, *alternatives: tuple[str, ...], needs: str) -> None:

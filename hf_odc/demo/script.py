@@ -17,13 +17,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import yaml
 from datasets import Dataset
 from trl import ModelConfig, ScriptArguments, TrlParser
+from trl.import_utils import is_vllm_available
 
+from .._env import env
+from ..liveness import PeerFailureError
 from ..packing import DISTRIBUTIONS
 from ..trainer.core import _checkpoint_format
 from .data import prompt_dataset
-from .inputs import check_model, load_dataset_input, quiet_datasets_on_other_ranks
+from .inputs import check_model, check_model_config, load_dataset_input, quiet_datasets_on_other_ranks
 from .models import MODEL_CONFIGS, build_model, save_initial_model
 
 
@@ -152,9 +156,17 @@ def save_policy_for_reference(
 
 
 def train_and_save(trainer) -> None:
-    """Train (resuming if asked), save the model and the trainer state, then release ODC and the process group."""
+    """Train (resuming if asked), save the model and the trainer state, then release ODC and the process group.
+
+    A peer that died, raised or went silent ends this process with hf_odc's one line naming it
+    (``PeerFailureError: hf_odc: rank R ...``), exit status 1: the traceback would only show where this rank waited,
+    and the backend's error it chains (gloo's "Connection reset by peer") would come before the line."""
     output_dir = trainer.args.output_dir
-    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    except PeerFailureError as error:
+        sys.stderr.write(f"{type(error).__name__}: {error}\n")
+        raise SystemExit(1) from None
     trainer.save_model(output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Training completed; model saved to {output_dir}.")
@@ -168,7 +180,16 @@ def make_trainer(trainer_class: type, **kwargs: Any) -> Any:
     try:
         return trainer_class(**kwargs)
     except ValueError as error:
-        _fail(str(error))
+        fail(str(error))
+
+
+def _one_line(error: Exception, recipe: str | None) -> str:
+    """``error``, raised while the command line and the ``recipe`` (``--config``) were read, as one line."""
+    if isinstance(error, OSError) and recipe is not None and error.filename == recipe:
+        return f"--config {recipe}: {error.strerror.lower() if error.strerror else error}"
+    if isinstance(error, yaml.YAMLError):
+        return f"--config {recipe}: not valid YAML: {' '.join(str(error).split())}"
+    return " ".join(str(error).split())
 
 
 def _any_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
@@ -179,6 +200,12 @@ _UNSET = object()
 
 _CHECKPOINT_FLAGS = frozenset({"save_steps", "save_total_limit", "save_only_model", "save_on_each_node"})
 """Flags that configure checkpoints: any of them switches saving on unless ``--save_strategy`` is given."""
+
+LAUNCH_KEYS = frozenset(
+    {"num_processes", "accelerate_config", "num_machines", "machine_rank", "main_process_ip", "main_process_port"}
+)
+"""Keys of a ``--config`` recipe that say how to launch the script, not how to train: ``hf-odc`` reads them (as TRL's
+``trl`` command does), the script passes over them."""
 
 ERROR_GRACE_S = 10.0
 """How long a process other than the first waits before exiting on a bad flag (the launcher ends it sooner, once the
@@ -193,11 +220,17 @@ def _leave_the_error_to_the_first_process() -> None:
         raise SystemExit(2)
 
 
-def _fail(message: str) -> NoReturn:
-    """End the run with one error line, ``<script>: error: <message>``, from the first process only (as a bad flag
-    does)."""
+def program_name() -> str:
+    """What the scripts' error lines call the program: ``HF_ODC_PROG`` (``hf-odc sft`` when the command line launched
+    the script), else the script's file name."""
+    return env("PROG") or os.path.basename(sys.argv[0])
+
+
+def fail(message: str) -> NoReturn:
+    """End the run with one error line, ``<program>: error: <message>`` (:func:`program_name`), from the first process
+    only, exit status 2, as a bad flag does."""
     _leave_the_error_to_the_first_process()
-    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {message}\n")
+    sys.stderr.write(f"{program_name()}: error: {message}\n")
     raise SystemExit(2)
 
 
@@ -207,9 +240,10 @@ class ExampleParser(TrlParser):
     * Flags that imply others are completed before the configs are built (:meth:`complete`, from the flags given on
       the command line or in ``--config``): any checkpoint flag (:data:`_CHECKPOINT_FLAGS`) switches saving on
       (``save_strategy="steps"``; the demos default to ``"no"``) unless ``--save_strategy`` is given.
-    * A bad flag (unknown, unparsable, or refused by a config's checks) ends the run with argparse's short usage line
-      and one error line, exit status 2, from the first process only: under ``accelerate launch`` every process
-      parses the same flags, and each would print its traceback (the usage alone lists every TRL flag).
+    * A bad flag (unknown, unparsable, or refused by a config's checks), a ``--config`` recipe that cannot be read or
+      that holds a key no flag takes, ends the run with one error line (:func:`fail`), exit status 2, from the first
+      process only: under ``accelerate launch`` every process parses the same flags, and each would print its
+      traceback (argparse's usage line would list every TRL flag). A recipe's :data:`LAUNCH_KEYS` are passed over.
     * Gradient checkpointing is off by default: TRL turns it on, which only costs time on models this small.
       ``--gradient_checkpointing true`` turns it on (recent transformers renamed it ``--activation_checkpointing``;
       the ODC configs take either name without a warning).
@@ -222,7 +256,7 @@ class ExampleParser(TrlParser):
       class with the text.
     * The inputs the flags name are checked before the configs are built (the training config joins the process
       group) and before any model is (:meth:`check_inputs`): a bad one ends the run with one line from the first
-      process (:func:`_fail`).
+      process (:func:`fail`).
 
     Args:
         dataclass_types: The script's argument dataclasses.
@@ -237,7 +271,10 @@ class ExampleParser(TrlParser):
         check_dataset: Callable[[Dataset, argparse.Namespace], None] | None = _any_dataset,
     ):
         super().__init__(
-            dataclass_types, usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)", allow_abbrev=False
+            dataclass_types,
+            prog=env("PROG"),
+            usage="%(prog)s [--FLAG VALUE ...]  (--help lists the flags)",
+            allow_abbrev=False,
         )
         self._check_dataset = check_dataset
         for action in self._actions:
@@ -249,14 +286,23 @@ class ExampleParser(TrlParser):
         self._from_config: set[str] = set()
 
     def parse_args_and_config(self, args: Iterable[str] | None = None) -> tuple[Any, ...]:
-        """The configs, or :meth:`error` for flags that are unknown (here or in ``--config``) or that a config's
-        ``__post_init__`` refuses (a ``ValueError``)."""
+        """The configs, or :meth:`error` for flags that are unknown (here or in ``--config``), a recipe that cannot be
+        read, or flags that a config's ``__post_init__`` refuses (a ``ValueError``)."""
+        args = list(args) if args is not None else sys.argv[1:]
+        recipe = args[args.index("--config") + 1] if "--config" in args[:-1] else None
         try:
-            *configs, unknown = super().parse_args_and_config(args, return_remaining_strings=True)
-        except ValueError as error:
-            self.error(str(error))
+            *configs, from_recipe, unknown = super().parse_args_and_config(
+                args, return_remaining_strings=True, separate_remaining_strings=True
+            )
+        except (ValueError, OSError, yaml.YAMLError) as error:
+            self.error(_one_line(error, recipe))
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        keys = [key[2:] for key in from_recipe[::2] if key[2:] not in LAUNCH_KEYS]
+        if keys:
+            plural = len(keys) > 1
+            self.error(f"--config {recipe}: no flag takes the key{'s' if plural else ''} {', '.join(keys)}; remove "
+                       f"{'them' if plural else 'it'} or fix the spelling (--help lists the flags)")  # fmt: skip
         return tuple(configs)
 
     def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
@@ -275,20 +321,24 @@ class ExampleParser(TrlParser):
             try:
                 self.check_inputs(parsed)
             except ValueError as error:
-                _fail(str(error))
+                fail(str(error))
         return parsed, remaining
 
     def check_inputs(self, namespace: argparse.Namespace) -> None:
         """Raise ``ValueError``, in one line, for an input that the flags name and the run could not use: the model
-        (``--model_name_or_path``, else a ``--model_config`` path), the checkpoint to resume from (the trainer's own
-        checks, :func:`hf_odc.trainer.core._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it
-        loads, its split has rows, and ``check_dataset`` accepts it)."""
+        (``--model_name_or_path``, else a ``--model_config`` path: its config is one transformers builds), vLLM
+        (``--use_vllm``: installed), the checkpoint to resume from (the trainer's own checks,
+        :func:`hf_odc.trainer.core._checkpoint_format.check_resumable`) and the dataset (``--dataset_name``: it loads,
+        its split has rows, and ``check_dataset`` accepts it)."""
         config = getattr(namespace, "model_config", None)
         if getattr(namespace, "model_name_or_path", None):
             check_model(namespace.model_name_or_path)
-        elif config not in (None, *MODEL_CONFIGS) and not os.path.exists(config):
-            raise ValueError(f"--model_config {config}: no such file or directory; name one of "
-                             f"{', '.join(MODEL_CONFIGS)} or a config.json")  # fmt: skip
+        elif config not in (None, *MODEL_CONFIGS):
+            check_model_config(config)
+        if getattr(namespace, "use_vllm", False) and not is_vllm_available():
+            raise ValueError("--use_vllm: vLLM is not installed in this environment; install it (docs/api.md, "
+                             "\"vLLM on CPU, end to end\", for a CPU) or leave --use_vllm out to decode with "
+                             "transformers (--odc_generation)")  # fmt: skip
         resume = getattr(namespace, "resume_from_checkpoint", None)
         if isinstance(resume, str) and resume:
             if resume.lower() == "true" and not os.path.isdir(resume):
@@ -313,18 +363,22 @@ class ExampleParser(TrlParser):
             namespace.save_strategy = "steps"
 
     def error(self, message: str) -> NoReturn:
-        _leave_the_error_to_the_first_process()
-        super().error(message)
+        fail(message)
 
 
 class GlobalBatchParser(ExampleParser):
     """:class:`ExampleParser` for a script whose arguments have a ``global_batch_size`` field: the global minibatch is
     the same whatever the number of processes (each gets ``global_batch_size / processes`` samples as
-    ``per_device_train_batch_size``), unless ``--per_device_train_batch_size`` is given."""
+    ``per_device_train_batch_size``), unless ``--per_device_train_batch_size`` is given.
+
+    The number of processes is the launcher's (``WORLD_SIZE``), or :attr:`processes` once set: ``hf-odc`` parses the
+    command line before it launches them."""
+
+    processes: int | None = None
 
     def complete(self, namespace: argparse.Namespace, given: set[str]) -> None:
         super().complete(namespace, given)
-        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        processes = self.processes or int(os.environ.get("WORLD_SIZE", "1"))
         if "per_device_train_batch_size" in given:
             if "global_batch_size" in given:
                 self.error("set --global_batch_size or --per_device_train_batch_size, not both")

@@ -81,7 +81,9 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
         if train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
-            check_sft_truncation(train_dataset, self.train_dataset, args.max_length, self.accelerator.is_main_process)
+            is_main = self.accelerator.is_main_process
+            check_sft_truncation(train_dataset, self.train_dataset, args.max_length, is_main, args.allow_truncated_data)
+            self._check_max_tokens(self.train_dataset)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
         self._setup_odc(StepMetrics(args.device, means=("entropy", "mean_token_accuracy")))
@@ -98,7 +100,6 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         dataset = self.train_dataset.select_columns(
             [c for c in ("input_ids", "labels") if c in self.train_dataset.column_names]
         ).with_format("numpy")
-        self._check_max_tokens(dataset)
         self._collator = PlannedMinibatchCollator(
             rank=self.accelerator.process_index,
             planner=self._planner,
@@ -109,7 +110,7 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
-        """Refuse, before the first step, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
+        """Refuse, at construction, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
         sample does not fit (the planner would only find out at the minibatch that draws it); with sequence
         parallelism, a sample longer than ``sp_size`` microbatches."""
         args = self.args

@@ -11,84 +11,37 @@ Accelerate config) run on two; the others on one, where they take the same path.
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
-import torch
-from _trainer_launch import EXAMPLES, launch
-from datasets import Dataset
-
-from hf_odc.trainer.core._checkpoint_format import COMPLETE_MARKER, STATE_DIR
-
-CHAT = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": "w3 w2 w1"}]
+from _bad_inputs import data_file, empty_saved_dataset, model_without_tokenizer, offload_config, truncated_scheduler
+from _trainer_launch import launch
 
 WORKER_FRAME = re.compile(r'File ".*(hf_odc|examples|trl|transformers|datasets|huggingface_hub)/')
 """A worker's traceback frame (under ``accelerate launch``, the launcher's own report is torch's and Accelerate's)."""
-
-
-def _truncated_scheduler(tmp_path: Path) -> list[str]:
-    """A complete checkpoint whose ``scheduler.pt`` was cut short after its save."""
-    checkpoint = tmp_path / "out" / "checkpoint-1"
-    (checkpoint / STATE_DIR).mkdir(parents=True)
-    (checkpoint / STATE_DIR / ".metadata").write_bytes(b"")
-    (checkpoint / COMPLETE_MARKER).write_text("1\n")
-    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1, "log_history": []}))
-    torch.save({"last_epoch": 1, "_step_count": 2}, checkpoint / "scheduler.pt")
-    data = (checkpoint / "scheduler.pt").read_bytes()
-    (checkpoint / "scheduler.pt").write_bytes(data[: len(data) // 2])
-    return ["--resume_from_checkpoint", str(checkpoint), "--output_dir", str(tmp_path / "out")]
-
-
-def _data_file(name: str, text: str):
-    def make(tmp_path: Path) -> list[str]:
-        (tmp_path / name).write_text(text)
-        return ["--dataset_name", str(tmp_path / name)]
-
-    return make
-
-
-def _empty_saved_dataset(tmp_path: Path) -> list[str]:
-    Dataset.from_list([]).save_to_disk(tmp_path / "empty")
-    return ["--dataset_name", str(tmp_path / "empty")]
-
-
-def _model_without_tokenizer(tmp_path: Path) -> list[str]:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return ["--model_name_or_path", str(tmp_path / "model")]
-
-
-def _offload_config(tmp_path: Path) -> Path:
-    """``examples/odc_cpu.yaml`` with ``fsdp_offload_params: true``."""
-    text = (EXAMPLES / "odc_cpu.yaml").read_text()
-    config = tmp_path / "offload.yaml"
-    config.write_text(re.sub(r"fsdp_offload_params: false", "fsdp_offload_params: true", text))
-    return config
 
 
 # (id, script, processes, flags or a function of tmp_path making them, the error line's text)
 CASES = [
     ("missing data file", "sft.py", 2, ["--dataset_name", "/nonexistent/chats.jsonl"],
      "--dataset_name /nonexistent/chats.jsonl: no such file or directory"),
-    ("truncated scheduler.pt", "sft.py", 2, _truncated_scheduler,
+    ("truncated scheduler.pt", "sft.py", 2, truncated_scheduler,
      "scheduler.pt is not a sound torch.save archive (truncated or corrupted)"),
     ("max_length drops every pair", "dpo.py", 2, ["--max_length", "4", "--num_pairs", "32"],
      "max_length=4 leaves 32 of the 32 preference pairs with nothing to prefer"),
     ("CPU offload", "sft.py", 2, [], "fsdp_offload_params: true in the Accelerate config"),
-    ("JSONL of one blank line", "sft.py", 1, _data_file("blank.jsonl", "\n"), "the file is empty"),
-    ("JSON []", "sft.py", 1, _data_file("empty.json", "[]"), "it holds no rows"),
-    ("empty save_to_disk", "sft.py", 1, _empty_saved_dataset, "the saved dataset holds no rows"),
+    ("JSONL of one blank line", "sft.py", 1, data_file("blank.jsonl", "\n"), "the file is empty"),
+    ("JSON []", "sft.py", 1, data_file("empty.json", "[]"), "it holds no rows"),
+    ("empty save_to_disk", "sft.py", 1, empty_saved_dataset, "the saved dataset holds no rows"),
     ("model path that does not exist", "dpo.py", 1, ["--model_name_or_path", "/nonexistent/model"],
      "--model_name_or_path /nonexistent/model: no such directory"),
     ("Hub name offline", "grpo.py", 1, ["--model_name_or_path", "hf-odc-tests/not-cached"],
      "the Hub model is not in the cache"),
-    ("model without tokenizer", "sft.py", 1, _model_without_tokenizer,
+    ("model without tokenizer", "sft.py", 1, model_without_tokenizer,
      "the directory holds no tokenizer (tokenizer.json or tokenizer_config.json)"),
     ("max_length drops every sample", "sft.py", 1,
      ["--max_length", "4", "--assistant_only_loss", "true", "--num_samples", "32"],
-     "max_length=4 cuts 32 of the 32 training samples, 32 of them so short"),
+     "max_length=4 cuts 32 of the 32 training samples: 32 lose every token carrying a loss"),
     ("flag prefix", "sft.py", 1, ["--max_step", "3"], "unrecognized arguments: --max_step 3"),
 ]  # fmt: skip
 
@@ -98,7 +51,7 @@ CASES = [
                          ids=[case[0] for case in CASES])  # fmt: skip
 def test_a_bad_input_ends_the_run_in_one_line_from_the_first_process(tmp_path, script, processes, flags, says):
     flags = flags(tmp_path) if callable(flags) else flags
-    config = _offload_config(tmp_path) if says.startswith("fsdp_offload_params") else None
+    config = offload_config(tmp_path) if says.startswith("fsdp_offload_params") else None
     if "--output_dir" not in flags:
         flags = [*flags, "--output_dir", str(tmp_path / "out")]
     env = {"HF_HUB_OFFLINE": "1"}  # never the network, whatever the case

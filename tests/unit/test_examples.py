@@ -185,9 +185,8 @@ def test_a_bad_flag_fails_with_one_error_line_from_the_first_process_only(monkey
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as failure:
         sft.make_parser().parse_args_and_config(list(flags))
-    usage, error = capsys.readouterr().err.splitlines()
-    assert failure.value.code == 2 and usage.startswith("usage: ") and len(usage) <= 80
-    assert error.startswith(f"{sft.make_parser().prog}: error: ") and named in error
+    (error,) = capsys.readouterr().err.splitlines()
+    assert failure.value.code == 2 and error.startswith(f"{sft.make_parser().prog}: error: ") and named in error
     monkeypatch.setenv("RANK", "1")  # the others exit as silently as they can, with the same status
     monkeypatch.setattr(script, "ERROR_GRACE_S", 0.0)
     with pytest.raises(SystemExit) as failure:

@@ -152,28 +152,41 @@ def test_a_dataset_sft_cannot_train_on_is_refused_naming_its_columns(columns, sa
         require_sft_columns(dataset, text_field="body")
 
 
-def test_truncation_that_leaves_nothing_is_refused_and_most_is_warned_once(recwarn):
-    """Nothing left to train on: refused; most of the samples damaged: one warning, from the process told to warn; a
-    few: nothing."""
-    with pytest.raises(ValueError, match=r"cut\. Nothing is left to train on, so the run is refused"):
-        check_truncation(4, 4, "cut.", warn=False, nothing_left=True)
-    check_truncation(3, 4, "cut.", warn=False, nothing_left=False)
-    check_truncation(2, 4, "cut.", warn=True, nothing_left=False)
+def test_truncation_that_leaves_nothing_or_damages_most_is_refused_unless_allowed(recwarn):
+    """Nothing left to train on: refused, allowed or not; most of the samples damaged: refused, naming the flag that
+    allows it, or with it one warning from the process told to warn; a few: nothing."""
+    for allowed in (False, True):
+        with pytest.raises(ValueError, match=r"cut\. Nothing is left to train on, so the run is refused"):
+            check_truncation(4, 4, "cut.", warn=False, nothing_left=True, allowed=allowed)
+    with pytest.raises(ValueError, match=r"cut\. Or pass --allow_truncated_data true to train on what is left anyway"):
+        check_truncation(3, 4, "cut.", warn=True, nothing_left=False, allowed=False)
+    check_truncation(3, 4, "cut.", warn=False, nothing_left=False, allowed=True)
+    check_truncation(2, 4, "cut.", warn=True, nothing_left=False, allowed=False)
     assert not recwarn.list
-    check_truncation(4, 4, "cut.", warn=True, nothing_left=False)
+    check_truncation(4, 4, "cut.", warn=True, nothing_left=False, allowed=True)
     assert [str(w.message) for w in recwarn.list] == ["cut."]
 
 
-def test_sft_truncation_counts_the_samples_cut_and_the_samples_dropped():
+def test_sft_truncation_counts_the_samples_cut_and_the_samples_dropped_and_says_each_once():
     """Tokenized by TRL, a kept sample of ``max_length`` tokens was cut and a dropped one lost its completion; given
-    tokenized, a sample was cut when it was longer than ``max_length`` (one exactly that long was not)."""
+    tokenized, a sample was cut when it was longer than ``max_length`` (one exactly that long was not). The message
+    names each group once, and no group that is empty."""
     chats = datasets.Dataset.from_dict({"messages": [[]] * 4})
-    with pytest.warns(UserWarning, match=r"max_length=4 cuts 3 of the 4 training samples, 1 of them so short"):
-        check_sft_truncation(chats, datasets.Dataset.from_dict({"input_ids": [[1] * 4, [1] * 4, [1] * 2]}), 4, True)
-    with pytest.raises(ValueError, match=r"max_length=4 cuts 4 of the 4 .* Nothing is left to train on"):
-        check_sft_truncation(chats, datasets.Dataset.from_dict({"input_ids": []}), 4, False)
+    cut = datasets.Dataset.from_dict({"input_ids": [[1] * 4, [1] * 4, [1] * 2]})
+    with pytest.warns(UserWarning, match=r"^max_length=4 cuts 3 of the 4 training samples: 1 lose every token "
+                                         r"carrying a loss \(their completion\) and TRL drops them; 2 train on their "
+                                         r"first 4 tokens only\. Raise --max_length"):  # fmt: skip
+        check_sft_truncation(chats, cut, 4, True, allowed=True)
+    with pytest.raises(ValueError, match=r"cuts 3 of the 4 .* Or pass --allow_truncated_data true"):
+        check_sft_truncation(chats, cut, 4, True, allowed=False)
+    with pytest.raises(ValueError) as refused:
+        check_sft_truncation(chats, datasets.Dataset.from_dict({"input_ids": []}), 4, False, allowed=True)
+    assert str(refused.value) == (
+        "max_length=4 cuts 4 of the 4 training samples: 4 lose every token carrying a loss (their completion) and TRL "
+        "drops them. Raise --max_length to fit most samples whole. Nothing is left to train on, so the run is refused."
+    )
     tokenized = datasets.Dataset.from_dict({"input_ids": [[1] * 4, [1] * 4, [1] * 5]})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_sft_truncation(tokenized, tokenized, 4, True)  # one of three cut
-        check_sft_truncation(tokenized, tokenized, None, True)  # no truncation
+        check_sft_truncation(tokenized, tokenized, 4, True, allowed=False)  # one of three cut
+        check_sft_truncation(tokenized, tokenized, None, True, allowed=False)  # no truncation

@@ -31,6 +31,7 @@ from ...packing.flops import mfu, peak_flops, training_flops
 from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertLoad
+from ._quiet import without_checkpointing_alias_warning
 from ._step import PlannedStep, StepMetrics
 from .attention import (
     check_sequence_parallel,
@@ -57,6 +58,12 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     """The trainer's config, ``ODCXConfig``: the only ``args`` it takes (:meth:`_odc_args`)."""
 
     # -- construction -------------------------------------------------------------------------------------------------
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        """TRL's construction, without a deprecation warning the user did not cause (PEFT reads the property it names
+        as TRL wraps the model with ``peft_config``)."""
+        with without_checkpointing_alias_warning():
+            super().__init__(*args, **kwargs)
 
     @classmethod
     def _odc_args(cls, args: Any) -> Any:

@@ -6,17 +6,25 @@ each one is removed from its library's log, where it is known to be false, and n
 * The Trainer warns, on every rank, that ``per_device_train_batch_size`` differs from the checkpoint's when a run
   resumes on another number of processes; an ODC run trains on global minibatches, and the warning is false when the
   global minibatch is the same.
+* transformers warns, once per process, that ``is_gradient_checkpointing`` is deprecated whenever that property is
+  read; PEFT's ``get_peft_model`` (TRL's trainers call it with a ``peft_config``) and TRL's
+  ``unwrap_model_for_generation`` (the rollout trainers' decoding) read it, not the user.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 
 from ..._compat import library_logger
 
-__all__ = ["without_ignored_model_init_kwargs_warning", "without_resumed_batch_size_warning"]
+__all__ = [
+    "without_checkpointing_alias_warning",
+    "without_ignored_model_init_kwargs_warning",
+    "without_resumed_batch_size_warning",
+]
 
 # The modules whose loggers log the warnings (their module-level ``logger``: hf_odc._compat.library_logger).
 _TRL_GRPO = "trl.trainer.grpo_trainer"
@@ -68,3 +76,12 @@ def without_resumed_batch_size_warning() -> contextlib.AbstractContextManager:
         return "\n".join(lines) if len(lines) > 1 else None
 
     return _rewriting(_TRAINER_UTILS, rewrite)
+
+
+@contextlib.contextmanager
+def without_checkpointing_alias_warning() -> Iterator[None]:
+    """Inside: transformers' ``FutureWarning`` that ``is_gradient_checkpointing`` is deprecated is dropped (the
+    libraries hf_odc calls read it); every other warning passes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

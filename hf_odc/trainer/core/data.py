@@ -53,22 +53,26 @@ def require_sft_columns(dataset: Any, text_field: str = "text") -> None:
         )
 
 
-def check_truncation(damaged: int, total: int, message: str, warn: bool, nothing_left: bool) -> None:
-    """Refuse (``ValueError``) a training dataset that truncation left with ``nothing_left`` to learn from, and warn
-    (when ``warn``: on one process) where it damaged most of it (``damaged`` of its ``total`` samples), with ``message``
-    saying what happened to those samples and what to change: a run on such data would train on nothing, or on
-    fragments, and still exit 0."""
+def check_truncation(damaged: int, total: int, message: str, warn: bool, nothing_left: bool, allowed: bool) -> None:
+    """Refuse (``ValueError``) a training dataset that truncation left with ``nothing_left`` to learn from, or that it
+    damaged most of (``damaged`` of its ``total`` samples) unless ``allowed`` (``allow_truncated_data``), which warns
+    instead (when ``warn``: on one process); ``message`` says what happened to those samples and what to change. A run
+    on such data would train on nothing, or on fragments, and still exit 0."""
     if nothing_left:
         raise ValueError(f"{message} Nothing is left to train on, so the run is refused.")
-    if warn and damaged > total / 2:
+    if damaged <= total / 2:
+        return
+    if not allowed:
+        raise ValueError(f"{message} Or pass --allow_truncated_data true to train on what is left anyway.")
+    if warn:
         warnings.warn(message, stacklevel=3)
 
 
-def check_sft_truncation(given: Any, prepared: Any, max_length: int | None, warn: bool) -> None:
+def check_sft_truncation(given: Any, prepared: Any, max_length: int | None, warn: bool, allowed: bool) -> None:
     """:func:`check_truncation` for SFT: TRL truncates the ``given`` dataset to ``max_length`` tokens and keeps, as
-    ``prepared``, the samples left with a token that carries a loss. Refused when none is left; a warning when most
-    were cut (a pre-tokenized sample longer than ``max_length``; one TRL tokenized, when it now has ``max_length``
-    tokens) or dropped."""
+    ``prepared``, the samples left with a token that carries a loss. Refused when none is left, or when most were cut
+    (a pre-tokenized sample longer than ``max_length``; one TRL tokenized, when it now has ``max_length`` tokens) or
+    dropped, unless ``allowed``."""
     if max_length is None:
         return
     dropped = len(given) - len(prepared)
@@ -76,14 +80,19 @@ def check_sft_truncation(given: Any, prepared: Any, max_length: int | None, warn
         damaged = sum(1 for ids in given["input_ids"] if len(ids) > max_length)
     else:
         damaged = dropped + sum(1 for ids in prepared["input_ids"] if len(ids) >= max_length)
+    what = []
+    if dropped:
+        what.append(f"{dropped} lose every token carrying a loss (their completion) and TRL drops them")
+    if damaged > dropped:
+        what.append(f"{damaged - dropped} train on their first {max_length} tokens only")
     check_truncation(
         damaged,
         len(given),
-        f"max_length={max_length} cuts {damaged} of the {len(given)} training samples, {dropped} of them so short "
-        "that no token carrying a loss (their completion) is left and TRL drops them; the others train on their "
-        f"first {max_length} tokens only. Raise --max_length to fit most samples whole.",
+        f"max_length={max_length} cuts {damaged} of the {len(given)} training samples: {'; '.join(what)}. Raise "
+        "--max_length to fit most samples whole.",
         warn,
         nothing_left=len(prepared) == 0,
+        allowed=allowed,
     )
 
 

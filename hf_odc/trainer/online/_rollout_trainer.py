@@ -36,7 +36,7 @@ from torch import nn
 from ...accelerate_plugin import ODCRuntime
 from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
-from ..core._quiet import without_ignored_model_init_kwargs_warning
+from ..core._quiet import without_checkpointing_alias_warning, without_ignored_model_init_kwargs_warning
 from ..core._reference import shard_reference
 from ..generation.modes import make_generator
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
@@ -170,7 +170,8 @@ class _ODCRolloutTrainer(_ODCTrainer):
         rank's microbatches and run the deferred passes on them."""
         args, metrics = self.args, self._metrics["train"]
         started = time.perf_counter()
-        with self._deferred_scoring():
+        # TRL's unwrap_model_for_generation and disable_gradient_checkpointing read a deprecated property (_quiet)
+        with self._deferred_scoring(), without_checkpointing_alias_warning():
             scored = self._generate_and_score_completions(generation_batch)
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -139,6 +139,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
             "prompt and replies up to where they differ.",
             self.accelerator.is_main_process,
             nothing_left=dropped + same == given,
+            allowed=args.allow_truncated_data,
         )
 
     def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
