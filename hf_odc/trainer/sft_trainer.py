@@ -17,9 +17,9 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
-import datasets
 import torch
 from torch import nn
 from trl import SFTTrainer
@@ -83,7 +83,7 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         if train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
             is_main = self.accelerator.is_main_process
             check_sft_truncation(train_dataset, self.train_dataset, args.max_length, is_main, args.allow_truncated_data)
-            self._check_max_tokens(self.train_dataset)
+            self._check_max_tokens()
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
         self._setup_odc(StepMetrics(args.device, means=("entropy", "mean_token_accuracy")))
@@ -109,13 +109,19 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         )
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
 
-    def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
+    @functools.cached_property
+    def _sample_lengths(self) -> list[int]:
+        """Each training sample's tokens (TRL truncated them already), read once: the capacity check and the attention
+        plans' warm-up both need them."""
+        return [len(ids) for ids in self.train_dataset["input_ids"]]
+
+    def _check_max_tokens(self) -> None:
         """Refuse, at construction, a microbatch size (``max_tokens_for(max_length)``) that the dataset's longest
         sample does not fit (the planner would only find out at the minibatch that draws it); with sequence
         parallelism, a sample longer than ``sp_size`` microbatches."""
         args = self.args
         max_tokens = args.max_tokens_for(args.max_length)
-        lengths = [len(ids) for ids in dataset["input_ids"]]
+        lengths = self._sample_lengths
         longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
         if longest is None or lengths[longest] <= args.sp_size * max_tokens:
             return
@@ -138,8 +144,8 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         )
 
     def _training_documents(self) -> list[int] | None:
-        """Every sample is one document (TRL truncated them already)."""
-        return [len(ids) for ids in self.train_dataset["input_ids"]] if self.train_dataset is not None else None
+        """Every sample is one document."""
+        return self._sample_lengths if self.train_dataset is not None else None
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import datasets
@@ -99,7 +100,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         )
         self._reference_ready = True
         if self.train_dataset is not None:
-            self._check_max_tokens(self.train_dataset)
+            self._check_max_tokens()
             self._check_truncation(self.train_dataset, len(train_dataset))
         if args.precompute_ref_log_probs:
             self._precompute_datasets()
@@ -142,23 +143,25 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
             allowed=args.allow_truncated_data,
         )
 
-    def _check_max_tokens(self, dataset: datasets.Dataset) -> None:
-        """Refuse, at construction, a microbatch size (``max_tokens_for_pairs``) that the dataset's longest pair does
-        not fit (the planner would only find out at the minibatch that draws it)."""
-        limit = self.args.max_length or float("inf")
-        lengths = [
-            min(len(prompt) + len(chosen), limit) + min(len(prompt) + len(rejected), limit)
-            for prompt, chosen, rejected in zip(*(dataset[c] for c in PAIR_COLUMNS), strict=True)
-        ]
-        check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
-
-    def _training_documents(self) -> list[int] | None:
-        """Each pair's two sequences, as :func:`~hf_odc.trainer.preference.pairs.pair_documents` truncates them."""
-        if self.train_dataset is None:
-            return None
+    @functools.cached_property
+    def _sequence_lengths(self) -> list[int]:
+        """Each pair's chosen and rejected sequences' tokens, in turn, as :func:`~hf_odc.trainer.preference.pairs.
+        pair_documents` truncates them, read once: the capacity check and the attention plans' warm-up both need
+        them."""
         limit = self.args.max_length or float("inf")
         columns = zip(*(self.train_dataset[c] for c in PAIR_COLUMNS), strict=True)
         return [min(len(prompt) + len(reply), limit) for prompt, *replies in columns for reply in replies]
+
+    def _check_max_tokens(self) -> None:
+        """Refuse, at construction, a microbatch size (``max_tokens_for_pairs``) that the dataset's longest pair does
+        not fit (the planner would only find out at the minibatch that draws it)."""
+        sequences = self._sequence_lengths
+        pairs = [chosen + rejected for chosen, rejected in zip(sequences[::2], sequences[1::2], strict=True)]
+        check_pair_capacity(pairs, self.args.max_tokens_for_pairs)
+
+    def _training_documents(self) -> list[int] | None:
+        """Each pair's two sequences."""
+        return self._sequence_lengths if self.train_dataset is not None else None
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
