@@ -363,7 +363,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         times = stats.microbatches + [0.0] * (max(counts) - len(stats.microbatches))  # the same width on every rank
         # The minibatch ended at its exit meeting point, after this device's work: the host clock is current here.
         now = time.perf_counter()
-        cycle = now - (self._cycle_start if self._cycle_start is not None else now - stats.busy - stats.wait)
+        cycle = now - self._cycle_start if self._cycle_start is not None else stats.busy + stats.wait
         self._cycle_start = now
         own = torch.tensor([stats.busy, stats.wait, peak_gib, stats.all_reduce, cycle, *times], dtype=torch.float64)
         local = torch.cat([self._step_metrics.local(), own.to(self.args.device)])
