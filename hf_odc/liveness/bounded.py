@@ -11,7 +11,12 @@ plain scripts alike (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.bounded`),
   collective, after the meeting, is bounded too;
 * turns a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank its
   :class:`~hf_odc.liveness.PeerWatch` (the engine's :class:`~hf_odc.ODC`) knows dead or aborted, or whose heartbeat
-  stopped (:func:`named_failure`).
+  stopped (:func:`named_failure`);
+* holds a SIGTERM that arrives inside the block until the block ends (:func:`_sigterm_held`). torchrun ends the
+  survivors with SIGTERM a tenth of a second after a worker dies, while the survivor's collective is still learning of
+  the death: without the hold a loaded machine ends the survivor before it can say which rank died, and the user reads
+  only the launcher's report. The held signal is delivered as the block ends (or the named error ends the process);
+  a collective blocked past the launcher's grace is ended by its SIGKILL, as before.
 
 Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
 ``benchmarks/RESULTS.md``).
@@ -20,6 +25,8 @@ Its cost is a few meetings per optimizer step, each a host barrier in shared mem
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -90,13 +97,32 @@ def bounded(watch: PeerWatch | None, what: str) -> Iterator[None]:
     if watch is None:
         yield
         return
-    watch.meet(f"{what} (hf_odc's meeting before its collectives)")
+    with _sigterm_held():
+        watch.meet(f"{what} (hf_odc's meeting before its collectives)")
+        try:
+            yield
+        except RuntimeError as error:
+            if not is_backend_failure(error):
+                raise
+            raise named_failure(watch, what, error) from error
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+    """Hold a SIGTERM received inside the block until it ends; then deliver it to the handler that was in place (by
+    default, the process ends as SIGTERM ends it), unless an error is already ending the block. Only the main thread
+    can handle signals: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
     try:
         yield
-    except RuntimeError as error:
-        if not is_backend_failure(error):
-            raise
-        raise named_failure(watch, what, error) from error
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if received:
+        signal.raise_signal(signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from hf_odc._compat import UnsupportedLibraryError
-from hf_odc.liveness import heartbeat, procfs
+from hf_odc.liveness import PeerFailureError, heartbeat, procfs
+from hf_odc.liveness.bounded import bounded
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_odc"
 
@@ -90,3 +91,53 @@ def test_a_torch_without_the_default_store_is_named_not_left_without_heartbeats(
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+class _DeadPeer:
+    """A :class:`~hf_odc.liveness.PeerWatch` whose rank 1 has died since the meeting."""
+
+    def meet(self, what: str) -> None:
+        pass
+
+    def check(self) -> None:
+        raise PeerFailureError("hf_odc: rank 1 (pid 4242) died")
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+class _Terminated(Exception):
+    """What the test's SIGTERM handler raises in place of ending pytest's process."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated
+
+
+def test_a_launchers_sigterm_inside_a_collective_waits_for_the_named_failure():
+    """torchrun sends the survivors SIGTERM as soon as a worker dies; inside a bounded collective the survivor still
+    says which rank died (the collective's connection reset, named), instead of ending on the signal."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with pytest.raises(PeerFailureError, match=r"rank 1 \(pid 4242\) died \(the step's metrics gather failed: "):
+            with bounded(_DeadPeer(), "the step's metrics gather"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # where the held signal's handler would run
+                raise RuntimeError("Connection reset by peer")
+        assert signal.getsignal(signal.SIGTERM) is _terminate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_held_inside_a_collective_that_succeeded_is_delivered_at_its_end():
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    reached = []
+    try:
+        with pytest.raises(_Terminated):
+            with bounded(_DeadPeer(), "gradient clipping"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                reached.append("the collective's end")
+        assert reached == ["the collective's end"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
