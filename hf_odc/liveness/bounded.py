@@ -12,11 +12,12 @@ plain scripts alike (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.bounded`),
 * turns a backend's failure into :class:`~hf_odc.PeerFailureError` naming the rank its
   :class:`~hf_odc.liveness.PeerWatch` (the engine's :class:`~hf_odc.ODC`) knows dead or aborted, or whose heartbeat
   stopped (:func:`named_failure`);
-* holds a SIGTERM that arrives inside the block until the block ends (:func:`_sigterm_held`). torchrun ends the
-  survivors with SIGTERM a tenth of a second after a worker dies, while the survivor's collective is still learning of
-  the death: without the hold a loaded machine ends the survivor before it can say which rank died, and the user reads
-  only the launcher's report. The held signal is delivered as the block ends (or the named error ends the process);
-  a collective blocked past the launcher's grace is ended by its SIGKILL, as before.
+* names the dead rank when the launcher ends a survivor. torchrun sends the survivors SIGTERM a tenth of a second
+  after a worker dies, before a loaded survivor has learned of the death, and the user would read only the launcher's
+  report. Inside a bounded block the signal is held until the block ends (:func:`_sigterm_held`: the collective's
+  failure is named, with what it was doing); elsewhere in a run (:func:`failing_together`) the signal raises
+  :class:`~hf_odc.PeerFailureError` when the watch knows a peer dead or aborted (:func:`_sigterm_names_the_dead`), and
+  ends the process as before otherwise. A collective blocked past the launcher's grace is ended by its SIGKILL.
 
 Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
 ``benchmarks/RESULTS.md``).
@@ -28,8 +29,9 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -112,28 +114,61 @@ def _sigterm_held() -> Iterator[None]:
     """Hold a SIGTERM received inside the block until it ends; then deliver it to the handler that was in place (by
     default, the process ends as SIGTERM ends it), unless an error is already ending the block. Only the main thread
     can handle signals: elsewhere the block runs as it is."""
+    received: list[int] = []
+    with _on_sigterm(lambda previous: received.append(signal.SIGTERM)):
+        yield
+    if received:
+        signal.raise_signal(signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _sigterm_names_the_dead(watch: PeerWatch) -> Iterator[None]:
+    """Inside the block, a SIGTERM raises :class:`PeerFailureError` naming the peer ``watch`` knows dead or aborted
+    (the launcher ending a survivor); without one, the handler that was in place gets it (by default the process ends
+    as SIGTERM ends it). Only the main thread can handle signals: elsewhere the block runs as it is."""
+
+    def handle(previous: Any) -> None:
+        try:
+            watch.check()
+        except PeerFailureError as known:
+            raise PeerFailureError(f"{known} (its launcher then ended this rank)") from None
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)
+
+    with _on_sigterm(handle):
+        yield
+
+
+@contextlib.contextmanager
+def _on_sigterm(handle: Callable[[Any], None]) -> Iterator[None]:
+    """``handle(previous_handler)`` on SIGTERM inside the block (in the main thread; elsewhere the block runs as it
+    is); the previous handler is back in place when the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.SIG_DFL if previous is None else previous  # None: installed by C code, not Python
+    signal.signal(signal.SIGTERM, lambda signum, frame: handle(previous))
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-    if received:
-        signal.raise_signal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
 def failing_together(watch: PeerWatch | None, what: str = "training") -> Iterator[None]:
     """Around a whole run: if it fails on this rank, ``watch``'s peers are told at once (``abort``: their next meeting
     fails naming this rank), and a collective that failed because a peer went away is re-raised as
-    :class:`PeerFailureError` naming it."""
-    try:
+    :class:`PeerFailureError` naming it; the launcher's SIGTERM raises one naming the peer whose death made it end
+    this rank (:func:`_sigterm_names_the_dead`)."""
+    if watch is None:
         yield
+        return
+    try:
+        with _sigterm_names_the_dead(watch):
+            yield
     except BaseException as error:
-        if watch is None or isinstance(error, PeerFailureError):
+        if isinstance(error, PeerFailureError):
             raise
         watch.abort(f"{type(error).__name__}: {error}")
         if is_backend_failure(error):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hf_odc._compat import UnsupportedLibraryError
 from hf_odc.liveness import PeerFailureError, heartbeat, procfs
-from hf_odc.liveness.bounded import bounded
+from hf_odc.liveness.bounded import bounded, failing_together
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_odc"
 
@@ -119,11 +119,11 @@ def test_a_launchers_sigterm_inside_a_collective_waits_for_the_named_failure():
     says which rank died (the collective's connection reset, named), instead of ending on the signal."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        with pytest.raises(PeerFailureError, match=r"rank 1 \(pid 4242\) died \(the step's metrics gather failed: "):
-            with bounded(_DeadPeer(), "the step's metrics gather"):
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.05)  # where the held signal's handler would run
-                raise RuntimeError("Connection reset by peer")
+        named = r"rank 1 \(pid 4242\) died \(the step's metrics gather failed: "
+        with pytest.raises(PeerFailureError, match=named), bounded(_DeadPeer(), "the step's metrics gather"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # where the held signal's handler would run
+            raise RuntimeError("Connection reset by peer")
         assert signal.getsignal(signal.SIGTERM) is _terminate
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -133,11 +133,32 @@ def test_a_sigterm_held_inside_a_collective_that_succeeded_is_delivered_at_its_e
     previous = signal.signal(signal.SIGTERM, _terminate)
     reached = []
     try:
-        with pytest.raises(_Terminated):
-            with bounded(_DeadPeer(), "gradient clipping"):
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.05)
-                reached.append("the collective's end")
+        with pytest.raises(_Terminated), bounded(_DeadPeer(), "gradient clipping"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            reached.append("the collective's end")
         assert reached == ["the collective's end"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Healthy(_DeadPeer):
+    def check(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("watch", [_DeadPeer(), _Healthy()], ids=["a-peer-died", "no-peer-died"])
+def test_a_launchers_sigterm_anywhere_in_a_run_names_the_peer_that_died(watch):
+    """Outside the bounded collectives (a microbatch, the optimizer), the launcher's SIGTERM raises PeerFailureError
+    naming the dead peer; with every peer alive it reaches the handler that was in place (by default, the end)."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    expected = _Terminated if isinstance(watch, _Healthy) else PeerFailureError
+    try:
+        with pytest.raises(expected) as raised, failing_together(watch):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        if expected is PeerFailureError:
+            assert str(raised.value) == "hf_odc: rank 1 (pid 4242) died (its launcher then ended this rank)"
+        assert signal.getsignal(signal.SIGTERM) is _terminate
     finally:
         signal.signal(signal.SIGTERM, previous)
