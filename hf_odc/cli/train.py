@@ -127,10 +127,14 @@ def _run(command: str, program: str, argv: list[str]) -> int:
                          "process; ask for at most that many")  # fmt: skip
     os.environ.update(config.odc_variables)
 
-    parser = _load_script(script).make_parser()
+    module = _load_script(script)
+    parser = module.make_parser()
     parser.processes = processes  # the global minibatch is split over the processes to come (GlobalBatchParser)
     with _environment(config.fsdp_variables()), _quiet():
-        parser.parse_args_and_config(script_args)  # every check; one line and exit status 2 on a bad input
+        configs = parser.parse_args_and_config(script_args)  # every check; one line and exit status 2 on a bad input
+        check_training_data = getattr(module, "check_training_data", None)
+        if check_training_data is not None:  # the trainer's checks of its tokenized data (a ValueError: one line)
+            check_training_data(*configs)
     launch_options = LaunchOptions(
         processes, options.num_machines, options.machine_rank, options.main_process_ip, options.main_process_port
     )
