@@ -20,8 +20,8 @@ Every other private name is read by a function of this module, which checks it f
   ``_is_fsdp_managed_module`` mark, the Trainer's ``is_distributed_loading_by_transformers``,
   ``transformers.trainer_utils``'s logger;
 * TRL: ``DataCollatorForLanguageModeling`` (not exported by ``trl``), the GRPO, RLOO and distillation trainers'
-  loggers, ``VLLMGeneration``'s ``_llm_weights_sleeping``, ``SFTTrainer``'s and ``DPOTrainer``'s ``_prepare_dataset``
-  and the state it reads (``_tokenizer``, ``chat_template``, ``completion_only_loss``).
+  loggers, ``VLLMGeneration``'s ``_llm_weights_sleeping``, ``SFTTrainer``'s, ``DPOTrainer``'s and ``RewardTrainer``'s
+  ``_prepare_dataset`` and the state it reads (``_tokenizer``, ``chat_template``, ``completion_only_loss``).
 
 FSDP2's private state (its parameter groups and their layout) is the engine's alone, read and checked in
 :mod:`hf_odc.engine._fsdp_internals`; the torch version floor, and the check both use for torch, are in
@@ -351,15 +351,16 @@ def padding_free_collator(pad_token_id: int) -> Any:
 
 
 def trl_prepared_dataset(trainer: Any, dataset: Any, processing_class: Any, args: Any) -> Any | None:
-    """``dataset`` as the ``__init__`` of ``trainer``'s TRL class (``SFTTrainer`` or ``DPOTrainer``) prepares it for
-    training with ``processing_class`` and ``args`` (its ``_prepare_dataset``: formatted, tokenized, truncated to
-    ``args.max_length``, the samples left with nothing to learn dropped), on ``trainer``, an instance whose
-    ``__init__`` has not run: a launcher checks the data so before any process starts. The state ``_prepare_dataset``
-    reads is set first, as that ``__init__`` sets it. ``None`` where TRL would not prepare it (SFT's
-    ``skip_prepare_dataset``, images)."""
+    """``dataset`` as the ``__init__`` of ``trainer``'s TRL class (``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer``)
+    prepares it for training with ``processing_class`` and ``args`` (its ``_prepare_dataset``: formatted, tokenized,
+    truncated to ``args.max_length`` or filtered by it, the samples left with nothing to learn dropped), on
+    ``trainer``, an instance whose ``__init__`` has not run: a launcher checks the data so before any process starts.
+    The state ``_prepare_dataset`` reads is set first, as that ``__init__`` sets it. ``None`` where TRL would not
+    prepare it (SFT's ``skip_prepare_dataset``, images)."""
     sft = isinstance(trainer, _checked("trl:SFTTrainer", "_prepare_dataset"))
-    if not sft and not isinstance(trainer, _checked("trl:DPOTrainer", "_prepare_dataset")):
-        raise TypeError(f"{type(trainer).__name__} is neither TRL's SFTTrainer nor its DPOTrainer.")
+    others = (_checked(f"trl:{name}", "_prepare_dataset") for name in ("DPOTrainer", "RewardTrainer"))
+    if not sft and not isinstance(trainer, tuple(others)):
+        raise TypeError(f"{type(trainer).__name__} is not TRL's SFTTrainer, DPOTrainer or RewardTrainer.")
     processor = _checked("transformers:ProcessorMixin")
     trainer._tokenizer = processing_class.tokenizer if isinstance(processing_class, processor) else processing_class
     if not sft:

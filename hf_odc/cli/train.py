@@ -9,10 +9,10 @@ and recipe keys, the flags' combinations (the training config's own checks, with
 variables the workers will see), the global minibatch against the number of processes, the model (its folder's
 config and tokenizer), the dataset (its path, rows and columns), a checkpoint to resume from, and vLLM for
 ``--use_vllm``. A bad one ends the command with one line on standard error, ``hf-odc <name>: error: ...``, and exit
-status 2. What only the tokenized data shows (samples longer than a microbatch, truncation that leaves most of them
-with nothing to learn) is checked here too where the script has a ``check_training_data(script_args, training_args,
-model_args)`` (SFT and DPO: the trainer's own checks, on the data tokenized as TRL's trainer tokenizes it, without a
-model); the other trainers refuse it as they are built, in the workers, in the same one line and status.
+status 2. What only the tokenized data shows (samples longer than a microbatch, truncation that leaves most of them with
+nothing to learn) is checked here too where the script has a ``check_training_data(script_args, training_args,
+model_args)`` (SFT, DPO and reward modelling: the trainer's own checks, on the data tokenized as TRL's trainer tokenizes
+it, without a model); the other trainers refuse it as they are built, in the workers, in the same one line and status.
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ BAD_INPUTS = [
      "odc_timeout must be positive and finite"),
     ("unknown key in the Accelerate config", "sft", _accelerate_flags(lambda text: text + "bogus: 1\n"),
      "Accelerate refuses it: The config file at"),
-    # the trainer's own checks of its tokenized data (ODCSFTTrainer / ODCDPOTrainer.check_train_dataset)
+    # the trainers' own checks of their tokenized data (ODCSFTTrainer, ODCDPOTrainer, ODCRewardTrainer:
+    # check_train_dataset)
     ("sample longer than a microbatch", "sft", ["--max_tokens_per_microbatch", "32"],
      "Sample 443 of the training dataset has 249 tokens, more than one microbatch holds (32 tokens, from "
      "max_tokens_per_microbatch=32)"),
@@ -119,6 +120,8 @@ BAD_INPUTS = [
      "--max_tokens_per_microbatch", "16"), "Sample 1 of the training dataset has 31 tokens, more than one microbatch"),
     ("pair longer than a microbatch", "dpo", ["--max_tokens_per_microbatch", "16"],
      "The training dataset's longest pair has 194 tokens"),
+    ("reward pair longer than a microbatch", "reward", ["--max_tokens_per_microbatch", "16"],
+     "The training dataset's longest pair has"),
     ("truncation that cuts most samples", "sft", ["--max_length", "4"],
      "max_length=4 cuts 512 of the 512 training samples: 512 train on their first 4 tokens only. Raise --max_length "
      "to fit most samples whole. Or pass --allow_truncated_data true to train on what is left anyway."),

@@ -32,7 +32,7 @@ class _ODCDatasetTrainer(_ODCTrainer):
         leaves most of them nothing to learn), without a model, a process group or a device: ``hf-odc`` runs it in
         the launching process, before any worker starts. The data is prepared here as TRL's ``__init__`` prepares it
         (:func:`hf_odc._compat.trl_prepared_dataset`: tokenized once more), then checked by the trainer's own
-        ``_check_prepared_data``. SFT and DPO only: the other trainers check their data as they are built."""
+        ``_check_prepared_data``. SFT, DPO and reward modelling: KTO checks its data only as it is built."""
         args = cls._odc_args(args)
         cls._check_train_data({"train_dataset": train_dataset}, packs=None, text=None)
         unbuilt = cls.__new__(cls)  # the trainer's checks read only its args and its prepared data
