@@ -87,6 +87,16 @@ def check_pairs(dataset: Dataset, namespace: argparse.Namespace) -> None:
     )
 
 
+def check_training_data(
+    script_args: RewardScriptArguments, training_args: ODCRewardConfig, model_args: ModelConfig
+) -> None:
+    """What the trainer refuses of the pairs once TRL has tokenized them (a pair longer than a microbatch), checked
+    without a model: ``hf-odc reward`` runs it before any process starts."""
+    ODCRewardTrainer.check_train_dataset(
+        load_pairs(script_args, training_args), load_tokenizer(model_args), training_args
+    )
+
+
 def main(script_args: RewardScriptArguments, training_args: ODCRewardConfig, model_args: ModelConfig) -> None:
     quiet_datasets_on_other_ranks()
     tokenizer = load_tokenizer(model_args)

@@ -19,8 +19,9 @@ Every other private name is read by a function of this module, which checks it f
   ``_attn_implementation``, a model class's ``_from_config``, ``_no_split_modules`` and ``_can_record_outputs``, the
   ``_is_fsdp_managed_module`` mark, the Trainer's ``is_distributed_loading_by_transformers``,
   ``transformers.trainer_utils``'s logger;
-* TRL: ``DataCollatorForLanguageModeling`` (not exported by ``trl``), ``grpo_trainer``'s logger, ``VLLMGeneration``'s
-  ``_llm_weights_sleeping``.
+* TRL: ``DataCollatorForLanguageModeling`` (not exported by ``trl``), the GRPO, RLOO and distillation trainers'
+  loggers, ``VLLMGeneration``'s ``_llm_weights_sleeping``, ``SFTTrainer``'s, ``DPOTrainer``'s and ``RewardTrainer``'s
+  ``_prepare_dataset`` and the state it reads (``_tokenizer``, ``chat_template``, ``completion_only_loss``).
 
 FSDP2's private state (its parameter groups and their layout) is the engine's alone, read and checked in
 :mod:`hf_odc.engine._fsdp_internals`; the torch version floor, and the check both use for torch, are in
@@ -347,6 +348,34 @@ def padding_free_collator(pad_token_id: int) -> Any:
     does not export: it lives in ``trl.trainer.sft_trainer``."""
     collator = _checked("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling").DataCollatorForLanguageModeling
     return collator(pad_token_id=pad_token_id, padding_free=True)
+
+
+def trl_prepared_dataset(trainer: Any, dataset: Any, processing_class: Any, args: Any) -> Any | None:
+    """``dataset`` as the ``__init__`` of ``trainer``'s TRL class (``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer``)
+    prepares it for training with ``processing_class`` and ``args`` (its ``_prepare_dataset``: formatted, tokenized,
+    truncated to ``args.max_length`` or filtered by it, the samples left with nothing to learn dropped), on
+    ``trainer``, an instance whose ``__init__`` has not run: a launcher checks the data so before any process starts.
+    The state ``_prepare_dataset`` reads is set first, as that ``__init__`` sets it. ``None`` where TRL would not
+    prepare it (SFT's ``skip_prepare_dataset``, images)."""
+    sft = isinstance(trainer, _checked("trl:SFTTrainer", "_prepare_dataset"))
+    others = (_checked(f"trl:{name}", "_prepare_dataset") for name in ("DPOTrainer", "RewardTrainer"))
+    if not sft and not isinstance(trainer, tuple(others)):
+        raise TypeError(f"{type(trainer).__name__} is not TRL's SFTTrainer, DPOTrainer or RewardTrainer.")
+    processor = _checked("transformers:ProcessorMixin")
+    trainer._tokenizer = processing_class.tokenizer if isinstance(processing_class, processor) else processing_class
+    if not sft:
+        return trainer._prepare_dataset(dataset, processing_class, args, "train")
+    skip = bool(args.dataset_kwargs and args.dataset_kwargs.get("skip_prepare_dataset", False))
+    if skip or {"image", "images"} & set(dataset.column_names):
+        return None
+    templates = _checked("trl.chat_template_utils", "has_generation_markers", "get_training_chat_template")
+    trainer.chat_template = None
+    if args.assistant_only_loss and not templates.has_generation_markers(processing_class.chat_template):
+        trainer.chat_template = templates.get_training_chat_template(processing_class)
+    trainer.completion_only_loss = args.completion_only_loss
+    if trainer.completion_only_loss is None:
+        trainer.completion_only_loss = {"prompt", "completion"} <= set(dataset.column_names)
+    return trainer._prepare_dataset(dataset, processing_class, args, args.packing, None, "train")
 
 
 def library_logger(module: str) -> logging.Logger:

@@ -80,10 +80,8 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         if train_dataset is not None:
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
-        if train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
-            is_main = self.accelerator.is_main_process
-            check_sft_truncation(train_dataset, self.train_dataset, args.max_length, is_main, args.allow_truncated_data)
-            self._check_max_tokens()
+        if train_dataset is not None:
+            self._check_prepared_data(train_dataset, warn=self.accelerator.is_main_process)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
         self._setup_odc(StepMetrics(args.device, means=("entropy", "mean_token_accuracy")))
@@ -108,6 +106,14 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
             sequence_group=self.odc.sequence_group,
         )
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
+
+    def _check_prepared_data(self, given: Any, warn: bool) -> None:
+        """TRL truncated ``given`` to ``max_length`` and dropped what has nothing left to learn: refuse what is left
+        (:func:`~hf_odc.trainer.core.data.check_sft_truncation`, warning when ``warn``), then a microbatch its longest
+        sample does not fit."""
+        args = self.args
+        check_sft_truncation(given, self.train_dataset, args.max_length, warn, args.allow_truncated_data)
+        self._check_max_tokens()
 
     @functools.cached_property
     def _sample_lengths(self) -> list[int]:

@@ -8,8 +8,8 @@ launch with what the workers need (the launch options, a recipe's launch keys, a
 The slow tests share one pool of launches (:func:`runs`), two at a time: README's first command (``hf-odc sft``, its
 defaults, from a fresh folder), each other command on 2 CPU processes for one step with the built-in tiny model and
 data (one through a recipe, one through an Accelerate config holding an ODC key), and a refusal that only the workers
-can make (a sample longer than a microbatch, found once the data is tokenized): one line, exit status 2, no torchrun
-report.
+make (KTO's, whose data the launcher does not tokenize: an example longer than a microbatch): one line, exit status
+2, no torchrun report. SFT's and DPO's data are checked before the launch (:data:`BAD_INPUTS`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ UNPAIRED = json.dumps({"prompt": "w1 w2", "completion": "w2 w1", "label": True})
 
 def _accelerate_flags(change):
     return lambda tmp_path: ["--accelerate_config", str(accelerate_config(tmp_path, change))]
+
+
+def _with(flags, *more: str):
+    return lambda tmp_path: [*flags(tmp_path), *more]
+
+
+LONG_TEXT = json.dumps({"text": "w1 w2"}) + "\n" + json.dumps({"text": " ".join(f"w{i}" for i in range(30))}) + "\n"
 
 
 def _recipe(text: str):
@@ -104,6 +111,26 @@ BAD_INPUTS = [
      "odc_timeout must be positive and finite"),
     ("unknown key in the Accelerate config", "sft", _accelerate_flags(lambda text: text + "bogus: 1\n"),
      "Accelerate refuses it: The config file at"),
+    # the trainers' own checks of their tokenized data (ODCSFTTrainer, ODCDPOTrainer, ODCRewardTrainer:
+    # check_train_dataset)
+    ("sample longer than a microbatch", "sft", ["--max_tokens_per_microbatch", "32"],
+     "Sample 443 of the training dataset has 249 tokens, more than one microbatch holds (32 tokens, from "
+     "max_tokens_per_microbatch=32)"),
+    ("local sample longer than a microbatch", "sft", _with(data_file("long.jsonl", LONG_TEXT), "--max_length", "64",
+     "--max_tokens_per_microbatch", "16"), "Sample 1 of the training dataset has 31 tokens, more than one microbatch"),
+    ("pair longer than a microbatch", "dpo", ["--max_tokens_per_microbatch", "16"],
+     "The training dataset's longest pair has 194 tokens"),
+    ("reward pair longer than a microbatch", "reward", ["--max_tokens_per_microbatch", "16"],
+     "The training dataset's longest pair has"),
+    ("truncation that cuts most samples", "sft", ["--max_length", "4"],
+     "max_length=4 cuts 512 of the 512 training samples: 512 train on their first 4 tokens only. Raise --max_length "
+     "to fit most samples whole. Or pass --allow_truncated_data true to train on what is left anyway."),
+    ("truncation that leaves no assistant turn", "sft", ["--assistant_only_loss", "true", "--max_length", "4"],
+     "max_length=4 cuts 512 of the 512 training samples: 512 lose every token carrying a loss (their completion) and "
+     "TRL drops them. Raise --max_length to fit most samples whole. Nothing is left to train on, so the run is "
+     "refused."),
+    ("truncation that leaves most pairs nothing to prefer", "dpo", ["--max_length", "8"],
+     "max_length=8 leaves 417 of the 512 preference pairs with nothing to prefer: 417 lost a whole reply"),
 ]  # fmt: skip
 if importlib.util.find_spec("vllm") is None:
     BAD_INPUTS.append(("--use_vllm without vLLM", "grpo", ["--use_vllm", "true"], "vLLM is not installed"))
@@ -157,6 +184,14 @@ def test_the_launch_gets_the_options_a_recipe_and_an_accelerate_config_give(tmp_
     assert main(["sft", "--config", str(recipe), "--num_processes", "2", "--output_dir", str(tmp_path)]) == 0
     assert launched[-1].args[4].num_processes == 2  # the command line wins
     assert set(train.LAUNCH_OPTIONS) == LAUNCH_KEYS  # what the command takes is what the scripts pass over
+
+
+@pytest.mark.parametrize("flags", [["sft", "--max_length", "4"], ["dpo", "--max_length", "8"]], ids=["sft", "dpo"])
+def test_truncation_that_damages_most_samples_is_launched_when_allowed(tmp_path, capsys, launched, flags):
+    """``--allow_truncated_data true`` lets a run whose truncation damages most samples through the launcher's check
+    (the one refused above, named in its message), silently: the first worker warns."""
+    assert main([*flags, "--allow_truncated_data", "true", "--output_dir", str(tmp_path)]) == 0
+    assert len(launched) == 1 and capsys.readouterr().err == ""
 
 
 _failure = SimpleNamespace  # torchrun's ProcessFailure, as far as it is read
@@ -230,7 +265,7 @@ LAUNCHES = {
     "grpo": ["grpo", *GENERATING, "--use_peft"],
     "rloo": ["rloo", *GENERATING],
     "distill": ["distill", *GENERATING],
-    "refused in a worker": ["sft", *TINY, "--num_samples", "32", "--max_tokens_per_microbatch", "32"],
+    "refused in a worker": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
 }
 """Each launch's arguments; ``{odc_config}``: ``examples/odc_cpu.yaml`` plus ``odc_timeout: 123``; ``{recipe}``: a
 recipe of one step on 2 processes (a launch key) with 32 pairs."""
@@ -261,9 +296,12 @@ def runs(tmp_path_factory) -> dict[str, SimpleNamespace]:
         return dict(zip(LAUNCHES, pool.map(run, LAUNCHES), strict=True))
 
 
-FOREIGN = re.compile(r"Traceback|ChildFailedError|elastic/errors|torch/distributed|exitcode|\[rank\d\]|FutureWarning")
+FOREIGN = re.compile(
+    r"Traceback|ChildFailedError|elastic/errors|torch/distributed|exitcode|\[rank\d\]|FutureWarning|model_init_kwargs"
+)
 """What the launches print none of: a traceback, torchrun's report or its log lines, or a warning the user did not
-cause (transformers' ``is_gradient_checkpointing`` deprecation, from PEFT and TRL)."""
+cause (transformers' ``is_gradient_checkpointing`` deprecation, from PEFT and TRL; TRL's "``model_init_kwargs`` will
+be ignored", false for the ones hf_odc sets)."""
 
 
 @pytest.mark.slow
@@ -296,11 +334,11 @@ def test_each_command_trains_on_2_cpu_processes(runs, command):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_refusal_only_the_workers_can_make_is_one_line_with_status_2(runs):
-    """The data, tokenized in the workers, holds a sample longer than a microbatch: the first worker's one line, as
-    ``hf-odc sft`` names itself, status 2, and neither a traceback nor torchrun's report."""
+    """The data, tokenized in the workers, holds an example longer than a microbatch: the first worker's one line, as
+    ``hf-odc kto`` names itself, status 2, and neither a traceback nor torchrun's report."""
     run = runs["refused in a worker"]
     lines = [line for line in re.split(r"[\r\n]", run.err) if line.strip() and "examples/s]" not in line]  # no bars
     assert run.code == 2 and len(lines) == 1, run.err[-4000:]
-    assert re.fullmatch(r"hf-odc sft: error: Sample \d+ of the training dataset has \d+ tokens, more than one "
-                        r"microbatch holds \(32 tokens.*", lines[0]), lines  # fmt: skip
+    assert re.fullmatch(r"hf-odc kto: error: The training dataset's longest pair has \d+ tokens .* more than one "
+                        r"microbatch holds \(16 tokens\).*", lines[0]), lines  # fmt: skip
     assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]

@@ -1,6 +1,7 @@
 """The pieces of ``ODCRLOOTrainer`` and ``ODCDistillationTrainer`` the parity tests reach only through whole runs:
 RLOO's leave-one-out advantages with unscorable rollouts and a KL penalty, the distillation divergence against TRL's
-own chunked kernel, value and gradient, for each ``beta`` kind, and what the two trainers refuse."""
+own chunked kernel, value and gradient, for each ``beta`` kind, what the two trainers refuse, and the false warning of
+TRL's that each rollout trainer drops."""
 
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def test_what_distillation_refuses_is_named_in_one_line(tmp_path):
     common = {"report_to": "none", "use_cpu": True, "per_device_train_batch_size": 4}
     with pytest.raises(ValueError, match="pass teacher_model"):
         ODCDistillationTrainer(model=model, args=ODCDistillationConfig(str(tmp_path), **common))
+
+
+@pytest.mark.parametrize("trainer", ["ODCGRPOTrainer", "ODCRLOOTrainer", "ODCDistillationTrainer"])
+def test_trls_ignored_model_init_kwargs_warning_is_dropped_for_each_rollout_trainer(trainer, caplog):
+    """TRL's "``model_init_kwargs`` will be ignored" (false: the reference model loads with the ones hf_odc sets) is
+    logged by the logger of the module of each TRL trainer: the one hf_odc drops it from for an ODC trainer is that
+    trainer's own, and only that warning goes."""
+    import hf_odc.trainer as trainers
+    from hf_odc._compat import library_logger
+    from hf_odc.trainer.core._quiet import without_ignored_model_init_kwargs_warning
+
+    trainer_class = getattr(trainers, trainer)
+    module = next(c for c in trainer_class.__mro__ if c.__name__ == trainer.removeprefix("ODC")).__module__
+    logger = library_logger(module)
+    with caplog.at_level("WARNING", logger=logger.name), without_ignored_model_init_kwargs_warning(trainer_class):
+        logger.warning("You passed `model_init_kwargs`, but ... The `model_init_kwargs` will be ignored.")
+        logger.warning("another warning")
+    assert [record.getMessage() for record in caplog.records] == ["another warning"]

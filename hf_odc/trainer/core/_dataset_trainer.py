@@ -4,7 +4,9 @@ the family base beside :class:`~hf_odc.trainer.online._rollout_trainer._ODCRollo
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
+from ..._compat import trl_prepared_dataset
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep
 
@@ -22,3 +24,19 @@ class _ODCDatasetTrainer(_ODCTrainer):
         of every preference pair, KTO's examples' own sequences)."""
         self._total_train_tokens += step.num_tokens
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+
+    @classmethod
+    def check_train_dataset(cls, train_dataset: Any, processing_class: Any, args: Any) -> None:
+        """Raise ``ValueError``, as this trainer built with ``train_dataset``, ``processing_class`` and ``args`` would,
+        for training data it refuses once TRL has prepared it (samples longer than a microbatch, truncation that
+        leaves most of them nothing to learn), without a model, a process group or a device: ``hf-odc`` runs it in
+        the launching process, before any worker starts. The data is prepared here as TRL's ``__init__`` prepares it
+        (:func:`hf_odc._compat.trl_prepared_dataset`: tokenized once more), then checked by the trainer's own
+        ``_check_prepared_data``. SFT, DPO and reward modelling: KTO checks its data only as it is built."""
+        args = cls._odc_args(args)
+        cls._check_train_data({"train_dataset": train_dataset}, packs=None, text=None)
+        unbuilt = cls.__new__(cls)  # the trainer's checks read only its args and its prepared data
+        unbuilt.args = args
+        unbuilt.train_dataset = trl_prepared_dataset(unbuilt, train_dataset, processing_class, args)
+        if unbuilt.train_dataset is not None:
+            unbuilt._check_prepared_data(train_dataset, warn=False)

@@ -1,8 +1,9 @@
 """Warnings that the libraries the ODC trainers drive print about what hf_odc itself did, and that are false there:
 each one is removed from its library's log, where it is known to be false, and nowhere else.
 
-* TRL's GRPOTrainer warns that ``model_init_kwargs`` "will be ignored" when the policy is passed as a model; an ODC
-  trainer sets ``{"device_map": None}`` there for the reference model, which TRL does load with it.
+* TRL's GRPO, RLOO and distillation trainers warn that ``model_init_kwargs`` "will be ignored" when the policy is
+  passed as a model; an ODC trainer sets ``{"device_map": None}`` there for the reference model, which TRL does load
+  with it.
 * The Trainer warns, on every rank, that ``per_device_train_batch_size`` differs from the checkpoint's when a run
   resumes on another number of processes; an ODC run trains on global minibatches, and the warning is false when the
   global minibatch is the same.
@@ -26,8 +27,7 @@ __all__ = [
     "without_resumed_batch_size_warning",
 ]
 
-# The modules whose loggers log the warnings (their module-level ``logger``: hf_odc._compat.library_logger).
-_TRL_GRPO = "trl.trainer.grpo_trainer"
+# The module whose logger logs the Trainer's warning (its module-level ``logger``: hf_odc._compat.library_logger).
 _TRAINER_UTILS = "transformers.trainer_utils"
 
 
@@ -57,11 +57,13 @@ def _rewriting(module: str, rewrite: Callable[[str], str | None]) -> Iterator[No
         logger.removeFilter(rewriting)
 
 
-def without_ignored_model_init_kwargs_warning() -> contextlib.AbstractContextManager:
-    """Inside: TRL's "``model_init_kwargs`` will be ignored" warning is dropped (hf_odc set them, for the reference
-    model)."""
+def without_ignored_model_init_kwargs_warning(trainer_class: type) -> contextlib.AbstractContextManager:
+    """Inside: the "``model_init_kwargs`` will be ignored" warning of ``trainer_class``'s TRL trainer (logged by the
+    logger of the module that defines it, e.g. ``trl.trainer.rloo_trainer``) is dropped (hf_odc set them, for the
+    reference model)."""
+    trl_class = next(c for c in trainer_class.__mro__ if c.__module__.startswith("trl."))
     ignored = "`model_init_kwargs` will be ignored"
-    return _rewriting(_TRL_GRPO, lambda message: None if ignored in message else message)
+    return _rewriting(trl_class.__module__, lambda message: None if ignored in message else message)
 
 
 def without_resumed_batch_size_warning() -> contextlib.AbstractContextManager:

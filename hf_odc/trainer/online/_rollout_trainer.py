@@ -58,7 +58,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
         if args.model_init_kwargs is None and self._loads_a_model(model, args, kwargs):
             args.model_init_kwargs = whole_model_kwargs(None)
             if not isinstance(model, str):
-                quiet = without_ignored_model_init_kwargs_warning()  # not ignored: the reference model uses them
+                quiet = without_ignored_model_init_kwargs_warning(type(self))  # not ignored: the reference uses them
         with quiet:
             super().__init__(model=model, args=args, **kwargs)
 

@@ -100,8 +100,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         )
         self._reference_ready = True
         if self.train_dataset is not None:
-            self._check_max_tokens()
-            self._check_truncation(self.train_dataset, len(train_dataset))
+            self._check_prepared_data(train_dataset, warn=self.accelerator.is_main_process)
         if args.precompute_ref_log_probs:
             self._precompute_datasets()
 
@@ -125,10 +124,17 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         dataset = self.train_dataset.select_columns([c for c in PAIR_COLUMNS + REFERENCE_COLUMNS if c in columns])
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
 
-    def _check_truncation(self, dataset: datasets.Dataset, given: int) -> None:
-        """Refuse pairs that truncation to ``max_length`` left with nothing to prefer, all of them; warn once where it
-        left most so: of the ``given`` pairs, TRL drops those that lost a whole reply, and a kept one may keep the
-        same tokens in both sequences (:func:`~hf_odc.trainer.preference.pairs.indistinct_pairs`)."""
+    def _check_prepared_data(self, given: datasets.Dataset, warn: bool) -> None:
+        """TRL tokenized ``given`` and dropped the pairs whose prompt fills ``max_length``: refuse a microbatch the
+        longest pair does not fit, then the truncation (:meth:`_check_truncation`, warning when ``warn``)."""
+        self._check_max_tokens()
+        self._check_truncation(self.train_dataset, len(given), warn)
+
+    def _check_truncation(self, dataset: datasets.Dataset, given: int, warn: bool) -> None:
+        """Refuse pairs that truncation to ``max_length`` left with nothing to prefer, all of them, or most of them
+        unless ``allow_truncated_data`` (then warn, when ``warn``): of the ``given`` pairs, TRL drops those that lost
+        a whole reply, and a kept one may keep the same tokens in both sequences
+        (:func:`~hf_odc.trainer.preference.pairs.indistinct_pairs`)."""
         args = self.args
         dropped, same = given - len(dataset), indistinct_pairs(dataset, args.max_length, args.truncation_mode)
         check_truncation(
@@ -138,7 +144,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
             f"prefer: {dropped} lost a whole reply (TRL drops them) and {same} keep the same tokens in their chosen "
             "and rejected sequences (their loss is log 2 whatever the policy). Raise --max_length to keep each pair's "
             "prompt and replies up to where they differ.",
-            self.accelerator.is_main_process,
+            warn,
             nothing_left=dropped + same == given,
             allowed=args.allow_truncated_data,
         )

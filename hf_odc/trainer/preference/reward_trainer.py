@@ -92,10 +92,16 @@ class ODCRewardTrainer(_ODCDatasetTrainer, RewardTrainer):
             max_tokens_for=args.max_tokens_for_pairs,
             max_length=None,  # TRL filters out the pairs longer than max_length: nothing is truncated
         )
-        lengths = [len(c) + len(r) for c, r in zip(*(self.train_dataset[c] for c in _SEQUENCE_COLUMNS), strict=True)]
-        check_pair_capacity(lengths, args.max_tokens_for_pairs)
+        self._check_prepared_data(kwargs.get("train_dataset"), warn=self.accelerator.is_main_process)
 
     # -- data -------------------------------------------------------------------------------------------------------
+
+    def _check_prepared_data(self, given: Any, warn: bool) -> None:
+        """TRL tokenized the pairs and dropped those longer than ``max_length``: refuse a microbatch the longest pair
+        that is left does not fit (nothing is truncated, so nothing to warn of)."""
+        columns = (self.train_dataset[c] for c in _SEQUENCE_COLUMNS)
+        lengths = [len(chosen) + len(rejected) for chosen, rejected in zip(*columns, strict=True)]
+        check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
 
     def get_train_dataloader(self) -> MinibatchDataLoader:
         """One item per accumulation call: ``per_device_train_batch_size x world_size`` pairs of the global minibatch,
