@@ -3,6 +3,7 @@ split of the minibatch, decoupling of the ranks, and faults that end in a clear 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import re
 import warnings
@@ -15,9 +16,9 @@ from _engine_workers import (
     Case,
     accumulation_and_divide_factor,
     distributed,
-    distributed_in_turn,
     faulty,
     forward_only,
+    in_turn,
     loss_sum,
     meetings,
     mesh_error,
@@ -42,7 +43,11 @@ _NEEDS_2_GPUS = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < 2, reason="needs 
 
 
 @pytest.fixture(
-    params=[pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=[pytest.mark.slow, *_NEEDS_2_GPUS])]
+    scope="module",
+    params=[
+        pytest.param("cpu", marks=pytest.mark.slow),
+        pytest.param("cuda", marks=[pytest.mark.slow, *_NEEDS_2_GPUS]),
+    ],
 )
 def device(request) -> str:
     """Every engine test runs on CPU (shared memory, gloo) and, where 2 GPUs exist, on CUDA (symmetric memory), in
@@ -61,10 +66,64 @@ def run(fn, case: Case, world_size: int = 2, **kwargs) -> list:
     return _launch_on(case.device, fn, world_size, case, **kwargs)
 
 
-def run_in_turn(cases: list[Case], world_size: int = 2, **kwargs) -> list[list]:
-    """:func:`distributed` for several cases of one device in one launch; ``results[case][rank]``."""
-    by_rank = _launch_on(cases[0].device, distributed_in_turn, world_size, cases, **kwargs)
-    return [[results[i] for results in by_rank] for i in range(len(cases))]
+_SHARED = pytest.mark.timeout(900)  # the first test of a device runs its shared launch (the fixtures below)
+
+# The cases that run to the end share a launch per device and process count (starting the processes is most of a
+# small case's time): by name, the worker and its case (the device is the fixture's).
+TWO_RANKS: dict[str, tuple] = {
+    "1-vs-3": (distributed, Case(splits=[[0], [1, 2, 3]], steps=5, lr=1e-3)),
+    "rank-without-microbatches": (distributed, Case(splits=[[], [0, 1, 2, 3]], steps=5, lr=1e-3)),
+    "plain-fsdp2": (distributed, Case(splits=[[0, 1], [2, 3]], steps=5, lr=1e-3, odc=False)),
+    "bf16-odc": (distributed, Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, mixed_precision=True)),
+    "bf16-fsdp2": (distributed, Case(splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)),
+    "checkpointing": (
+        distributed,
+        Case(splits=[[2, 0], [1, 3]], steps=2, lr=1e-3, checkpointing=True, reshard_after_forward=False),
+    ),
+    "lora": (distributed, Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, lora=True)),
+    "accumulation": (accumulation_and_divide_factor, Case(splits=[[0], [1, 2, 3]])),
+    "forward-only": (forward_only, Case(splits=[[0], [1, 2, 3]])),
+    "slow-rank": (distributed, Case(splits=[[0, 1, 2, 3], [4, 5, 6, 7]], sleep_rank=1, sleep_s=0.2)),
+    "hybrid-bf16-odc": (distributed, Case(hosts=2, splits=[[0, 1, 2], [3]], steps=2, lr=1e-3, mixed_precision=True)),
+    "hybrid-bf16-hsdp": (
+        distributed,
+        Case(hosts=2, splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False),
+    ),
+}
+_HSDP_4 = Case(hosts=2, splits=[[0, 1], [2, 3], [4, 5], [6, 7]], steps=3, lr=1e-3, odc=False)
+FOUR_RANKS: dict[str, tuple] = {
+    "four-ranks": (distributed, Case(splits=[[0], [1, 2, 3], [], [4, 5]], steps=2, lr=1e-3)),
+    "2x2-uneven-and-empty": (distributed, Case(hosts=2, splits=[[0, 1, 2], [], [3], [4, 5, 6, 7]], steps=3, lr=1e-3)),
+    "2x2-uneven-and-empty-hsdp": (distributed, _HSDP_4),
+    "2x2-a-whole-host-idle": (
+        distributed,
+        Case(hosts=2, splits=[[0, 1, 2, 3, 4], [5, 6, 7], [], []], steps=3, lr=1e-3),
+    ),
+    "4x1": (distributed, Case(hosts=4, splits=[[0, 1, 2], [], [3, 4], [5, 6, 7]], steps=3, lr=1e-3)),
+    "4x1-hsdp": (distributed, dataclasses.replace(_HSDP_4, hosts=4)),
+}
+
+
+def _in_one_launch(device: str, calls: dict[str, tuple], world_size: int, timeout: float) -> dict[str, SimpleNamespace]:
+    """Every call of ``calls`` on ``device``, in turn, in one launch: by name, the case (its device set) and what
+    each rank returned (``ranks[r]``)."""
+    cases = {name: dataclasses.replace(case, device=device) for name, (_, case) in calls.items()}
+    by_rank = _launch_on(device, in_turn, world_size, [(fn, cases[name]) for name, (fn, _) in calls.items()],
+                         timeout=timeout)  # fmt: skip
+    return {
+        name: SimpleNamespace(case=cases[name], ranks=[results[i] for results in by_rank])
+        for i, name in enumerate(calls)
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(device) -> dict[str, SimpleNamespace]:
+    return _in_one_launch(device, TWO_RANKS, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(device) -> dict[str, SimpleNamespace]:
+    return _in_one_launch(device, FOUR_RANKS, 4, timeout=300)
 
 
 def assert_all_close(actual: dict, expected: dict, **tol) -> None:
@@ -80,88 +139,80 @@ def assert_no_segments(prefixes: list[str]) -> None:
         assert glob.glob(f"/dev/shm/{prefix}*") == []
 
 
-@pytest.mark.parametrize(
-    "splits",
-    [
-        pytest.param([[0], [1, 2, 3]], id="1-vs-3"),
-        pytest.param([[], [0, 1, 2, 3]], id="rank-without-microbatches"),
-    ],
-)
-def test_fp32_parity_with_single_process_for_uneven_splits(splits, device):
-    case = Case(device=device, splits=splits, steps=5, lr=1e-3)
-    ref = reference(case)
-    out = run(distributed, case)
-    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(out[0]["params"], ref["params"], **FP32)  # after 5 AdamW steps
-    assert_no_segments(out[0]["prefix"])
+@_SHARED
+@pytest.mark.parametrize("name", ["1-vs-3", "rank-without-microbatches"])
+def test_fp32_parity_with_single_process_for_uneven_splits(name, two_ranks):
+    run = two_ranks[name]
+    ref = reference(run.case)
+    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)  # after 5 AdamW steps
+    assert_no_segments(run.ranks[0]["prefix"])
 
 
-def test_plain_fsdp2_matches_the_same_reference(device):
+@_SHARED
+def test_plain_fsdp2_matches_the_same_reference(two_ranks):
     """The same reference that ODC matches is what plain FSDP2 computes on an even split."""
-    case = Case(device=device, splits=[[0, 1], [2, 3]], steps=5, lr=1e-3, odc=False)
-    out = run(distributed, case)
-    ref = reference(case)
-    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(out[0]["params"], ref["params"], **FP32)
+    run = two_ranks["plain-fsdp2"]
+    ref = reference(run.case)
+    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
 
 
-def test_fp32_parity_on_four_ranks(device):
-    case = Case(device=device, splits=[[0], [1, 2, 3], [], [4, 5]], steps=2, lr=1e-3)
-    out = run(distributed, case, 4, timeout=180)
-    ref = reference(case)
+@_SHARED
+def test_fp32_parity_on_four_ranks(four_ranks):
+    run = four_ranks["four-ranks"]
+    ref = reference(run.case)
     for r in range(4):  # every rank sees the same full gradients and parameters
-        assert_all_close(out[r]["grads"], ref["grads"], **FP32)
-    assert_all_close(out[0]["params"], ref["params"], **FP32)
+        assert_all_close(run.ranks[r]["grads"], ref["grads"], **FP32)
+    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
 
 
-def test_bf16_mixed_precision_matches_fsdp2(device):
+@_SHARED
+def test_bf16_mixed_precision_matches_fsdp2(two_ranks):
     """bf16 parameters, fp32 reduction. ODC (uneven split) and FSDP2 (even split) run the same bf16 microbatches;
     only the fp32 summation order differs, so they agree to 1e-4. Against the fp32 reference, bf16 compute is only
     accurate to a few percent of the largest gradient."""
-    odc_case = Case(device=device, splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, mixed_precision=True)
-    fsdp_case = Case(device=device, splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
-    odc, fsdp = (ranks[0] for ranks in run_in_turn([odc_case, fsdp_case]))
+    odc, fsdp = two_ranks["bf16-odc"].ranks[0], two_ranks["bf16-fsdp2"].ranks[0]
     assert_all_close(odc["grads"], fsdp["grads"], rtol=1e-4, atol=1e-5)
     assert_all_close(odc["params"], fsdp["params"], rtol=1e-4, atol=1e-5)
-    ref = reference(odc_case)
+    ref = reference(two_ranks["bf16-odc"].case)
     for name, g in ref["grads"].items():
         assert (odc["grads"][name] - g).abs().max() <= 0.05 * g.abs().max() + 1e-6, name
 
 
-def test_activation_checkpointing_without_reshard_after_forward(device):
-    case = Case(
-        device=device, splits=[[2, 0], [1, 3]], steps=2, lr=1e-3, checkpointing=True, reshard_after_forward=False
-    )
-    out = run(distributed, case)
-    ref = reference(case)
-    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(out[0]["params"], ref["params"], **FP32)
+@_SHARED
+def test_activation_checkpointing_without_reshard_after_forward(two_ranks):
+    run = two_ranks["checkpointing"]
+    ref = reference(run.case)
+    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
 
 
-def test_lora_frozen_weights_are_gathered_never_pushed(device):
-    case = Case(device=device, splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, lora=True)
-    out = run(distributed, case)
-    ref = reference(case)
-    assert out[0]["grads"] and all("lora_" in name for name in out[0]["grads"])
-    assert_all_close(out[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(out[0]["params"], ref["params"], **FP32)
+@_SHARED
+def test_lora_frozen_weights_are_gathered_never_pushed(two_ranks):
+    run = two_ranks["lora"]
+    ref = reference(run.case)
+    grads = run.ranks[0]["grads"]
+    assert grads and all("lora_" in name for name in grads)
+    assert_all_close(grads, ref["grads"], **FP32)
+    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
 
 
-def test_grads_accumulate_across_minibatches_and_honour_the_divide_factor(device):
-    case = Case(device=device, splits=[[0], [1, 2, 3]])
-    out = run(accumulation_and_divide_factor, case)[0]
+@_SHARED
+def test_grads_accumulate_across_minibatches_and_honour_the_divide_factor(two_ranks):
+    case, out = two_ranks["accumulation"].case, two_ranks["accumulation"].ranks[0]
     first, second = reference_grads(case, 0), reference_grads(case, 1)
     assert_all_close(out["first"], first, **FP32)
     assert_all_close(out["both"], {k: first[k] + second[k] for k in first}, **FP32)  # no zero_grad in between
     assert_all_close(out["sum"], {k: 2 * v for k, v in first.items()}, **FP32)  # F=1 instead of W=2
 
 
-def test_a_forward_only_minibatch_reads_parameters_and_leaves_gradients_alone(device):
+@_SHARED
+def test_a_forward_only_minibatch_reads_parameters_and_leaves_gradients_alone(two_ranks):
     """``minibatch(backward=False)`` (GRPO's old/reference log-probabilities): uneven splits read the same parameters
     one-sided, under no_grad, install no gradient, and the training minibatch after it is unaffected."""
-    case = Case(device=device, splits=[[0], [1, 2, 3]])
-    out = run(forward_only, case)
-    model, mbs = tiny_model(device=device), minibatch(0, case.n_micro, device)
+    case, out = two_ranks["forward-only"].case, two_ranks["forward-only"].ranks
+    model, mbs = tiny_model(device=case.device), minibatch(0, case.n_micro, case.device)
     with torch.no_grad():
         expected = [float(loss_sum(model, ids)) for ids in mbs]
     for rank in (0, 1):
@@ -185,10 +236,10 @@ def test_plain_fsdp2_cannot_run_uneven_microbatch_counts(device):
     pytest.fail("plain FSDP2 ran 1 vs 3 microbatches to completion")
 
 
-def test_a_slow_rank_does_not_slow_the_others(device):
+@_SHARED
+def test_a_slow_rank_does_not_slow_the_others(two_ranks):
     """Rank 1 sleeps 200 ms in each of its 4 microbatches; rank 0 finishes all of its 4 before rank 1 is half done."""
-    case = Case(device=device, splits=[[0, 1, 2, 3], [4, 5, 6, 7]], sleep_rank=1, sleep_s=0.2)
-    out = run(distributed, case)
+    out = two_ranks["slow-rank"].ranks
     fast, slow = out[0]["times"], out[1]["times"]
     assert len(fast) == len(slow) == 4
     assert fast[-1] < slow[1], (fast, slow)
@@ -211,23 +262,15 @@ def test_a_failing_peer_ends_the_others_with_an_error_naming_it(fault, expected,
     assert_no_segments(survivor["prefix"])
 
 
-@pytest.mark.parametrize(
-    ("hosts", "splits", "against_hsdp"),
-    [
-        pytest.param(2, [[0, 1, 2], [], [3], [4, 5, 6, 7]], True, id="2x2-uneven-and-empty"),
-        pytest.param(2, [[0, 1, 2, 3, 4], [5, 6, 7], [], []], False, id="2x2-a-whole-host-idle"),
-        pytest.param(4, [[0, 1, 2], [], [3, 4], [5, 6, 7]], True, id="4x1"),
-    ],
-)
-def test_hybrid_odc_across_presented_hosts_matches_hsdp_and_one_process(hosts, splits, against_hsdp, device):
+@_SHARED
+@pytest.mark.parametrize("name", ["2x2-uneven-and-empty", "2x2-a-whole-host-idle", "4x1"])
+def test_hybrid_odc_across_presented_hosts_matches_hsdp_and_one_process(name, four_ranks):
     """4 processes presented as hosts (HF_ODC_HOST_ID): hf_odc's mesh shards within each host and replicates across
     them; ODC runs per host and all-reduces across replicas once per minibatch. After 3 AdamW steps it equals one
     process on the whole minibatch, and FSDP2 HSDP (collectives, an even split) on the same data. 4x1: one-rank
     shard groups, where FSDP2 skips the reduce-scatter that ODC replaces."""
-    case = Case(device=device, hosts=hosts, splits=splits, steps=3, lr=1e-3)
-    hsdp = Case(device=device, hosts=hosts, splits=[[0, 1], [2, 3], [4, 5], [6, 7]], steps=3, lr=1e-3, odc=False)
-    out, *others = run_in_turn([case, hsdp] if against_hsdp else [case], 4, timeout=180)
-    baseline = others[0] if against_hsdp else out
+    case, out = four_ranks[name].case, four_ranks[name].ranks
+    baseline = four_ranks[f"{name}-hsdp"].ranks if f"{name}-hsdp" in four_ranks else out
     ref = reference(case)
     # AdamW divides by sqrt(v): an element whose gradient is ~0 turns fp32 summation-order noise into a visible step,
     # so after 3 steps at lr 1e-3 even plain FSDP2 on 4 ranks differs from one process by ~2e-6 (1e-6 absolute would
@@ -243,14 +286,12 @@ def test_hybrid_odc_across_presented_hosts_matches_hsdp_and_one_process(hosts, s
         assert_no_segments(out[r]["prefix"])
 
 
-def test_hybrid_bf16_on_two_one_rank_hosts_matches_hsdp(device):
+@_SHARED
+def test_hybrid_bf16_on_two_one_rank_hosts_matches_hsdp(two_ranks):
     """2 ranks presented as 2 hosts x 1 (on 2 GPUs, each GPU a "host"). bf16 parameters, fp32 reduction: hybrid ODC
     (uneven split) and FSDP2 HSDP (even split) run the same bf16 microbatches; only the fp32 summation order differs,
     so they agree to 1e-4, as ODC and FSDP2 do on one host."""
-    odc_case = Case(device=device, hosts=2, splits=[[0, 1, 2], [3]], steps=2, lr=1e-3, mixed_precision=True)
-    hsdp_case = Case(device=device, hosts=2, splits=[[0, 1], [2, 3]], steps=2, lr=1e-3, mixed_precision=True, odc=False)
-    odc, hsdp_ranks = run_in_turn([odc_case, hsdp_case])
-    hsdp = hsdp_ranks[0]
+    odc, hsdp = two_ranks["hybrid-bf16-odc"].ranks, two_ranks["hybrid-bf16-hsdp"].ranks[0]
     for r in range(2):
         assert_all_close(odc[r]["grads"], hsdp["grads"], rtol=1e-4, atol=1e-5)
         assert_all_close(odc[r]["params"], hsdp["params"], rtol=1e-4, atol=1e-5)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -153,10 +155,11 @@ def shm_prefixes(odc) -> list[str]:
     return [odc.host.segment_prefix, *filter(None, [getattr(odc.transport, "segment_prefix", None)])]
 
 
-def distributed_in_turn(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
-    """:func:`distributed` for each case in turn, in one launch of the processes: each case shards a model of its own
-    (ODC closed before the next), and the processes start once, which is most of a small case's time."""
-    return [distributed(rank, world_size, case) for case in cases]
+def in_turn(rank: int, world_size: int, calls: list[tuple[Callable[[int, int, Case], Any], Case]]) -> list:
+    """Each ``fn(rank, world_size, case)`` of ``calls`` in turn, in one launch of the processes: each case shards a
+    model of its own (ODC closed before the next), and the processes start once, which is most of a small case's
+    time."""
+    return [fn(rank, world_size, case) for fn, case in calls]
 
 
 def faulty(rank: int, world_size: int, case: Case) -> dict:
