@@ -13,8 +13,9 @@ Grouped-query key/value heads are split as the query heads are when the group si
 each key/value head is repeated for its query heads first (exact: a query head reads the same key/value head either
 way).
 
-A loss that is not a sum over tokens (DPO's, of each sequence's summed log-probabilities) needs the whole sequence's
-sums on every rank of the group: :func:`group_sum` adds the ranks' partial sums, differentiably.
+A loss that is not a sum over tokens (DPO's, of each sequence's summed log-probabilities; GRPO's sequence-level
+ratio) needs the whole sequence's sums on every rank of the group: :func:`group_sum` adds the ranks' partial sums,
+differentiably.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _GroupSum(torch.autograd.Function):
-    """All-reduce (sum) over a group; its backward sums the gradients the same way: every rank computes the same
-    function of the sum, so a rank's partial sum gets the gradient of every rank's copy of it."""
+    """All-reduce (sum) over a group; its backward sums the gradients the same way: every rank's loss may read the
+    sum, so a rank's partial sum gets the gradient of every rank's use of it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -111,9 +112,9 @@ class _GroupSum(torch.autograd.Function):
 
 def group_sum(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """Collective over ``shard.group`` (its ranks call it together, in step): ``x`` summed over the group's ranks, on
-    every one of them (each holds its shard's part of a sum over the whole row). Differentiable: when each rank's loss
-    is ``1 / N`` of the same function of the sum, the gradients its shard gets add up to that function's, counted
-    once."""
+    every one of them (each holds its shard's part of a sum over the whole row). Differentiable: the group's losses
+    adding up to the whole loss (each rank's the loss of its own tokens, or ``1 / N`` of one function of the sum),
+    each rank's part gets the whole loss's gradient with respect to the sum."""
     return _GroupSum.apply(x, shard.group)
 
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import pytest
 from _dpo_parity import DIFFERENCES, LONG_PAIR_CASES, PER_SLICE, QUIET, TIMINGS
-from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
+from _parity import SEQUENCE_PARALLEL, assert_same_case, assert_unequal_microbatches, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
-runs = parity_fixture(
-    "_dpo_parity.py", LONG_PAIR_CASES, env=QUIET, accelerate="parallelism_config:\n  parallelism_config_sp_size: 2\n"
-)
+runs = parity_fixture("_dpo_parity.py", LONG_PAIR_CASES, env=QUIET, accelerate=SEQUENCE_PARALLEL)
 
 
 @pytest.mark.parametrize("case", list(LONG_PAIR_CASES))

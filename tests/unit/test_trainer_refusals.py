@@ -80,7 +80,8 @@ INVALID_CONFIGS = [
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
         ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
         ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
-        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCGRPOConfig: sp_size=2 .* only; set sp_size to 1"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "loss_type": "vespo"}, "loss_type='vespo' weighs each"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "off_policy_mask_threshold": 0.1}, "splits over ranks"),
     ]),
 ]  # fmt: skip
 
