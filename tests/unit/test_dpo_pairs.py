@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from hf_odc.packing import MinibatchPlanner, named_cost
-from hf_odc.trainer.preference.pairs import PairPacker, document_sums, indistinct_pairs, pack_pairs, pair_documents
+from hf_odc.trainer.preference.pairs import (
+    PairPacker,
+    check_pair_capacity,
+    document_sums,
+    indistinct_pairs,
+    pack_pairs,
+    pair_documents,
+)
 
 PAIRS = [
     {"prompt_ids": [10, 11], "chosen_ids": [20, 21, 22], "rejected_ids": [30]},
@@ -117,3 +124,11 @@ def test_a_pair_longer_than_a_microbatch_is_cut_over_its_group_in_row_order():
     assert torch.cat([s["pairs"]["document"] for s in shards]).tolist() == [*pairs["document"], 1]
     assert all(s["model"]["sequence_shard"].lengths == (9, 7) for s in shards)  # the documents
     assert all(s["model"]["sequence_shard"].sizes == (8, 8) for s in shards)  # the slices
+
+
+def test_a_pair_may_fill_sp_size_microbatches_and_no_more():
+    check_pair_capacity([90, 112], lambda longest: 56, sp_size=2)  # 112 = 2 x 56 tokens: a group microbatch
+    with pytest.raises(ValueError, match=r"longest pair has 113 tokens, more than sp_size=2 ranks hold \(2 x 56"):
+        check_pair_capacity([113], lambda longest: 56, sp_size=2)
+    with pytest.raises(ValueError, match="more than one microbatch holds"):
+        check_pair_capacity([57], lambda longest: 56)

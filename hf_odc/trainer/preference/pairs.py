@@ -77,19 +77,20 @@ def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], 
     parallelism a pair may fill ``sp_size`` microbatches."""
     longest = max(lengths, default=0)
     max_tokens = max_tokens_for(longest)
-    if longest > sp_size * max_tokens and sp_size > 1:
+    if longest <= sp_size * max_tokens:
+        return
+    if sp_size > 1:
         raise ValueError(
             f"The training dataset's longest pair has {longest} tokens, more than sp_size={sp_size} ranks hold "
             f"({sp_size} x {max_tokens} tokens per microbatch). Raise sp_size or --max_tokens_per_microbatch, or drop "
             "or shorten (--max_length) the longest pairs."
         )
-    if longest > sp_size * max_tokens:
-        raise ValueError(
-            f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
-            f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
-            f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
-            "shorten (--max_length) the longest pairs."
-        )
+    raise ValueError(
+        f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
+        f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
+        f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
+        "shorten (--max_length) the longest pairs."
+    )
 
 
 def indistinct_pairs(dataset: Any, max_length: int | None, truncation_mode: str = "keep_start") -> int:
