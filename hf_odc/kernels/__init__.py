@@ -12,7 +12,7 @@ the trainers and users import them from.
 
 from .fused import install_fused_kernels, rms_norm, silu_mul
 from .transports import TRANSPORTS, CpuShmTransport, SymmetricTensor, Transport, host_ranks, make_transport
-from .ulysses import SequenceShard, new_sequence_group, sharded_causal_attention
+from .ulysses import SequenceShard, group_sum, new_sequence_group, sharded_causal_attention
 
 __all__ = [
     "TRANSPORTS",
@@ -20,6 +20,7 @@ __all__ = [
     "SequenceShard",
     "SymmetricTensor",
     "Transport",
+    "group_sum",
     "host_ranks",
     "install_fused_kernels",
     "make_transport",

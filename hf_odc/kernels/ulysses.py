@@ -12,6 +12,10 @@ recomputation and backward alike): the group's ranks run them in step.
 Grouped-query key/value heads are split as the query heads are when the group size divides their number; otherwise
 each key/value head is repeated for its query heads first (exact: a query head reads the same key/value head either
 way).
+
+A loss that is not a sum over tokens (DPO's, of each sequence's summed log-probabilities; GRPO's sequence-level
+ratio) needs the whole sequence's sums on every rank of the group: :func:`group_sum` adds the ranks' partial sums,
+differentiably.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from .attention import Backend, packed_causal_attention
 
-__all__ = ["SequenceShard", "new_sequence_group", "sharded_causal_attention"]
+__all__ = ["SequenceShard", "group_sum", "new_sequence_group", "sharded_causal_attention"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ class SequenceShard:
             raise ValueError(
                 f"A row's shards {self.sizes} must be non-empty and hold its {sum(self.lengths)} tokens exactly."
             )
+
+    @property
+    def index(self) -> int:
+        """This rank's place in the group (the shard it holds)."""
+        return dist.get_rank(self.group)
 
 
 def new_sequence_group(size: int) -> Any:
@@ -81,6 +90,32 @@ class _AllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), list(ctx.sent), list(ctx.received), group=ctx.group)
         return back, None, None, None
+
+
+class _GroupSum(torch.autograd.Function):
+    """All-reduce (sum) over a group; its backward sums the gradients the same way: every rank's loss may read the
+    sum, so a rank's partial sum gets the gradient of every rank's use of it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def group_sum(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Collective over ``shard.group`` (its ranks call it together, in step): ``x`` summed over the group's ranks, on
+    every one of them (each holds its shard's part of a sum over the whole row). Differentiable: the group's losses
+    adding up to the whole loss (each rank's the loss of its own tokens, or ``1 / N`` of one function of the sum),
+    each rank's part gets the whole loss's gradient with respect to the sum."""
+    return _GroupSum.apply(x, shard.group)
 
 
 def _heads_for_tokens(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
@@ -123,7 +158,7 @@ def sharded_causal_attention(
         ``(T_rank, H_q, D)``: what attending the whole row gives this rank's tokens.
     """
     count = len(shard.sizes)
-    rank = dist.get_rank(shard.group)
+    rank = shard.index
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % count:
         raise ValueError(

@@ -26,9 +26,10 @@ from .planners import Plan, _check_world_size, _checked_lengths, _pack_share, lb
 __all__ = ["EXCHANGE", "GroupPlan", "check_group_size", "lb_mini_groups", "shard_sizes", "split_costs"]
 
 EXCHANGE = 0.25
-"""What the all-to-alls of one token cost, as a share of a token's own per-token work (:func:`split_costs`). An
-assumed default: four exchanges per layer and pass (query, key, value, output) of ``hidden`` values each, against
-about ``24 x hidden**2`` FLOPs of the token's matmuls; pass ``exchange=`` where a measurement says otherwise."""
+"""What the all-to-alls of one token cost, as a share of a token's own per-token work (:func:`split_costs`). A guess,
+not measured yet (pending a GPU measurement): four exchanges per layer and pass (query, key, value, output) of
+``hidden`` values each, against about ``24 x hidden**2`` FLOPs of the token's matmuls; pass ``exchange=`` where a
+measurement says otherwise."""
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,10 @@ after each of two steps must agree (fp32), in steps where the ranks run differen
 from __future__ import annotations
 
 import pytest
-from _dpo_parity import CASES
+from _dpo_parity import CASES, DIFFERENCES, PER_SLICE, QUIET, TIMINGS
 from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
-
-QUIET = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-TIMINGS = ("step_time",)
-PER_SLICE = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")  # TRL's per-slice token means
-# beta x the difference of two sums of ~50 fp32 log-probabilities: a few 1e-6 apart however they are summed
-DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 
 
 runs = parity_fixture("_dpo_parity.py", CASES, env=QUIET)

@@ -8,16 +8,13 @@ minibatch gives the two ranks different numbers of microbatches in some of these
 from __future__ import annotations
 
 import pytest
-from _grpo_parity import CASES
+from _grpo_parity import CASES, PER_SLICE, QUIET, TIMINGS
 from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 from _trainer_launch import logged_steps, run
 
 from hf_odc.trainer import PACKED_ATTENTION
 
 pytestmark = pytest.mark.slow  # every test starts processes
-TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
-PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
-QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
 
 
 runs = parity_fixture("_grpo_parity.py", CASES, env=QUIET)

@@ -8,7 +8,7 @@ default activation checkpointing on throughout: the recomputation exchanges head
 from __future__ import annotations
 
 import pytest
-from _parity import assert_same_case, parity_fixture
+from _parity import SEQUENCE_PARALLEL, assert_same_case, parity_fixture
 from _sft_parity import LONG_DOCUMENT_CASES
 
 from hf_odc.demo import build_tokenizer
@@ -19,7 +19,7 @@ _TOKENIZER = build_tokenizer()
 runs = parity_fixture(
     "_sft_parity.py",
     LONG_DOCUMENT_CASES,
-    accelerate="parallelism_config:\n  parallelism_config_sp_size: 2\n",
+    accelerate=SEQUENCE_PARALLEL,
     vocab_size=len(_TOKENIZER),
     pad_token_id=_TOKENIZER.pad_token_id,
     eos_token_id=_TOKENIZER.eos_token_id,

@@ -4,7 +4,9 @@
 the whole minibatch (8 pairs per accumulation step); ``accelerate launch ... tests/support/_dpo_parity.py odc MODEL_DIR
 OUT CASE...`` trains ``ODCDPOTrainer`` with ``8 / world_size`` pairs per process and accumulation step, so each
 optimizer step sees the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO example's
-(``hf_odc.demo.preference_dataset``), many longer than ``max_length`` (truncated). Rank 0 saves, per case, the logged
+(``hf_odc.demo.preference_dataset``), many longer than ``max_length`` (truncated). The long-pair cases
+(:data:`LONG_PAIR_CASES`, launched with Accelerate's ``parallelism_config_sp_size: 2``) give ODC microbatches of 56
+tokens, so the pairs of up to 96 tokens longer than that are split over both ranks. Rank 0 saves, per case, the logged
 step entries and the full parameters."""
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from _parity import TRAINING, run_cases, train_with_reference
 
 from hf_odc.demo import preference_dataset
 
+QUIET = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+TIMINGS = ("step_time",)
+PER_SLICE = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")  # TRL's per-slice token means
+# beta x the difference of two sums of ~50 fp32 log-probabilities: a few 1e-6 apart however they are summed
+DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 MINIBATCH, MAX_LENGTH = 8, 48
 COMMON = TRAINING | dict(
     max_steps=2, beta=0.5, max_length=MAX_LENGTH, train_sampling_strategy="sequential", gradient_checkpointing=False
@@ -44,7 +51,17 @@ CASES = {
 # A Mixture-of-Experts model (tests/parity/test_trainer_moe.py): the router's load-balancing loss on (over the whole
 # minibatch, as TRL's one forward of it computes it) and off.
 MOE_CASES = {"moe-aux": {"router_aux_loss_coef": 0.2}, "moe-no-aux": {"router_aux_loss_coef": 0.0}}
-ODC_MAX_TOKENS = {"accumulation": 112}  # each case's microbatch size gives the ranks different counts in some step
+# Sequence parallelism: pairs longer than ODC's 56-token microbatch (up to 2 x 48) split over both ranks, with a
+# reference model, precomputed reference log-probabilities, gradient accumulation and LoRA.
+LONG_PAIR_CASES = {
+    "long-pairs": {},
+    "long-pairs-precompute": {"precompute_ref_log_probs": True},
+    "long-pairs-accumulation": {"gradient_accumulation_steps": 2},
+    "long-pairs-lora": {"learning_rate": 2.0},
+}
+PEFT_CASES = ("peft", "long-pairs-lora")
+# each case's microbatch size gives the ranks different counts in some step
+ODC_MAX_TOKENS = {"accumulation": 112} | dict.fromkeys(LONG_PAIR_CASES, 56)
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
@@ -57,8 +74,8 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         {"trl": (DPOConfig, DPOTrainer), "odc": (ODCDPOConfig, ODCDPOTrainer)},
         model_dir,
         output_dir,
-        COMMON | (CASES | MOE_CASES)[name],
-        peft=name == "peft",
+        COMMON | (CASES | MOE_CASES | LONG_PAIR_CASES)[name],
+        peft=name in PEFT_CASES,
         minibatch=MINIBATCH,
         max_tokens=ODC_MAX_TOKENS.get(name, 2 * MAX_LENGTH),
         dataset=lambda count: preference_dataset(count, 96, "swe-smith", seed=2),

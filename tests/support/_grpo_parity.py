@@ -26,6 +26,9 @@ from transformers import AutoModelForCausalLM
 from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
 from hf_odc.trainer.core.attention import attention_implementation
 
+TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
+PER_SLICE = ("entropy",)  # token means TRL logs per accumulation slice
+QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # rollout_func is "experimental" in TRL 1.16
 MINIBATCH = 8
 COMMON = TRAINING | dict(num_generations=4, max_completion_length=40)
 CASES = {
@@ -53,6 +56,17 @@ CASES = {
     "accumulation": {"loss_type": "grpo", "gradient_accumulation_steps": 4},
     "accumulation-dapo": {"loss_type": "dapo", "gradient_accumulation_steps": 4, "max_steps": 2},
 }
+# Sequence parallelism (launched with `parallelism_config_sp_size: 2`): rollouts longer than ODC's 32-token microbatch
+# split over both ranks: a per-rollout normaliser with the reference's KL, a sequence-level ratio summed over the group,
+# accumulation with a second iteration on the old policy's log-probabilities, LoRA, the high-entropy token mask.
+LONG_ROLLOUT_CASES = {
+    "long-grpo-kl": {"loss_type": "grpo", "beta": 0.2, "max_steps": 2},
+    "long-luspo-sequence": {"loss_type": "luspo", "importance_sampling_level": "sequence", "max_steps": 2},
+    "long-accumulation-iterations": {"loss_type": "dapo", "gradient_accumulation_steps": 2, "num_iterations": 2,
+                                     "epsilon": 0.02, "max_steps": 2},
+    "long-lora-kl": {"lora": True, "loss_type": "grpo", "beta": 0.04, "max_steps": 2, "learning_rate": 8.0},
+    "long-entropy-mask": CASES["entropy-mask"],
+}  # fmt: skip
 # A Mixture-of-Experts model (tests/parity/test_trainer_moe.py): the router's load-balancing loss on (over the whole
 # minibatch, as TRL's one forward of it computes it) and off; 60 tokens per microbatch give the ranks different counts
 # in step 2.
@@ -81,7 +95,7 @@ DISTILLATION_CASES = {  # TRL's beta defaults to 1.0: the reverse KL
 # their larger generation batches draw longer rollouts
 ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}
 ODC_TOKEN_CAP |= dict.fromkeys(RLOO_CASES, 56) | dict.fromkeys(DISTILLATION_CASES, 50)  # ranks' counts differ
-ODC_TOKEN_CAP |= dict.fromkeys(MOE_CASES, 60)
+ODC_TOKEN_CAP |= dict.fromkeys(MOE_CASES, 60) | dict.fromkeys(LONG_ROLLOUT_CASES, 32)
 # Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
 # of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
 VLLM_CASES = {
@@ -123,7 +137,8 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     from hf_odc import trainer as odc
 
     rloo, distill = name in RLOO_CASES, name in DISTILLATION_CASES
-    overrides = {"max_steps": 1} | (CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES)[name]
+    every_case = CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES | LONG_ROLLOUT_CASES
+    overrides = {"max_steps": 1} | every_case[name]
     lora = overrides.pop("lora", False)
     peft_config = None
     if lora:  # peft is imported only here: vLLM's own environment (tests/distributed/test_vllm.py) has none

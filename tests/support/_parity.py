@@ -25,6 +25,9 @@ TRAINING = dict(
 )  # fmt: skip
 """Every parity script's settings (each adds its own): fp32 on CPU, plain SGD with a learning rate large enough for a
 wrong gradient to show in the parameters, every step logged, nothing saved."""
+SEQUENCE_PARALLEL = "parallelism_config:\n  parallelism_config_sp_size: 2\n"
+"""The Accelerate yaml the sequence-parallel parity tests add to ``examples/odc_cpu.yaml`` (:func:`parity_runs`'s
+``accelerate``): groups of 2 ranks split the documents longer than a microbatch."""
 
 
 def trained_state(trainer) -> dict | None:

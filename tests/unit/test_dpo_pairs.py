@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from hf_odc.packing import MinibatchPlanner, named_cost
-from hf_odc.trainer.preference.pairs import PairPacker, document_sums, indistinct_pairs, pack_pairs, pair_documents
+from hf_odc.trainer.preference.pairs import (
+    PairPacker,
+    check_pair_capacity,
+    document_sums,
+    indistinct_pairs,
+    pack_pairs,
+    pair_documents,
+)
 
 PAIRS = [
     {"prompt_ids": [10, 11], "chosen_ids": [20, 21, 22], "rejected_ids": [30]},
@@ -93,3 +100,35 @@ def test_every_rank_plans_alike_and_no_pair_is_split():
     assert step.num_samples == 24 and step.num_tokens == sum(len(c[0]) + len(r[0]) for c, r in documents)
     assert step.num_chosen_tokens == sum(sum(c[1][1:]) for c, _ in documents)
     assert step.num_loss_tokens == step.num_chosen_tokens + sum(sum(r[1][1:]) for _, r in documents)
+
+
+def test_a_pair_longer_than_a_microbatch_is_cut_over_its_group_in_row_order():
+    """Sequence parallelism (group size 2 on 2 ranks): the long pair is both ranks' first microbatch, each holding a
+    contiguous slice of its row; put back together, the slices are the whole row, its next-token labels and its scored
+    positions, and both name the pair's two documents."""
+    long = {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5, 6, 7, 8, 13], "rejected_ids": [9, 10, 11, 12]}  # 9 + 7
+    examples = [long, *PAIRS]
+    planner = MinibatchPlanner("lb-mini", 2, "minibatch", named_cost("tokens", None), None, group_size=2)
+    steps = [PairPacker(rank, planner, lambda longest: 8, max_length=None)(examples) for rank in range(2)]
+    whole = pack_pairs([pair_documents(long, None)])
+    row, pairs = whole["model"], whole["pairs"]
+    shards = [step.microbatches[0] for step in steps]
+    assert [step.pair_indices[0] for step in steps] == [[0], [0]]
+    assert steps[0].shared_lengths == [[16], [16]] and steps[0].metrics == {"group_microbatches": 1.0}
+    assert sorted(i for step in steps for microbatch in step.pair_indices[1:] for i in microbatch) == [1, 2]
+    assert [shard["model"]["input_ids"].shape[1] for shard in shards] == [8, 8]
+    assert torch.cat([s["model"]["input_ids"] for s in shards], 1).tolist() == row["input_ids"].tolist()
+    assert torch.cat([s["model"]["position_ids"] for s in shards], 1).tolist() == row["position_ids"].tolist()
+    assert torch.cat([s["model"]["shift_labels"] for s in shards], 1)[0].tolist() == [*row["labels"][0, 1:], -100]
+    assert torch.cat([s["pairs"]["weight"] for s in shards]).tolist() == [*pairs["weight"], 0.0]
+    assert torch.cat([s["pairs"]["document"] for s in shards]).tolist() == [*pairs["document"], 1]
+    assert all(s["model"]["sequence_shard"].lengths == (9, 7) for s in shards)  # the documents
+    assert all(s["model"]["sequence_shard"].sizes == (8, 8) for s in shards)  # the slices
+
+
+def test_a_pair_may_fill_sp_size_microbatches_and_no_more():
+    check_pair_capacity([90, 112], lambda longest: 56, sp_size=2)  # 112 = 2 x 56 tokens: a group microbatch
+    with pytest.raises(ValueError, match=r"longest pair has 113 tokens, more than sp_size=2 ranks hold \(2 x 56"):
+        check_pair_capacity([113], lambda longest: 56, sp_size=2)
+    with pytest.raises(ValueError, match="more than one microbatch holds"):
+        check_pair_capacity([57], lambda longest: 56)

@@ -7,7 +7,7 @@ import torch
 
 from hf_odc.packing import MinibatchPlanner, TokenCost
 from hf_odc.trainer import ODCGRPOConfig
-from hf_odc.trainer.online.rollouts import Rollouts, pack_rollouts, plan_generation_batch
+from hf_odc.trainer.online.rollouts import Rollouts, pack_rollouts, plan_generation_batch, shard_rollouts
 
 
 def rollouts(prompt_lengths, completion_lengths) -> Rollouts:
@@ -37,6 +37,40 @@ def test_pack_points_every_completion_token_at_the_log_prob_that_scores_it():
         assert torch.equal(loss["mask"][row, :n], batch.loss_mask[i]) and not loss["mask"][row, n:].any()
     assert int((shifted != -100).sum()) == 12
     assert torch.equal(loss["advantages"], batch.advantages[[2, 0, 1]])
+
+
+def test_a_rollout_split_over_a_group_scores_each_completion_token_on_one_rank():
+    """Sequence parallelism: each rank's slice of a long rollout's row scores the completion tokens whose scoring
+    position it holds, at its own ``log_probs`` positions (``shift_labels``); over the group, every trained token once,
+    and each rank keeps the whole rollout's token count."""
+    batch = rollouts([7], [12])
+    batch.loss_mask[0][3] = 0.0  # e.g. a tool token
+    whole = pack_rollouts(batch, [0])
+    shards = [shard_rollouts(whole, None, index, 3) for index in range(3)]
+    scored = []
+    for shard in shards:
+        labels, loss = shard["model"]["shift_labels"][0], shard["loss"]
+        trained = loss["mask"][0].bool()
+        scored += labels[loss["token_index"][0][trained]].tolist()
+        assert loss["sequence_tokens"].tolist() == [11.0]
+    assert [shard["model"]["input_ids"].shape[1] for shard in shards] == [7, 6, 6]
+    assert [int(shard["loss"]["mask"].sum()) for shard in shards] == [1, 5, 5]  # token 3 untrained
+    completion = batch.completion_ids[0].tolist()
+    assert scored == completion[:3] + completion[4:]
+
+
+def test_a_rollout_longer_than_a_microbatch_is_every_group_rank_s_first():
+    batch = rollouts([5] * 8, [60, 4, 3, 2, 5, 6, 7, 8])
+    planner = MinibatchPlanner("lb-mini", 2, "minibatch", TokenCost(), group_size=2)
+    steps = [
+        plan_generation_batch(batch, steps=1, rank=rank, seed=3, planner=planner, max_tokens_for=lambda n: 40)[0]
+        for rank in (0, 1)
+    ]
+    assert [step.rollout_indices[0] for step in steps] == [[0], [0]]
+    assert steps[0].shared_lengths == [[65], [65]] and steps[0].metrics["group_microbatches"] == 1.0
+    assert "predicted_bubble_rate_unbalanced" not in steps[0].metrics  # TRL's split cannot hold the long rollout
+    assert sorted(i for step in steps for mb in step.rollout_indices[1:] for i in mb) == list(range(1, 8))
+    assert [step.microbatches[0]["model"]["input_ids"].shape[1] for step in steps] == [33, 32]
 
 
 def plan(batch, rank, world_size=2, steps=2, balance="lb-mini", sync="minibatch"):

@@ -68,19 +68,20 @@ INVALID_CONFIGS = [
         ({"sync_ref_model": True}, "sync_ref_model .* Set sync_ref_model=False"),
         ({"padding_free": True}, "packs each microbatch itself"),
         ({"odc": False, "balance": "lb-mini"}, "deadlock"),
-        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCDPOConfig: sp_size=2 .* ODCSFTConfig only"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "balance": "lb-micro"}, "and balance='lb-mini'"),
     ]),
     *_rows("kto", [
         ({"loss_type": "bco"}, r"Unknown KTO loss_type 'bco'; ODCKTOTrainer supports \('kto', 'apo_zero_unpaired'\)"),
         ({"sync_ref_model": True}, "sync_ref_model .* Set sync_ref_model=False, or use trl.KTOTrainer"),
-        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCKTOConfig: sp_size=2 .* ODCSFTConfig only"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCKTOConfig: sp_size=2 .* only; set sp_size to 1"),
     ]),
     *_rows("grpo", [
         ({"use_vllm": True, "odc_generation": "gathered"}, "Leave odc_generation unset"),
         ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching=False"),
         ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "must be a multiple of gradient_accumulation"),
         ({"odc": False, "balance": "lb-mini"}, "--balance lb-micro"),
-        ({"parallelism_config": ParallelismConfig(sp_size=2)}, "ODCGRPOConfig: sp_size=2 .* ODCSFTConfig only"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "loss_type": "vespo"}, "loss_type='vespo' weighs each"),
+        ({"parallelism_config": ParallelismConfig(sp_size=2), "off_policy_mask_threshold": 0.1}, "splits over ranks"),
     ]),
 ]  # fmt: skip
 

@@ -124,7 +124,8 @@ _ODC_PARAMETERS = """
     > consecutive ranks that run it together, attention exchanging heads for tokens all-to-all (Ulysses); every other
     > document stays a microbatch of one rank. It needs `odc=True`, `balance="lb-mini"` and `packed_attention=True`,
     > a number of processes that `N` divides and attention heads that `N` divides. `cp_size` (ring attention) and the
-    > other sizes are refused, naming what to set instead. SFT only: the other trainers refuse it.
+    > other sizes are refused, naming what to set instead. SFT, DPO (a pair longer than a microbatch) and GRPO (a
+    > rollout longer than a microbatch) only: the other trainers refuse it.
 
     > [!NOTE]
     > Mixture-of-Experts models (Qwen3-MoE, Mixtral, OLMoE...): as in TRL, the router's load-balancing loss is on for
@@ -351,13 +352,13 @@ class _ODCConfig:
             )
 
     def _check_sequence_parallel(self, sp_size: int) -> None:
-        """Refuse sequence parallelism where it cannot run: another trainer than SFT, plain FSDP2, another planner than
-        LB-Mini, or the model's own attention."""
+        """Refuse sequence parallelism where it cannot run: a trainer that does not split sequences (SFT, DPO and GRPO
+        do), plain FSDP2, another planner than LB-Mini, or the model's own attention."""
         setting = f"sp_size={sp_size} (Accelerate's parallelism_config)"
         if not self._splits_sequences:
             raise ValueError(
-                f"{type(self).__name__}: {setting} is supported by ODCSFTConfig only; set sp_size to 1 for this "
-                "trainer."
+                f"{type(self).__name__}: {setting} is supported by ODCSFTConfig, ODCDPOConfig and ODCGRPOConfig only; "
+                "set sp_size to 1 for this trainer."
             )
         if not self.odc or self.balance != "lb-mini":
             raise ValueError(

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ...packing import shard_sizes
+from ...packing import GroupPlan, shard_sizes
 
-__all__ = ["PlannedStep", "StepMetrics", "packed_row"]
+__all__ = ["PlannedStep", "StepMetrics", "group_plan_fields", "packed_row"]
 
 
 @dataclass
@@ -76,6 +76,19 @@ class PlannedStep:
         own = [length for rank in self.microbatch_lengths for microbatch in rank for length in microbatch]
         shared = [length for rank in range(0, len(self.shared_lengths), self.sp_size) for length in self._shared(rank)]
         return own + shared
+
+
+def group_plan_fields(plan: GroupPlan, lengths: Sequence[int]) -> dict[str, Any]:
+    """The :class:`PlannedStep` fields that ``plan`` (items of ``lengths``, whatever a trainer plans: samples, pairs)
+    sets: every rank's own microbatches as lengths, its group microbatches' (``shared_lengths``), ``sp_size`` and,
+    with sequence parallelism, the ``group_microbatches`` metric (the step's items split over a group)."""
+    size = plan.group_size
+    return {
+        "microbatch_lengths": [[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan.plan],
+        "shared_lengths": [[lengths[i] for i in plan.shared(rank)] for rank in range(len(plan.plan))],
+        "sp_size": size,
+        "metrics": {"group_microbatches": float(sum(map(len, plan.groups)))} if size > 1 else {},
+    }
 
 
 class StepMetrics:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from ..._compat import padding_free_collator
 from ...kernels import SequenceShard
 from ...packing import MinibatchPlanner, Plan, shard_sizes
-from ._step import PlannedStep
+from ._step import PlannedStep, group_plan_fields
 
 __all__ = [
     "GlobalMinibatchSampler",
@@ -33,6 +33,7 @@ __all__ = [
     "minibatch_loader",
     "require_sft_columns",
     "shard_row",
+    "shard_window",
 ]
 
 
@@ -215,32 +216,38 @@ class PlannedMinibatchCollator:
         return PlannedStep(
             microbatches=shards
             + [self._pack([examples[i] for i in microbatch]) for microbatch in plan.plan[self.rank]],
-            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan.plan],
             num_samples=len(examples),
             num_tokens=sum(lengths),
             num_loss_tokens=sum(count_target_tokens(example) for example in examples),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, self.max_tokens),
-            metrics={"group_microbatches": float(sum(map(len, plan.groups)))} if size > 1 else {},
-            shared_lengths=[[lengths[i] for i in plan.shared(rank)] for rank in range(len(plan.plan))],
-            sp_size=size,
+            **group_plan_fields(plan, lengths),
         )
 
 
 def shard_row(row: dict[str, Any], group: Any, index: int, size: int) -> dict[str, Any]:
-    """Group rank ``index``'s shard of a packed ``row`` (:func:`padding_free_collator`'s, one sample) split over a
-    group of ``size`` ranks (``group``, its process group): its contiguous tokens (:func:`~hf_odc.packing.
-    shard_sizes`) with their positions in the whole row, their next-token labels as ``shift_labels`` (the next token
-    may be on the next rank, so the labels are shifted before the row is cut), and the
-    :class:`~hf_odc.kernels.SequenceShard` the attention reads (as a forward keyword)."""
+    """Group rank ``index``'s shard of a packed ``row`` (:func:`padding_free_collator`'s or
+    :func:`~hf_odc.trainer.core._step.packed_row`'s: its documents' bounds in ``cu_seq_lens_q``, else one document)
+    split over a group of ``size`` ranks (``group``, its process group): its contiguous tokens
+    (:func:`~hf_odc.packing.shard_sizes`, :func:`shard_window`) with their positions in their documents, their
+    next-token labels as ``shift_labels`` (the next token may be on the next rank, so the labels are shifted before
+    the row is cut), and the :class:`~hf_odc.kernels.SequenceShard` the attention reads (as a forward keyword)."""
     labels = row["labels"][0]
     length = labels.shape[0]
-    sizes = shard_sizes(length, size)
-    start = sum(sizes[:index])
-    window = slice(start, start + sizes[index])
+    bounds = row.get("cu_seq_lens_q")
+    documents = tuple(bounds.diff().tolist()) if bounds is not None else (length,)
+    sizes, window = shard_window(length, index, size)
     shifted = torch.cat([labels[1:], labels.new_full((1,), -100)])
     return {
         "input_ids": row["input_ids"][:, window],
         "position_ids": row["position_ids"][:, window],
         "shift_labels": shifted[None, window],
-        "sequence_shard": SequenceShard(group, sizes, (length,)),
+        "sequence_shard": SequenceShard(group, sizes, documents),
     }
+
+
+def shard_window(length: int, index: int, size: int) -> tuple[tuple[int, ...], slice]:
+    """The shards of a row of ``length`` tokens split over a group of ``size`` ranks
+    (:func:`~hf_odc.packing.shard_sizes`) and group rank ``index``'s tokens of it."""
+    sizes = shard_sizes(length, size)
+    start = sum(sizes[:index])
+    return sizes, slice(start, start + sizes[index])

@@ -189,6 +189,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
             seed=args.seed + self._generation_index,
             planner=self._planner,
             max_tokens_for=args.max_tokens_for,
+            sequence_group=self.odc.sequence_group,
         )
         self._generation_index += 1
         microbatches = [microbatch for step in planned for microbatch in step.microbatches]

@@ -73,4 +73,26 @@ class ODCGRPOConfig(_ODCRolloutConfig, GRPOConfig):
     > adapter TRL would copy as the reference (pass the base model with `peft_config`) and prompt-learning PEFT, and
     > with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers (their merge).
     > `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole models and hf_odc shards them.
+    > With Accelerate's `sp_size` (a rollout longer than a microbatch split over a group of ranks): `loss_type="vespo"`,
+    > `off_policy_mask_threshold` and vLLM's importance-sampling correction (whose weights need every token of a
+    > rollout on one rank).
     """
+
+    _splits_sequences = True
+
+    def _check_sequence_parallel(self, sp_size: int) -> None:
+        """The shared checks, then what a rollout split over ranks cannot train: the sequence-level weights TRL
+        computes from every token of a rollout at once (VESPO's, the off-policy mask's, vLLM's correction's)."""
+        super()._check_sequence_parallel(sp_size)
+        refused = {
+            "loss_type='vespo'": self.loss_type == "vespo",
+            "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
+            "use_vllm with vllm_importance_sampling_correction": self.use_vllm
+            and self.vllm_importance_sampling_correction,
+        }
+        for setting, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"ODCGRPOConfig: {setting} weighs each rollout by all its tokens at once, which sp_size={sp_size} "
+                    "splits over ranks; unset it or set sp_size to 1."
+                )

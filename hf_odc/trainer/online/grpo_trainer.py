@@ -13,7 +13,9 @@ collectives and checkpoints every ODC trainer's: :class:`hf_odc.trainer.core._ba
 * ``_after_scoring``: vLLM's importance-sampling metrics over the whole generation batch.
 * ``_microbatch_loss``: TRL's per-token objective with the minibatch's global normaliser (see
   :class:`ODCGRPOConfig`), so no collective runs inside; TRL's metrics are accumulated on the device
-  (``_declare_step_metrics``) and reduced once per step, with TRL's names and meaning.
+  (``_declare_step_metrics``) and reduced once per step, with TRL's names and meaning. A group microbatch (a rollout
+  split over a group of ranks by sequence parallelism) trains this rank's completion tokens; what needs the whole
+  rollout (its sequence-level ratio, its clip ratios' means) sums the group's parts (:func:`~hf_odc.kernels.group_sum`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from accelerate.utils import gather_object
 from torch import nn
 from trl import GRPOTrainer
 
+from ...kernels import SequenceShard, group_sum
 from ..core._reference import check_peft_reference, reference_of
 from ..core._step import StepMetrics
 from . import _sampling_correction
@@ -141,10 +144,14 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
     # -- the loss ---------------------------------------------------------------------------------------------------
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: RolloutStep) -> torch.Tensor:
-        """TRL's per-token GRPO objective on one packed microbatch, normalised for the whole minibatch."""
+        """TRL's per-token GRPO objective on one packed microbatch, normalised for the whole minibatch.
+
+        A group microbatch's ``mask`` holds this rank's completion tokens only: each token's loss and metrics count
+        once in the group, and the per-rollout normalisers (``sequence_tokens``) are the whole rollout's."""
         args, inputs = self.args, microbatch["loss"]
+        shard = microbatch["model"].get("sequence_shard")
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
-        index, mask = inputs["token_index"], inputs["mask"]
+        index, mask, tokens = inputs["token_index"], inputs["mask"], inputs["sequence_tokens"]
         logps = outputs.log_probs[0][index].float()
         entropies = outputs.entropy[0][index].float()
         advantages = inputs["advantages"].unsqueeze(1)
@@ -160,7 +167,7 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
         if self.importance_sampling_level == "token":
             log_weights = log_ratio
         elif self.importance_sampling_level == "sequence":
-            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+            log_weights = (_rollout_sums(log_ratio * mask, shard) / tokens.clamp(min=1.0)).unsqueeze(-1)
         else:
             raise ValueError(f"Unknown importance_sampling_level {self.importance_sampling_level!r}.")
         coef_1 = torch.exp(log_weights)
@@ -199,7 +206,7 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
         if self.beta != 0.0:
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
-        policy_loss = self._normalised(per_token_loss, mask, step)
+        policy_loss = self._normalised(per_token_loss, mask, tokens, step)
         loss = policy_loss
         if self._entropy_bonus_enabled:
             coef = self.entropy_coef
@@ -213,29 +220,33 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
             self._step_metrics.add("policy_loss", policy_loss.detach())
 
         with torch.no_grad():
-            self._add_mean("entropy", entropies, mask)
+            leads = shard is None or shard.index == 0  # a rollout's own values counted once in its group
+            self._add_mean("entropy", entropies, mask, leads)
             if self.beta != 0.0:
-                self._add_mean("kl", per_token_kl, mask)
+                self._add_mean("kl", per_token_kl, mask, leads)
             if loss_type in _CLIPPED_LOSSES:
                 low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
                 high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
-                self._add_mean("clip_ratio/low_mean", low, mask)
-                self._add_mean("clip_ratio/high_mean", high, mask)
-                self._add_mean("clip_ratio/region_mean", torch.maximum(low, high), mask)
-                self._step_metrics.add_extreme("clip_ratio/low_min", _sequence_means(low, mask))
-                self._step_metrics.add_extreme("clip_ratio/high_max", _sequence_means(high, mask))
+                self._add_mean("clip_ratio/low_mean", low, mask, leads)
+                self._add_mean("clip_ratio/high_mean", high, mask, leads)
+                self._add_mean("clip_ratio/region_mean", torch.maximum(low, high), mask, leads)
+                self._step_metrics.add_extreme("clip_ratio/low_min", _sequence_means(low, mask, tokens, shard))
+                self._step_metrics.add_extreme("clip_ratio/high_max", _sequence_means(high, mask, tokens, shard))
             elif loss_type == "cispo":
                 clipped = ((coef_1 > self.epsilon_high) & (advantages > 0)).float()
-                self._add_mean("cispo_clip_ratio", clipped, mask)
+                self._add_mean("cispo_clip_ratio", clipped, mask, leads)
             elif loss_type == "vespo":
-                self._add_mean("vespo/phi_seq_mean", phi_seq, mask)
+                self._add_mean("vespo/phi_seq_mean", phi_seq, mask, leads)
         return loss
 
-    def _normalised(self, per_token_loss: torch.Tensor, mask: torch.Tensor, step: RolloutStep) -> torch.Tensor:
-        """This microbatch's share of the minibatch's loss (see :class:`ODCGRPOConfig` for each definition)."""
+    def _normalised(
+        self, per_token_loss: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, step: RolloutStep
+    ) -> torch.Tensor:
+        """This microbatch's share of the minibatch's loss (see :class:`ODCGRPOConfig` for each definition);
+        ``tokens``: each rollout's trained tokens (all of them, where ``mask`` holds a group microbatch's share)."""
         loss_type, rollouts, masked_loss = self.loss_type, step.num_samples, per_token_loss * mask
         if loss_type in ("grpo", "sapo"):
-            return (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / rollouts
+            return (masked_loss.sum(-1) / tokens.clamp(min=1.0)).sum() / rollouts
         if loss_type == "bnpo":
             return masked_loss.sum() / max(step.num_loss_tokens, 1)
         if loss_type == "dr_grpo":
@@ -263,10 +274,12 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
         sums = ["policy_loss"] if self._entropy_bonus_enabled else []
         return StepMetrics(self.args.device, sums=sums, means=means, minima=minima, maxima=maxima)
 
-    def _add_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        """TRL's global masked mean: per token over the mask, or per rollout for ``(k, 1)``."""
+    def _add_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor, leads: bool = True) -> None:
+        """TRL's global masked mean: per token over the mask, or per rollout for ``(k, 1)`` (counted only where
+        ``leads``: by the first rank of a group microbatch's group)."""
         if values.shape[1] == 1:
-            self._step_metrics.add_mean(name, values.sum(), values.shape[0])
+            if leads:
+                self._step_metrics.add_mean(name, values.sum(), values.shape[0])
         else:
             self._step_metrics.add_mean(name, (values * mask).sum(), mask.sum())
 
@@ -286,8 +299,17 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
         self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
 
-def _sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each rollout's mean over its trained tokens (NaN without any), or the value itself for ``(k, 1)``."""
+def _rollout_sums(values: torch.Tensor, shard: SequenceShard | None) -> torch.Tensor:
+    """Each rollout's sum of ``values`` ``(k, C)`` (zero off its trained tokens): the group's, for a group microbatch
+    (collective: the group's ranks call it together)."""
+    sums = values.sum(-1)
+    return sums if shard is None else group_sum(sums, shard)
+
+
+def _sequence_means(
+    values: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, shard: SequenceShard | None
+) -> torch.Tensor:
+    """Each rollout's mean over its ``tokens`` trained tokens (NaN without any), or the value itself for ``(k, 1)``."""
     if values.shape[1] == 1:
         return values.squeeze(1)
-    return (values * mask).sum(-1) / mask.sum(-1)
+    return _rollout_sums(values * mask, shard) / tokens

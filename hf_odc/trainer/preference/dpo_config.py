@@ -45,6 +45,8 @@ class ODCDPOConfig(_ODCConfig, DPOConfig):
     > `ref_model`), and a custom `data_collator`.
     """
 
+    _splits_sequences = True
+
     def __post_init__(self):
         if self.padding_free:
             raise ValueError(

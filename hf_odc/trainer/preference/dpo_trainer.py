@@ -97,6 +97,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
             max_length=args.max_length,
             truncation_mode=args.truncation_mode,
             ld_alpha=args.ld_alpha,
+            sequence_group=self.odc.sequence_group,
         )
         self._reference_ready = True
         if self.train_dataset is not None:
@@ -160,10 +161,10 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
 
     def _check_max_tokens(self) -> None:
         """Refuse, at construction, a microbatch size (``max_tokens_for_pairs``) that the dataset's longest pair does
-        not fit (the planner would only find out at the minibatch that draws it)."""
+        not fit, in ``sp_size`` microbatches (the planner would only find out at the minibatch that draws it)."""
         sequences = self._sequence_lengths
         pairs = [chosen + rejected for chosen, rejected in zip(sequences[::2], sequences[1::2], strict=True)]
-        check_pair_capacity(pairs, self.args.max_tokens_for_pairs)
+        check_pair_capacity(pairs, self.args.max_tokens_for_pairs, self.args.sp_size)
 
     def _training_documents(self) -> list[int] | None:
         """Each pair's two sequences."""
@@ -181,13 +182,20 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: PairStep) -> torch.Tensor:
         """TRL's DPO loss of the microbatch's pairs, normalised for the whole minibatch; TRL's
-        metrics accumulated (pair means, and token means over the scored completion tokens)."""
+        metrics accumulated (pair means, and token means over the scored completion tokens).
+
+        A group microbatch (a pair split over a group of ``N`` ranks) holds this rank's tokens of the pair: the pair's
+        sums are the group's (:func:`~hf_odc.trainer.preference.pairs.item_sums`), every rank of the group takes
+        ``1 / N`` of the pair's loss, and the group's first rank alone counts the pair means; the token terms are this
+        rank's tokens'."""
         args, pairs = self.args, microbatch["pairs"]
+        shard = microbatch["model"].get("sequence_shard")
         outputs = model(**microbatch["model"], use_cache=False, fused_lm_head=True)
         log_probs = outputs.log_probs[0].float()
-        logps, ref_logps, lengths = item_sums(log_probs, pairs), pairs["ref_logps"], pairs["completion_tokens"]
+        logps, ref_logps, lengths = item_sums(log_probs, pairs, shard), pairs["ref_logps"], pairs["completion_tokens"]
         scored = PairLogps(*logps.unbind(1), *ref_logps.unbind(1), *lengths.unbind(1))
-        loss = pair_losses(scored, args).sum() / step.num_samples
+        ranks = 1 if shard is None else len(shard.sizes)
+        loss = pair_losses(scored, args).sum() / (step.num_samples * ranks)
         scored_mask = outputs.label_mask[0]
         chosen_mask = scored_mask & (pairs["document"] % 2 == 0)
         rejected_mask = scored_mask & ~chosen_mask
@@ -198,13 +206,14 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
 
         with torch.no_grad():
             metrics, count = self._step_metrics, logps.shape[0]
-            chosen_rewards, rejected_rewards = (args.beta * (logps - ref_logps)).unbind(1)
-            metrics.add_mean("rewards/chosen", chosen_rewards.sum(), count)
-            metrics.add_mean("rewards/rejected", rejected_rewards.sum(), count)
-            metrics.add_mean("rewards/accuracies", (chosen_rewards > rejected_rewards).sum(), count)
-            metrics.add_mean("rewards/margins", (chosen_rewards - rejected_rewards).sum(), count)
-            metrics.add_mean("logps/chosen", logps[:, 0].sum(), count)
-            metrics.add_mean("logps/rejected", logps[:, 1].sum(), count)
+            if shard is None or shard.index == 0:
+                chosen_rewards, rejected_rewards = (args.beta * (logps - ref_logps)).unbind(1)
+                metrics.add_mean("rewards/chosen", chosen_rewards.sum(), count)
+                metrics.add_mean("rewards/rejected", rejected_rewards.sum(), count)
+                metrics.add_mean("rewards/accuracies", (chosen_rewards > rejected_rewards).sum(), count)
+                metrics.add_mean("rewards/margins", (chosen_rewards - rejected_rewards).sum(), count)
+                metrics.add_mean("logps/chosen", logps[:, 0].sum(), count)
+                metrics.add_mean("logps/rejected", logps[:, 1].sum(), count)
             metrics.add_mean("entropy", (outputs.entropy[0] * scored_mask).sum(), scored_mask.sum())
             metrics.add_mean("logits/chosen", (outputs.mean_logits[0] * chosen_mask).sum(), chosen_mask.sum())
             metrics.add_mean("logits/rejected", (outputs.mean_logits[0] * rejected_mask).sum(), rejected_mask.sum())

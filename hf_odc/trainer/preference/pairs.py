@@ -1,10 +1,15 @@
 """The DPO trainer's data path: preference pairs planned whole and packed padding-free.
 
-A pair's loss needs both of its sequences (prompt + chosen, prompt + rejected), so a pair is never split: the planner
-balances pairs, each one item weighing its two sequences' summed length, and a microbatch holds whole pairs, each as
-two documents of one packed row (chosen then rejected, ``position_ids`` restarting at 0 for each). As for SFT, every
-rank draws the same global minibatch, plans it the same way and packs its own row of the plan, so the loss
-normalisers (the minibatch's pairs and chosen tokens) are counted locally, without a collective.
+A pair's loss needs both of its sequences (prompt + chosen, prompt + rejected), so a pair is never split between
+microbatches: the planner balances pairs, each one item weighing its two sequences' summed length, and a microbatch
+holds whole pairs, each as two documents of one packed row (chosen then rejected, ``position_ids`` restarting at 0 for
+each). As for SFT, every rank draws the same global minibatch, plans it the same way and packs its own row of the
+plan, so the loss normalisers (the minibatch's pairs and chosen tokens) are counted locally, without a collective.
+
+With sequence parallelism (the planner's ``group_size`` above 1) a pair longer than a microbatch is a group
+microbatch: its row of two documents is cut over the group's ranks (:func:`shard_pairs`), each rank sums the
+log-probabilities of its own tokens, and :func:`item_sums` adds the group's partial sums
+(:func:`~hf_odc.kernels.group_sum`), so that every rank of the group holds the pair's whole sums.
 
 The sequences are those of TRL's ``DataCollatorForPreference``: ``prompt_ids + chosen_ids`` and ``prompt_ids +
 rejected_ids``, each truncated to ``max_length`` as ``truncation_mode`` says, the completion's tokens scored.
@@ -18,8 +23,10 @@ from typing import Any
 
 import torch
 
+from ...kernels import SequenceShard, group_sum
 from ...packing import MinibatchPlanner
-from ..core._step import PlannedStep, packed_row
+from ..core._step import PlannedStep, group_plan_fields, packed_row
+from ..core.data import shard_row, shard_window
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -33,6 +40,7 @@ __all__ = [
     "item_sums_into",
     "pack_pairs",
     "pair_documents",
+    "shard_pairs",
 ]
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -62,19 +70,27 @@ def pair_documents(
     return documents[0], documents[1]
 
 
-def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], int]) -> None:
+def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], int], sp_size: int = 1) -> None:
     """Refuse, at construction, a microbatch size that the dataset's longest pair (``lengths``: each pair's two
     sequences' summed length, as packed) does not fit: the planner would only find out at the minibatch that draws
-    it. ``max_tokens_for(longest)`` is the microbatch's capacity (``max_tokens_for_pairs``)."""
+    it. ``max_tokens_for(longest)`` is the microbatch's capacity (``max_tokens_for_pairs``); with sequence
+    parallelism a pair may fill ``sp_size`` microbatches."""
     longest = max(lengths, default=0)
     max_tokens = max_tokens_for(longest)
-    if longest > max_tokens:
+    if longest <= sp_size * max_tokens:
+        return
+    if sp_size > 1:
         raise ValueError(
-            f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
-            f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
-            f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
-            "shorten (--max_length) the longest pairs."
+            f"The training dataset's longest pair has {longest} tokens, more than sp_size={sp_size} ranks hold "
+            f"({sp_size} x {max_tokens} tokens per microbatch). Raise sp_size or --max_tokens_per_microbatch, or drop "
+            "or shorten (--max_length) the longest pairs."
         )
+    raise ValueError(
+        f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
+        f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
+        f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
+        "shorten (--max_length) the longest pairs."
+    )
 
 
 def indistinct_pairs(dataset: Any, max_length: int | None, truncation_mode: str = "keep_start") -> int:
@@ -141,11 +157,15 @@ def pack_pairs(
     return packed
 
 
-def item_sums(log_probs: torch.Tensor, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
+def item_sums(
+    log_probs: torch.Tensor, pairs: dict[str, torch.Tensor], shard: SequenceShard | None = None
+) -> torch.Tensor:
     """Each packed item's summed (weighted) completion log-probabilities per document, from a :func:`pack_pairs` row's
-    per-position ``log_probs``: ``(k, w)``."""
+    per-position ``log_probs``: ``(k, w)``. For a row split over a group (``shard``, :func:`shard_pairs`), the whole
+    row's sums, on every rank of the group (collective: the group's ranks call it together)."""
     count, width = pairs["completion_tokens"].shape
-    return document_sums(log_probs * pairs["weight"], pairs["document"], count * width).view(count, width)
+    sums = document_sums(log_probs * pairs["weight"], pairs["document"], count * width).view(count, width)
+    return sums if shard is None else group_sum(sums, shard)
 
 
 def item_sums_into(key: str) -> Callable[[dict[str, Any], dict[str, Any], Any], None]:
@@ -153,9 +173,24 @@ def item_sums_into(key: str) -> Callable[[dict[str, Any], dict[str, Any], Any], 
     (:func:`item_sums`) of a :func:`pack_pairs` row, under ``microbatch["pairs"][key]``."""
 
     def store(microbatch: dict[str, Any], inputs: dict[str, Any], outputs: Any) -> None:
-        microbatch["pairs"][key] = item_sums(outputs.log_probs[0].float(), inputs["pairs"])
+        shard = inputs["model"].get("sequence_shard")
+        microbatch["pairs"][key] = item_sums(outputs.log_probs[0].float(), inputs["pairs"], shard)
 
     return store
+
+
+def shard_pairs(packed: dict[str, Any], group: Any, index: int, size: int) -> dict[str, Any]:
+    """Group rank ``index``'s shard of a :func:`pack_pairs` microbatch split over a group of ``size`` ranks (``group``,
+    its process group): the row's tokens (:func:`~hf_odc.trainer.core.data.shard_row`, whose ``log_probs`` score one
+    position per token, the row's last scoring nothing) and its positions' ``document`` and ``weight``; the items'
+    own values (``completion_tokens``, ``ref_logps``) whole."""
+    model = packed["model"]
+    _, window = shard_window(model["input_ids"].shape[1], index, size)
+    pairs = dict(packed["pairs"])
+    document, weight = pairs["document"], pairs["weight"]
+    pairs["document"] = torch.cat([document, document[-1:]])[window]
+    pairs["weight"] = torch.cat([weight, weight.new_zeros(1)])[window]
+    return {"model": shard_row(model, group, index, size), "pairs": pairs}
 
 
 @dataclass
@@ -180,7 +215,9 @@ class PairPacker:
     """Turns one global minibatch of tokenized pairs into this rank's :class:`PairStep`.
 
     ``max_tokens_for(longest)`` gives a microbatch's token capacity from the minibatch's longest pair. Examples that
-    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``.
+    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``. With sequence parallelism (the planner's
+    ``group_size`` above 1, ``sequence_group`` this rank's group) a pair longer than a microbatch is a group
+    microbatch, first: this rank's shard of it (:func:`shard_pairs`).
     """
 
     rank: int
@@ -189,6 +226,7 @@ class PairPacker:
     max_length: int | None
     truncation_mode: str = "keep_start"
     ld_alpha: float | None = None
+    sequence_group: Any = None
 
     def documents(self, example: dict[str, Any]) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
         return pair_documents(example, self.max_length, self.truncation_mode)
@@ -197,26 +235,28 @@ class PairPacker:
         documents = [self.documents(example) for example in examples]
         lengths = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in documents]
         max_tokens = self.max_tokens_for(max(lengths))
-        plan = self.planner.plan(lengths, max_tokens)
+        plan = self.planner.plan_groups(lengths, max_tokens)
         references = None
         if all(column in examples[0] for column in REFERENCE_COLUMNS):
             references = [tuple(float(example[column]) for column in REFERENCE_COLUMNS) for example in examples]
-        own = [list(microbatch) for microbatch in plan[self.rank]]
+
+        def pack(indices: list[int]) -> dict[str, Any]:
+            return pack_pairs(
+                [documents[i] for i in indices], None if references is None else [references[i] for i in indices],
+                self.ld_alpha,
+            )  # fmt: skip
+
+        size, shared = plan.group_size, plan.shared(self.rank)
+        own = [list(microbatch) for microbatch in plan.plan[self.rank]]
         scored = [[sum(mask[1:]) for _, mask in pair] for pair in documents]
         return PairStep(
-            microbatches=[
-                pack_pairs(
-                    [documents[i] for i in microbatch],
-                    None if references is None else [references[i] for i in microbatch],
-                    self.ld_alpha,
-                )
-                for microbatch in own
-            ],
-            microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
+            microbatches=[shard_pairs(pack([i]), self.sequence_group, self.rank % size, size) for i in shared]
+            + [pack(microbatch) for microbatch in own],
             num_samples=len(examples),
             num_tokens=sum(lengths),
             num_loss_tokens=sum(map(sum, scored)),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, max_tokens),
-            pair_indices=own,
+            **group_plan_fields(plan, lengths),
+            pair_indices=[[i] for i in shared] + own,
             num_chosen_tokens=sum(chosen for chosen, _ in scored),
         )
