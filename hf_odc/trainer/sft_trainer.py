@@ -33,6 +33,7 @@ from .core.data import (
     minibatch_loader,
     require_sft_columns,
 )
+from .core.vision import VisionMinibatchCollator, check_vision_model
 from .sft_config import ODCSFTConfig
 
 __all__ = ["ODCSFTTrainer"]
@@ -80,7 +81,10 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         if train_dataset is not None:
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
-        if train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
+        self._rope_index = None
+        if self._is_vision_dataset:  # TRL processes it on the fly: no lengths before a step
+            self._rope_index = check_vision_model(self.model, type(self).__name__, args.sp_size)
+        elif train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
             is_main = self.accelerator.is_main_process
             check_sft_truncation(train_dataset, self.train_dataset, args.max_length, is_main, args.allow_truncated_data)
             self._check_max_tokens()
@@ -97,13 +101,24 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         per 500K tokens of each minibatch, and the collator makes tensors of them anyway."""
         if self.train_dataset is None:
             raise ValueError("ODCSFTTrainer needs a train_dataset.")
+        max_tokens = self.args.max_tokens_for(self.args.max_length)
+        if self._rope_index is not None:  # images: each sample processed by TRL's collator when its step plans it
+            self._collator = VisionMinibatchCollator(
+                rank=self.accelerator.process_index,
+                planner=self._planner,
+                max_tokens=max_tokens,
+                process=self.data_collator,
+                rope_index=self._rope_index,
+                max_length=self.args.max_length,
+            )
+            return minibatch_loader(self.train_dataset, self.args, self.accelerator.num_processes)
         dataset = self.train_dataset.select_columns(
             [c for c in ("input_ids", "labels") if c in self.train_dataset.column_names]
         ).with_format("numpy")
         self._collator = PlannedMinibatchCollator(
             rank=self.accelerator.process_index,
             planner=self._planner,
-            max_tokens=self.args.max_tokens_for(self.args.max_length),
+            max_tokens=max_tokens,
             pad_token_id=self._tokenizer.pad_token_id,
             sequence_group=self.odc.sequence_group,
         )
@@ -144,8 +159,8 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         )
 
     def _training_documents(self) -> list[int] | None:
-        """Every sample is one document."""
-        return self._sample_lengths if self.train_dataset is not None else None
+        """Every sample is one document (a vision sample's length is known only once its step processes it)."""
+        return self._sample_lengths if self.train_dataset is not None and self._rope_index is None else None
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
