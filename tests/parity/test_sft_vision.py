@@ -6,7 +6,7 @@ parameters), with the ranks running different numbers of microbatches, and one r
 from __future__ import annotations
 
 import pytest
-from _parity import assert_same_training, assert_unequal_microbatches, parity_runs
+from _parity import assert_same_training, assert_unequal_microbatches, example_steps, parity_runs
 
 from hf_odc.demo import build_vision_model, build_vision_processor
 
@@ -33,3 +33,9 @@ def test_a_rank_with_no_image_runs_no_vision_tower(runs):
     first, second = runs[1]["logs"]
     assert second["image_patches"] > 0 and second["image_patches"] < first["image_patches"]
     assert second["microbatches/rank_0"] >= 1 and second["microbatches/rank_1"] >= 1
+
+
+def test_the_vision_example_runs_on_two_processes(tmp_path):
+    """``examples/sft_vlm.py`` as a user runs it (``accelerate launch`` with ``examples/odc_cpu.yaml``), shortened."""
+    logs = example_steps("sft_vlm.py", tmp_path, "--num_samples", "16", "--global_batch_size", "8")
+    assert all(entry["image_patches"] > 0 and entry["loss"] > 0 for entry in logs.values())
