@@ -51,6 +51,10 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
     `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global minibatch needs random access), and
     attention implementations that would attend across packed samples (see `hf_odc.trainer.core.attention`).
 
+    Vision-language models (Qwen2.5-VL) train on TRL's image datasets with their processor: each sample processed as
+    TRL processes it, weighed by its tokens plus its image patches, packed with its pixels and its own 3-D rope
+    positions; a rank with no image in its share runs no vision tower (see `hf_odc.trainer.core.vision`).
+
     Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
     `ODCSFTConfig`). Documents longer than a microbatch train split over groups of ranks with Accelerate's
     `parallelism_config` `sp_size` (see `ODCSFTConfig`).
@@ -82,7 +86,8 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
         self._rope_index = None
-        if self._is_vision_dataset:  # TRL processes it on the fly: no lengths before a step
+        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
+            # A vision dataset, as TRL tells one: TRL processes it on the fly, so no lengths before a step
             self._rope_index = check_vision_model(self.model, type(self).__name__, args.sp_size)
         elif train_dataset is not None:  # TRL truncated it to max_length, and dropped what has nothing left to learn
             is_main = self.accelerator.is_main_process
