@@ -79,6 +79,18 @@ def test_the_planner_weighs_image_patches(parts):
     assert more_patches > fewer_patches and our_tokens < their_tokens
 
 
+def test_an_image_column_is_a_sample_of_one_image(parts):
+    """TRL's other format, an ``image`` column of one image: the same sample as an ``images`` list of it."""
+    _, _, dataset = parts
+    vision, example = collator(parts), dataset[0]
+    one = {"image": example["images"][0], "messages": example["messages"]}
+    listed = vision.sample({"images": example["images"][:1], "messages": example["messages"]})
+    single = vision.sample(one)
+    assert "image" in one  # the dataset's row is left as it is
+    torch.testing.assert_close(single.pixel_values, listed.pixel_values)
+    assert torch.equal(single.input_ids, listed.input_ids) and torch.equal(single.positions, listed.positions)
+
+
 def test_a_sample_heavier_than_a_microbatch_is_refused(parts):
     _, _, dataset = parts
     with pytest.raises(ValueError, match="image patches\\), more than one microbatch holds \\(16\\)"):
