@@ -30,7 +30,7 @@ from .script import (
 )
 from .tokenizer import build_tokenizer, load_tokenizer
 from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
-from .vision import build_vision_model, build_vision_processor, vision_dataset
+from .vision import build_vision_model, build_vision_processor, vision_dataset, vision_preference_dataset
 
 __all__ = [
     "ExampleParser",
@@ -66,4 +66,5 @@ __all__ = [
     "train_and_save",
     "unpaired_dataset",
     "vision_dataset",
+    "vision_preference_dataset",
 ]

@@ -20,7 +20,13 @@ from transformers import (
 from .._compat import set_attn_implementation
 from .tokenizer import build_tokenizer
 
-__all__ = ["VISION_TOKENS", "build_vision_model", "build_vision_processor", "vision_dataset"]
+__all__ = [
+    "VISION_TOKENS",
+    "build_vision_model",
+    "build_vision_processor",
+    "vision_dataset",
+    "vision_preference_dataset",
+]
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 """Qwen2.5-VL's vision tokens, added to the demos' vocabulary: an image is ``<|vision_start|>``, one
@@ -115,6 +121,21 @@ def build_vision_model(processor: Qwen2_5_VLProcessor, seed: int, attn_implement
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def _random_images(rng: np.random.Generator, index: int, max_images: int) -> list[PILImage.Image]:
+    """Sample ``index``'s images: none for every third, else 1 to ``max_images`` RGB images of random pixels, 8 to 32
+    pixels a side."""
+    count = 0 if index % 3 == 2 else int(rng.integers(1, max_images + 1))
+    sizes = rng.integers(8, 33, size=(count, 2))
+    return [PILImage.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def _words(rng: np.random.Generator, low: int, high: int) -> str:
+    return " ".join(f"w{i}" for i in rng.integers(0, 500, size=int(rng.integers(low, high))))
+
+
+_MESSAGES = [{"role": Value("string"), "content": Value("string")}]
+
+
 def vision_dataset(num_samples: int, seed: int, max_images: int = 2) -> Dataset:
     """``num_samples`` one-turn conversations in TRL's vision format: ``images`` (0 to ``max_images`` random-pixel RGB
     images of 8 to 32 pixels a side) and ``messages`` (a user turn of a few words, an assistant reply of 4 to 24
@@ -122,15 +143,24 @@ def vision_dataset(num_samples: int, seed: int, max_images: int = 2) -> Dataset:
     rng = np.random.default_rng(seed)
     rows: dict[str, list] = {"images": [], "messages": []}
     for index in range(num_samples):
-        count = 0 if index % 3 == 2 else int(rng.integers(1, max_images + 1))
-        sizes = rng.integers(8, 33, size=(count, 2))
-        rows["images"].append(
-            [PILImage.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for h, w in sizes]
-        )
-        words = lambda n: " ".join(f"w{i}" for i in rng.integers(0, 500, size=n))  # noqa: E731
+        rows["images"].append(_random_images(rng, index, max_images))
         rows["messages"].append([
-            {"role": "user", "content": words(int(rng.integers(2, 8)))},
-            {"role": "assistant", "content": words(int(rng.integers(4, 25)))},
+            {"role": "user", "content": _words(rng, 2, 8)}, {"role": "assistant", "content": _words(rng, 4, 25)}
         ])  # fmt: skip
-    message = {"role": Value("string"), "content": Value("string")}
-    return Dataset.from_dict(rows, features=Features({"images": Sequence(Image()), "messages": [message]}))
+    return Dataset.from_dict(rows, features=Features({"images": Sequence(Image()), "messages": _MESSAGES}))
+
+
+def vision_preference_dataset(num_pairs: int, seed: int, max_images: int = 2) -> Dataset:
+    """``num_pairs`` preference pairs in TRL's vision format: ``images`` (as :func:`vision_dataset`'s), a one-turn
+    ``prompt`` and two replies, ``chosen`` (the prompt's words reversed) and ``rejected`` (random words), seeded by
+    ``seed``."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"images": [], "prompt": [], "chosen": [], "rejected": []}
+    for index in range(num_pairs):
+        rows["images"].append(_random_images(rng, index, max_images))
+        prompt = _words(rng, 2, 8)
+        rows["prompt"].append([{"role": "user", "content": prompt}])
+        rows["chosen"].append([{"role": "assistant", "content": " ".join(prompt.split()[::-1])}])
+        rows["rejected"].append([{"role": "assistant", "content": _words(rng, 2, 12)}])
+    features = {"images": Sequence(Image()), "prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES}
+    return Dataset.from_dict(rows, features=Features(features))

@@ -9,12 +9,14 @@ import pytest
 import torch
 from _models import tiny_qwen2_config
 from transformers import Qwen2ForCausalLM
+from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-from hf_odc.demo import build_vision_model, build_vision_processor, vision_dataset
+from hf_odc.demo import build_vision_model, build_vision_processor, vision_dataset, vision_preference_dataset
 from hf_odc.packing import MinibatchPlanner, named_cost
 from hf_odc.trainer import PACKED_ATTENTION, ODCSFTConfig, ODCSFTTrainer
 from hf_odc.trainer.core.vision import VisionMinibatchCollator, check_vision_model, pack_vision
+from hf_odc.trainer.preference.vision_pairs import VisionPairPacker
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +114,40 @@ def test_unsupported_vision_models_and_options_are_refused(parts, tmp_path):
     args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=96)
     with pytest.raises(ValueError, match=r"trains vision datasets with \['qwen2_5_vl'\] models, not 'qwen2'"):
         ODCSFTTrainer(model=other, args=args, train_dataset=dataset, processing_class=processor)
+
+
+def pair_packer(parts, max_length: int | None = 64) -> VisionPairPacker:
+    processor, model, _ = parts
+    planner = MinibatchPlanner("lb-mini", 2, "minibatch", named_cost("tokens", model.config.get_text_config()))
+    process = DataCollatorForVisionPreference(processor, max_length=max_length)
+    rope_index = model.model.get_rope_index
+    return VisionPairPacker(0, planner, lambda longest: 512, max_length, process=process, rope_index=rope_index)
+
+
+def test_a_packed_vision_pair_scores_each_sequence_as_trl_does(parts):
+    """DPO: each sequence of a packed pair carries the pair's images and scores as TRL's padded batch of the pair."""
+    processor, model, _ = parts
+    pairs = vision_preference_dataset(3, seed=1)  # images, images, none
+    packer = pair_packer(parts)
+    documents = [packer.documents(pair) for pair in pairs]
+    chosen, rejected = documents[0]
+    torch.testing.assert_close(chosen.images.pixel_values, rejected.images.pixel_values)
+    assert packer.weight(documents[0]) == len(chosen[0]) + len(rejected[0]) + 2 * chosen.images.patches
+    row = packer.pack(documents, None)["model"]
+    packed, start = token_log_probs(model, row), 0
+    for pair in pairs:
+        batch = DataCollatorForVisionPreference(processor, max_length=64)([dict(pair)])
+        batch.pop("completion_mask")
+        with torch.no_grad():
+            expected = model(**batch, use_cache=False).logits.log_softmax(-1)
+        for side in (0, 1):
+            length = int(batch["attention_mask"][side].sum())
+            torch.testing.assert_close(packed[start : start + length], expected[side, :length], rtol=1e-5, atol=1e-5)
+            start += length
+    assert start == row["input_ids"].shape[1]
+
+
+def test_a_vision_pair_cut_inside_an_image_is_refused(parts):
+    pair = vision_preference_dataset(1, seed=1)[0]
+    with pytest.raises(ValueError, match="max_length=6 cuts a preference pair inside an image's tokens"):
+        pair_packer(parts, max_length=6).documents(pair)  # the prompt's 3 tokens, then 6 of its image's

@@ -33,7 +33,15 @@ from torch import nn
 from ...packing import MinibatchPlanner
 from ._step import PlannedStep, packed_row
 
-__all__ = ["VISION_MODEL_TYPES", "VisionMinibatchCollator", "VisionSample", "check_vision_model", "pack_vision"]
+__all__ = [
+    "VISION_MODEL_TYPES",
+    "ImageInputs",
+    "VisionMinibatchCollator",
+    "VisionSample",
+    "check_vision_model",
+    "pack_vision",
+    "with_images",
+]
 
 VISION_MODEL_TYPES = frozenset({"qwen2_5_vl"})
 """The vision-language models ODC trains (``config.model_type``): those whose 3-D rope positions it computes per
@@ -57,12 +65,10 @@ def check_vision_model(model: nn.Module, trainer: str, sp_size: int) -> Callable
 
 
 @dataclass
-class VisionSample:
-    """One processed sample: its ``input_ids`` and ``labels`` (1-D), its 3-D rope ``positions`` ``(3, L)``, and its
-    ``pixel_values`` ``(patches, D)`` and ``image_grid_thw`` ``(images, 3)`` (``None`` without an image)."""
+class ImageInputs:
+    """A document's vision inputs: its 3-D rope ``positions`` ``(3, L)`` and its ``pixel_values`` ``(patches, D)`` and
+    ``image_grid_thw`` ``(images, 3)`` (``None`` without an image)."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
     positions: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
@@ -72,17 +78,36 @@ class VisionSample:
         """Patches through the vision tower."""
         return 0 if self.pixel_values is None else int(self.pixel_values.shape[0])
 
+
+@dataclass
+class VisionSample(ImageInputs):
+    """One processed SFT sample: its :class:`ImageInputs`, ``input_ids`` and ``labels`` (1-D)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
     @property
     def weight(self) -> int:
         """What the planner balances: tokens plus patches."""
         return int(self.input_ids.numel()) + self.patches
 
 
+def with_images(row: dict[str, Any], documents: Sequence[ImageInputs]) -> dict[str, Any]:
+    """A packed ``row`` (:func:`~hf_odc.trainer.core._step.packed_row`'s, of ``documents`` in order) given their vision
+    inputs: ``position_ids`` ``(4, 1, T)`` (the row's text positions, then the documents' 3-D rope positions), and
+    the documents' pixel values and image grids concatenated in row order, where any document has an image."""
+    rope = torch.cat([document.positions for document in documents], dim=1)[:, None]
+    row["position_ids"] = torch.cat([row["position_ids"][None], rope])
+    imaged = [document for document in documents if document.pixel_values is not None]
+    if imaged:
+        row["pixel_values"] = torch.cat([document.pixel_values for document in imaged])
+        row["image_grid_thw"] = torch.cat([document.image_grid_thw for document in imaged])
+    return row
+
+
 def pack_vision(samples: Sequence[VisionSample]) -> dict[str, Any]:
     """One packed row of ``samples``: :func:`~hf_odc.trainer.core._step.packed_row`'s inputs (each sample's first
-    label -100: nothing predicts it across the boundary), ``position_ids`` ``(4, 1, T)`` (text positions, then the
-    samples' 3-D rope positions), and the samples' pixel values and image grids concatenated in row order, where any
-    sample has an image."""
+    label -100: nothing predicts it across the boundary) :func:`with_images`."""
     labels = [sample.labels.clone() for sample in samples]
     for label in labels:
         label[0] = -100
@@ -91,13 +116,7 @@ def pack_vision(samples: Sequence[VisionSample]) -> dict[str, Any]:
         torch.cat(labels),
         [sample.input_ids.numel() for sample in samples],
     )
-    rope = torch.cat([sample.positions for sample in samples], dim=1)[:, None]
-    row["position_ids"] = torch.cat([row["position_ids"][None], rope])
-    with_images = [sample for sample in samples if sample.pixel_values is not None]
-    if with_images:
-        row["pixel_values"] = torch.cat([sample.pixel_values for sample in with_images])
-        row["image_grid_thw"] = torch.cat([sample.image_grid_thw for sample in with_images])
-    return row
+    return with_images(row, samples)
 
 
 @dataclass
@@ -131,7 +150,7 @@ class VisionMinibatchCollator:
         positions, _ = self.rope_index(
             out["input_ids"], out["mm_token_type_ids"], image_grid_thw=grid, attention_mask=out["attention_mask"]
         )
-        return VisionSample(out["input_ids"][0], out["labels"][0], positions[:, 0], out.get("pixel_values"), grid)
+        return VisionSample(positions[:, 0], out.get("pixel_values"), grid, out["input_ids"][0], out["labels"][0])
 
     def __call__(self, examples: list[dict[str, Any]]) -> PlannedStep:
         samples = [self.sample(example) for example in examples]

@@ -180,7 +180,9 @@ class PairPacker:
     """Turns one global minibatch of tokenized pairs into this rank's :class:`PairStep`.
 
     ``max_tokens_for(longest)`` gives a microbatch's token capacity from the minibatch's longest pair. Examples that
-    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``.
+    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``. A pair's sequences (:meth:`documents`), its weight
+    for the planner (:meth:`weight`), a microbatch's packing (:meth:`pack`) and the step's own metrics
+    (:meth:`metrics`) are hooks: vision pairs override them (:mod:`hf_odc.trainer.preference.vision_pairs`).
     """
 
     rank: int
@@ -193,9 +195,22 @@ class PairPacker:
     def documents(self, example: dict[str, Any]) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
         return pair_documents(example, self.max_length, self.truncation_mode)
 
+    def weight(self, pair: Sequence[tuple[list[int], list[int]]]) -> int:
+        """What the planner balances of a pair (:meth:`documents`'): its two sequences' tokens."""
+        return sum(len(ids) for ids, _ in pair)
+
+    def pack(self, pairs: Sequence[Any], references: Sequence[Sequence[float]] | None) -> dict[str, Any]:
+        """One microbatch of ``pairs`` (:meth:`documents`'): :func:`pack_pairs`'s."""
+        return pack_pairs(pairs, references, self.ld_alpha)
+
+    def metrics(self, pairs: Sequence[Any]) -> dict[str, float]:
+        """What the step logs of its ``pairs`` (:meth:`documents`'), by name: nothing."""
+        return {}
+
     def __call__(self, examples: Sequence[dict[str, Any]]) -> PairStep:
         documents = [self.documents(example) for example in examples]
-        lengths = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in documents]
+        lengths = [self.weight(pair) for pair in documents]
+        check_pair_capacity(lengths, self.max_tokens_for)  # vision pairs: known only now; text pairs: checked before
         max_tokens = self.max_tokens_for(max(lengths))
         plan = self.planner.plan(lengths, max_tokens)
         references = None
@@ -205,18 +220,18 @@ class PairPacker:
         scored = [[sum(mask[1:]) for _, mask in pair] for pair in documents]
         return PairStep(
             microbatches=[
-                pack_pairs(
+                self.pack(
                     [documents[i] for i in microbatch],
                     None if references is None else [references[i] for i in microbatch],
-                    self.ld_alpha,
                 )
                 for microbatch in own
             ],
             microbatch_lengths=[[[lengths[i] for i in microbatch] for microbatch in rank] for rank in plan],
             num_samples=len(examples),
-            num_tokens=sum(lengths),
+            num_tokens=sum(len(ids) for pair in documents for ids, _ in pair),
             num_loss_tokens=sum(map(sum, scored)),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, max_tokens),
+            metrics=self.metrics(documents),
             pair_indices=own,
             num_chosen_tokens=sum(chosen for chosen, _ in scored),
         )
