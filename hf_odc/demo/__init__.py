@@ -1,8 +1,9 @@
 """The demos' parts, shared by the example scripts (``examples/sft.py``, ``examples/dpo.py``, ...), the
 notebooks and the tests: a word-level tokenizer built in code, models built from a config (a tiny Llama, or a real
 model's shape with random weights), built-in datasets with long-tailed lengths (chats, token ids, prompts, preference
-pairs), GRPO's rule-based rewards and synthetic rollouts, the tool-calling demo's tool and scripted policy, and the
-scripts' command-line conventions. Nothing downloads.
+pairs), a tiny vision-language model with its processor and an image dataset, GRPO's rule-based rewards and synthetic
+rollouts, the tool-calling demo's tool and scripted policy, and the scripts' command-line conventions.
+Nothing downloads.
 
 Nothing else in hf_odc imports this package: it is for trying ODC out, writing a script of one's own in the examples'
 style, and testing; a real run brings its own model, tokenizer and data. This face holds what the examples, the
@@ -29,6 +30,7 @@ from .script import (
 )
 from .tokenizer import build_tokenizer, load_tokenizer
 from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
+from .vision import build_vision_model, build_vision_processor, vision_dataset, vision_preference_dataset
 
 __all__ = [
     "ExampleParser",
@@ -40,6 +42,8 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "build_tool_tokenizer",
+    "build_vision_model",
+    "build_vision_processor",
     "built_in_prompts",
     "chat_dataset",
     "echo_reward",
@@ -61,4 +65,6 @@ __all__ = [
     "tool_use_reward",
     "train_and_save",
     "unpaired_dataset",
+    "vision_dataset",
+    "vision_preference_dataset",
 ]

@@ -33,6 +33,7 @@ from .core.data import (
     minibatch_loader,
     require_sft_columns,
 )
+from .core.vision import VisionMinibatchCollator, check_vision_model
 from .sft_config import ODCSFTConfig
 
 __all__ = ["ODCSFTTrainer"]
@@ -49,6 +50,10 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
     Not supported (refused at construction): a custom `data_collator` for training (the planner packs),
     `compute_loss_func`, `label_smoothing_factor`, `IterableDataset`s (a global minibatch needs random access), and
     attention implementations that would attend across packed samples (see `hf_odc.trainer.core.attention`).
+
+    Vision-language models (Qwen2.5-VL) train on TRL's image datasets with their processor: each sample processed as
+    TRL processes it, weighed by its tokens plus its image patches, packed with its pixels and its own 3-D rope
+    positions; a rank with no image in its share runs no vision tower (see `hf_odc.trainer.core.vision`).
 
     Mixture-of-Experts models train with the router's load-balancing loss over each global minibatch (see
     `ODCSFTConfig`). Documents longer than a microbatch train split over groups of ranks with Accelerate's
@@ -80,7 +85,11 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         if train_dataset is not None:
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
-        if train_dataset is not None:
+        self._rope_index = None
+        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
+            # A vision dataset, as TRL tells one: TRL processes it on the fly, so no lengths before a step
+            self._rope_index = check_vision_model(self.model, type(self).__name__, args.sp_size)
+        elif train_dataset is not None:
             self._check_prepared_data(train_dataset, warn=self.accelerator.is_main_process)
         if self.label_smoother is not None:
             raise ValueError("ODCSFTTrainer does not support label_smoothing_factor (it needs full logits).")
@@ -95,13 +104,24 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         per 500K tokens of each minibatch, and the collator makes tensors of them anyway."""
         if self.train_dataset is None:
             raise ValueError("ODCSFTTrainer needs a train_dataset.")
+        max_tokens = self.args.max_tokens_for(self.args.max_length)
+        if self._rope_index is not None:  # images: each sample processed by TRL's collator when its step plans it
+            self._collator = VisionMinibatchCollator(
+                rank=self.accelerator.process_index,
+                planner=self._planner,
+                max_tokens=max_tokens,
+                process=self.data_collator,
+                rope_index=self._rope_index,
+                max_length=self.args.max_length,
+            )
+            return minibatch_loader(self.train_dataset, self.args, self.accelerator.num_processes)
         dataset = self.train_dataset.select_columns(
             [c for c in ("input_ids", "labels") if c in self.train_dataset.column_names]
         ).with_format("numpy")
         self._collator = PlannedMinibatchCollator(
             rank=self.accelerator.process_index,
             planner=self._planner,
-            max_tokens=self.args.max_tokens_for(self.args.max_length),
+            max_tokens=max_tokens,
             pad_token_id=self._tokenizer.pad_token_id,
             sequence_group=self.odc.sequence_group,
         )
@@ -150,8 +170,8 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         )
 
     def _training_documents(self) -> list[int] | None:
-        """Every sample is one document."""
-        return self._sample_lengths if self.train_dataset is not None else None
+        """Every sample is one document (a vision sample's length is known only once its step processes it)."""
+        return self._sample_lengths if self.train_dataset is not None and self._rope_index is None else None
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 

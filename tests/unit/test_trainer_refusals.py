@@ -21,7 +21,7 @@ from hf_odc.trainer import (
 )
 
 CONFIGS = {"sft": ODCSFTConfig, "dpo": ODCDPOConfig, "kto": ODCKTOConfig, "grpo": ODCGRPOConfig}
-TRAINERS = {"sft": ODCSFTTrainer, "dpo": ODCDPOTrainer}
+TRAINERS = {"sft": ODCSFTTrainer, "dpo": ODCDPOTrainer, "kto": ODCKTOTrainer}
 
 
 def config(trainer: str, tmp_path, **fields):
@@ -102,6 +102,8 @@ CANNOT_HONOUR = [
     *_rows("dpo", [
         ({"data_collator": lambda batch: batch}, ValueError, "data_collator"),
         ({"train_dataset": preference_dataset(2, 32, "swe-smith", 0).to_iterable_dataset()}, TypeError, "map-style"),
+    ]),
+    *_rows("kto", [
         ({"train_dataset": Dataset.from_dict({"images": [[]], "prompt": ["a"]})}, NotImplementedError, "vision"),
     ]),
 ]  # fmt: skip

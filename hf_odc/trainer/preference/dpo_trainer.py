@@ -31,6 +31,7 @@ from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import check_peft_reference, shard_reference
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
+from ..core.vision import check_vision_model
 from .dpo_config import ODCDPOConfig
 from .dpo_losses import TOKEN_LOSSES, PairLogps, pair_losses
 from .pairs import (
@@ -43,6 +44,7 @@ from .pairs import (
     item_sums,
 )
 from .reference import _ReferencePasses, trl_loads_a_model
+from .vision_pairs import VisionPairPacker
 
 __all__ = ["ODCDPOTrainer"]
 
@@ -62,6 +64,10 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
     sharding. The reference is `ref_model`, else (PEFT) the policy with its adapter disabled, else TRL's copy of the
     policy loaded from its name, or, with `precompute_ref_log_probs`, the policy itself before training.
 
+    Vision-language models (Qwen2.5-VL) train on TRL's image preference pairs with their processor: each pair processed
+    as TRL processes it, its two sequences packed with the pair's images and their own 3-D rope positions
+    (`hf_odc.trainer.preference.vision_pairs`).
+
     Example:
 
     ```python
@@ -80,17 +86,20 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
 
     def __init__(self, model: Any, ref_model: nn.Module | None = None, args: ODCDPOConfig | None = None, **kwargs: Any):
         args = self._odc_args(args)
-        self._check_train_data(kwargs, packs="pairs", text="pairs")
+        self._check_train_data(kwargs, packs="pairs", text=None)
         train_dataset = kwargs.get("train_dataset")
         if trl_loads_a_model(model, ref_model, kwargs.get("peft_config"), args):
             args.model_init_kwargs = whole_model_kwargs(args.model_init_kwargs)
         self._reference_ready = False  # TRL's __init__ asks for precomputed log-probabilities before sharding
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCDPOTrainer")
+        self._vision = None  # a vision dataset's: the model's get_rope_index
+        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
+            self._vision = check_vision_model(self.model, type(self).__name__, args.sp_size)
         step_metrics = StepMetrics(args.device, means=_PAIR_MEANS + _TOKEN_MEANS)
         self._setup_odc(step_metrics)
         self._ref_odc = shard_reference(self)
-        self._packer = PairPacker(
+        packer = dict(
             rank=self.accelerator.process_index,
             planner=self._planner,
             max_tokens_for=args.max_tokens_for_pairs,
@@ -99,8 +108,12 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
             ld_alpha=args.ld_alpha,
             sequence_group=self.odc.sequence_group,
         )
+        if self._vision:  # TRL processes the pairs on the fly: each step's, one by one
+            self._packer = VisionPairPacker(**packer, process=self.data_collator, rope_index=self._vision)
+        else:
+            self._packer = PairPacker(**packer)
         self._reference_ready = True
-        if self.train_dataset is not None:
+        if self.train_dataset is not None and not self._vision:
             self._check_prepared_data(train_dataset, warn=self.accelerator.is_main_process)
         if args.precompute_ref_log_probs:
             self._precompute_datasets()
@@ -121,6 +134,8 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         the same on every rank (not sharded by Accelerate: every rank plans the whole minibatch)."""
         if self.train_dataset is None:
             raise ValueError("ODCDPOTrainer needs a train_dataset.")
+        if self._vision:
+            return minibatch_loader(self.train_dataset, self.args, self.accelerator.num_processes)
         columns = self.train_dataset.column_names
         dataset = self.train_dataset.select_columns([c for c in PAIR_COLUMNS + REFERENCE_COLUMNS if c in columns])
         return minibatch_loader(dataset, self.args, self.accelerator.num_processes)
@@ -167,8 +182,8 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         check_pair_capacity(pairs, self.args.max_tokens_for_pairs, self.args.sp_size)
 
     def _training_documents(self) -> list[int] | None:
-        """Each pair's two sequences."""
-        return self._sequence_lengths if self.train_dataset is not None else None
+        """Each pair's two sequences (a vision pair's are known only once its step processes it)."""
+        return self._sequence_lengths if self.train_dataset is not None and not self._vision else None
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 

@@ -215,9 +215,11 @@ class PairPacker:
     """Turns one global minibatch of tokenized pairs into this rank's :class:`PairStep`.
 
     ``max_tokens_for(longest)`` gives a microbatch's token capacity from the minibatch's longest pair. Examples that
-    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``. With sequence parallelism (the planner's
-    ``group_size`` above 1, ``sequence_group`` this rank's group) a pair longer than a microbatch is a group
-    microbatch, first: this rank's shard of it (:func:`shard_pairs`).
+    carry :data:`REFERENCE_COLUMNS` pass them on as ``ref_logps``. A pair's sequences (:meth:`documents`), its weight
+    for the planner (:meth:`weight`), a microbatch's packing (:meth:`pack`) and the step's own metrics
+    (:meth:`metrics`) are hooks: vision pairs override them (:mod:`hf_odc.trainer.preference.vision_pairs`). With
+    sequence parallelism (the planner's ``group_size`` above 1, ``sequence_group`` this rank's group) a pair longer
+    than a microbatch is a group microbatch, first: this rank's shard of it (:func:`shard_pairs`).
     """
 
     rank: int
@@ -231,9 +233,23 @@ class PairPacker:
     def documents(self, example: dict[str, Any]) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
         return pair_documents(example, self.max_length, self.truncation_mode)
 
+    def weight(self, pair: Sequence[tuple[list[int], list[int]]]) -> int:
+        """What the planner balances of a pair (:meth:`documents`'): its two sequences' tokens."""
+        return sum(len(ids) for ids, _ in pair)
+
+    def pack(self, pairs: Sequence[Any], references: Sequence[Sequence[float]] | None) -> dict[str, Any]:
+        """One microbatch of ``pairs`` (:meth:`documents`'): :func:`pack_pairs`'s."""
+        return pack_pairs(pairs, references, self.ld_alpha)
+
+    def metrics(self, pairs: Sequence[Any]) -> dict[str, float]:
+        """What the step logs of its ``pairs`` (:meth:`documents`'), by name: nothing."""
+        return {}
+
     def __call__(self, examples: Sequence[dict[str, Any]]) -> PairStep:
         documents = [self.documents(example) for example in examples]
-        lengths = [len(chosen[0]) + len(rejected[0]) for chosen, rejected in documents]
+        lengths = [self.weight(pair) for pair in documents]
+        # vision pairs: known only now; text pairs: checked before
+        check_pair_capacity(lengths, self.max_tokens_for, self.planner.group_size)
         max_tokens = self.max_tokens_for(max(lengths))
         plan = self.planner.plan_groups(lengths, max_tokens)
         references = None
@@ -241,22 +257,24 @@ class PairPacker:
             references = [tuple(float(example[column]) for column in REFERENCE_COLUMNS) for example in examples]
 
         def pack(indices: list[int]) -> dict[str, Any]:
-            return pack_pairs(
-                [documents[i] for i in indices], None if references is None else [references[i] for i in indices],
-                self.ld_alpha,
-            )  # fmt: skip
+            return self.pack(
+                [documents[i] for i in indices], None if references is None else [references[i] for i in indices]
+            )
 
         size, shared = plan.group_size, plan.shared(self.rank)
+        fields = group_plan_fields(plan, lengths)
+        metrics = {**fields.pop("metrics"), **self.metrics(documents)}
         own = [list(microbatch) for microbatch in plan.plan[self.rank]]
         scored = [[sum(mask[1:]) for _, mask in pair] for pair in documents]
         return PairStep(
             microbatches=[shard_pairs(pack([i]), self.sequence_group, self.rank % size, size) for i in shared]
             + [pack(microbatch) for microbatch in own],
             num_samples=len(examples),
-            num_tokens=sum(lengths),
+            num_tokens=sum(len(ids) for pair in documents for ids, _ in pair),
             num_loss_tokens=sum(map(sum, scored)),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, max_tokens),
-            **group_plan_fields(plan, lengths),
+            **fields,
+            metrics=metrics,
             pair_indices=[[i] for i in shared] + own,
             num_chosen_tokens=sum(chosen for chosen, _ in scored),
         )

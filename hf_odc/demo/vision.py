@@ -1,0 +1,166 @@
+"""The vision demos' parts: a tiny Qwen2.5-VL-shaped model (random weights, from a config), its processor (the demos'
+word-level tokenizer with Qwen's vision tokens, Qwen2-VL's image processor with small patches) and a synthetic image
+dataset (random pixels, a mixed number of images per sample, none included). Nothing downloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from datasets import Dataset, Features, Image, Sequence, Value
+from PIL import Image as PILImage
+from transformers import (
+    PreTrainedModel,
+    ProcessorMixin,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessorPil,
+)
+
+from .._compat import set_attn_implementation
+from .tokenizer import build_tokenizer
+
+__all__ = [
+    "VISION_TOKENS",
+    "build_vision_model",
+    "build_vision_processor",
+    "vision_dataset",
+    "vision_preference_dataset",
+]
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+"""Qwen2.5-VL's vision tokens, added to the demos' vocabulary: an image is ``<|vision_start|>``, one
+``<|image_pad|>`` per merged patch (the processor expands it), ``<|vision_end|>``."""
+
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 4, 2, 2
+"""The tiny vision tower's patches: 4 x 4 pixels, 2 x 2 of them merged into one token, images as 2 frames."""
+
+# ChatML over TRL's structured messages (`prepare_multimodal_messages`: every content a list of typed parts), an image
+# part rendered as Qwen's placeholder; the assistant's reply inside {% generation %} as in the text demos' template.
+_VISION_CHAT_TEMPLATE = (
+    "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endmacro %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ render(message['content']) + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_vision_processor() -> Qwen2_5_VLProcessor:
+    """Qwen2.5-VL's processor over the demos' word-level tokenizer (with :data:`VISION_TOKENS`) and Qwen2-VL's image
+    processor (the PIL one: no torchvision needed) with 4-pixel patches, images resized to between 8 x 8 and
+    32 x 32 pixels (at most 16 image tokens each)."""
+    tokenizer = build_tokenizer(extra_tokens=VISION_TOKENS, chat_template=_VISION_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})  # split out wherever they stand
+    factor = PATCH_SIZE * MERGE_SIZE
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        size={"shortest_edge": factor * factor, "longest_edge": 4 * factor * 4 * factor},
+    )
+    return _ImageProcessor(image_processor, tokenizer, chat_template=_VISION_CHAT_TEMPLATE)
+
+
+class _ImageProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor for images only: transformers' video processor needs torchvision, which the demos do not
+    (its checks would refuse the processor built without one)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+
+def build_vision_model(processor: Qwen2_5_VLProcessor, seed: int, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """A tiny Qwen2.5-VL (2 text layers of width 64, a 2-block vision tower of width 32 with window and full
+    attention, Qwen's 3-D rope) with random weights seeded by ``seed`` (the same on every rank), for ``processor``'s
+    vocabulary and vision tokens."""
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(
+        ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS, strict=True
+    )}  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=PATCH_SIZE,
+            spatial_merge_size=MERGE_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE,
+            window_size=2 * PATCH_SIZE * MERGE_SIZE,
+            fullatt_block_indexes=[1],
+            out_hidden_size=64,
+        ),
+        tie_word_embeddings=True,
+        **ids,
+    )
+    set_attn_implementation(config, attn_implementation)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _random_images(rng: np.random.Generator, index: int, max_images: int) -> list[PILImage.Image]:
+    """Sample ``index``'s images: none for every third, else 1 to ``max_images`` RGB images of random pixels, 8 to 32
+    pixels a side."""
+    count = 0 if index % 3 == 2 else int(rng.integers(1, max_images + 1))
+    sizes = rng.integers(8, 33, size=(count, 2))
+    return [PILImage.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def _words(rng: np.random.Generator, low: int, high: int) -> str:
+    return " ".join(f"w{i}" for i in rng.integers(0, 500, size=int(rng.integers(low, high))))
+
+
+_MESSAGES = [{"role": Value("string"), "content": Value("string")}]
+
+
+def vision_dataset(num_samples: int, seed: int, max_images: int = 2) -> Dataset:
+    """``num_samples`` one-turn conversations in TRL's vision format: ``images`` (0 to ``max_images`` random-pixel RGB
+    images of 8 to 32 pixels a side) and ``messages`` (a user turn of a few words, an assistant reply of 4 to 24
+    words), seeded by ``seed``. Every third sample has no image."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"images": [], "messages": []}
+    for index in range(num_samples):
+        rows["images"].append(_random_images(rng, index, max_images))
+        rows["messages"].append([
+            {"role": "user", "content": _words(rng, 2, 8)}, {"role": "assistant", "content": _words(rng, 4, 25)}
+        ])  # fmt: skip
+    return Dataset.from_dict(rows, features=Features({"images": Sequence(Image()), "messages": _MESSAGES}))
+
+
+def vision_preference_dataset(num_pairs: int, seed: int, max_images: int = 2) -> Dataset:
+    """``num_pairs`` preference pairs in TRL's vision format: ``images`` (as :func:`vision_dataset`'s), a one-turn
+    ``prompt`` and two replies, ``chosen`` (the prompt's words reversed) and ``rejected`` (random words), seeded by
+    ``seed``."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"images": [], "prompt": [], "chosen": [], "rejected": []}
+    for index in range(num_pairs):
+        rows["images"].append(_random_images(rng, index, max_images))
+        prompt = _words(rng, 2, 8)
+        rows["prompt"].append([{"role": "user", "content": prompt}])
+        rows["chosen"].append([{"role": "assistant", "content": " ".join(prompt.split()[::-1])}])
+        rows["rejected"].append([{"role": "assistant", "content": _words(rng, 2, 12)}])
+    features = {"images": Sequence(Image()), "prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES}
+    return Dataset.from_dict(rows, features=Features(features))
