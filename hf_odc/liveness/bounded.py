@@ -14,10 +14,11 @@ plain scripts alike (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.bounded`),
   stopped (:func:`named_failure`);
 * names the dead rank when the launcher ends a survivor. torchrun sends the survivors SIGTERM a tenth of a second
   after a worker dies, before a loaded survivor has learned of the death, and the user would read only the launcher's
-  report. Inside a bounded block the signal is held until the block ends (:func:`_sigterm_held`: the collective's
-  failure is named, with what it was doing); elsewhere in a run (:func:`failing_together`) the signal raises
-  :class:`~hf_odc.PeerFailureError` when the watch knows a peer dead or aborted (:func:`_sigterm_names_the_dead`), and
-  ends the process as before otherwise. A collective blocked past the launcher's grace is ended by its SIGKILL.
+  report. So inside :func:`failing_together` and :func:`bounded` a SIGTERM prints the
+  :class:`~hf_odc.PeerFailureError` naming the peer the watch knows dead or aborted (with the bounded block's name),
+  then ends the rank as SIGTERM ends it, at once (:func:`_sigterm_names_the_dead`): no cleanup of a run whose peer is
+  gone is waited for, as a collective or a meeting with the dead would block until the launcher's SIGKILL. Without a
+  known failure the signal reaches the handler that was in place.
 
 Its cost is a few meetings per optimizer step, each a host barrier in shared memory (measured in
 ``benchmarks/RESULTS.md``).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -99,7 +101,7 @@ def bounded(watch: PeerWatch | None, what: str) -> Iterator[None]:
     if watch is None:
         yield
         return
-    with _sigterm_held():
+    with _sigterm_names_the_dead(watch, what):
         watch.meet(f"{what} (hf_odc's meeting before its collectives)")
         try:
             yield
@@ -110,33 +112,30 @@ def bounded(watch: PeerWatch | None, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigterm_held() -> Iterator[None]:
-    """Hold a SIGTERM received inside the block until it ends; then deliver it to the handler that was in place (by
-    default, the process ends as SIGTERM ends it), unless an error is already ending the block. Only the main thread
+def _sigterm_names_the_dead(watch: PeerWatch, what: str | None = None) -> Iterator[None]:
+    """Inside the block, a SIGTERM prints the :class:`PeerFailureError` naming the peer ``watch`` knows dead or
+    aborted (the launcher ending a survivor; ``what``: the bounded block's name) and ends the process as SIGTERM ends
+    it; without one, the handler that was in place gets it (by default the same end, silent). Only the main thread
     can handle signals: elsewhere the block runs as it is."""
-    received: list[int] = []
-    with _on_sigterm(lambda previous: received.append(signal.SIGTERM)):
-        yield
-    if received:
-        signal.raise_signal(signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _sigterm_names_the_dead(watch: PeerWatch) -> Iterator[None]:
-    """Inside the block, a SIGTERM raises :class:`PeerFailureError` naming the peer ``watch`` knows dead or aborted
-    (the launcher ending a survivor); without one, the handler that was in place gets it (by default the process ends
-    as SIGTERM ends it). Only the main thread can handle signals: elsewhere the block runs as it is."""
 
     def handle(previous: Any) -> None:
         try:
             watch.check()
         except PeerFailureError as known:
-            raise PeerFailureError(f"{known} (its launcher then ended this rank)") from None
+            why = "its launcher then ended this rank"
+            _end_on_sigterm(f"PeerFailureError: {known} ({why if what is None else f'{what} failed: {why}'})")
         signal.signal(signal.SIGTERM, previous)
         signal.raise_signal(signal.SIGTERM)
 
     with _on_sigterm(handle):
         yield
+
+
+def _end_on_sigterm(line: str) -> None:
+    """Print ``line`` (what ended the run) on stderr, then end the process as SIGTERM ends it."""
+    print(line, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -159,7 +158,7 @@ def _on_sigterm(handle: Callable[[Any], None]) -> Iterator[None]:
 def failing_together(watch: PeerWatch | None, what: str = "training") -> Iterator[None]:
     """Around a whole run: if it fails on this rank, ``watch``'s peers are told at once (``abort``: their next meeting
     fails naming this rank), and a collective that failed because a peer went away is re-raised as
-    :class:`PeerFailureError` naming it; the launcher's SIGTERM raises one naming the peer whose death made it end
+    :class:`PeerFailureError` naming it; the launcher's SIGTERM prints one naming the peer whose death made it end
     this rank (:func:`_sigterm_names_the_dead`)."""
     if watch is None:
         yield

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from hf_odc._compat import UnsupportedLibraryError
 from hf_odc.liveness import PeerFailureError, heartbeat, procfs
+from hf_odc.liveness import bounded as liveness_bounded
 from hf_odc.liveness.bounded import bounded, failing_together
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_odc"
@@ -114,32 +116,38 @@ def _terminate(signum, frame):
     raise _Terminated
 
 
-def test_a_launchers_sigterm_inside_a_collective_waits_for_the_named_failure():
-    """torchrun sends the survivors SIGTERM as soon as a worker dies; inside a bounded collective the survivor still
-    says which rank died (the collective's connection reset, named), instead of ending on the signal."""
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        named = r"rank 1 \(pid 4242\) died \(the step's metrics gather failed: "
-        with pytest.raises(PeerFailureError, match=named), bounded(_DeadPeer(), "the step's metrics gather"):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)  # where the held signal's handler would run
-            raise RuntimeError("Connection reset by peer")
-        assert signal.getsignal(signal.SIGTERM) is _terminate
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+class _Ended(Exception):
+    """:func:`hf_odc.liveness.bounded._end_on_sigterm`, in place of ending pytest's process: the line it prints."""
 
 
-def test_a_sigterm_held_inside_a_collective_that_succeeded_is_delivered_at_its_end():
+@pytest.fixture
+def sigterm(monkeypatch):
+    """SIGTERM raises :class:`_Terminated` (the handler in place before hf_odc's), and hf_odc's end on it raises
+    :class:`_Ended`, for the length of the test."""
+
+    def end(line: str) -> None:
+        raise _Ended(line)
+
+    monkeypatch.setattr(liveness_bounded, "_end_on_sigterm", end)
     previous = signal.signal(signal.SIGTERM, _terminate)
+    yield
+    assert signal.getsignal(signal.SIGTERM) is _terminate  # hf_odc's handlers are gone with their blocks
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_launchers_sigterm_inside_a_collective_names_the_dead_peer_and_the_collective(sigterm):
+    """torchrun sends the survivors SIGTERM as soon as a worker dies; inside a bounded collective the survivor says
+    which rank died and in which collective, then ends on the signal without waiting for the collective."""
+    line = (
+        "PeerFailureError: hf_odc: rank 1 (pid 4242) died (the step's metrics gather failed: its launcher then ended "
+        "this rank)"
+    )
     reached = []
-    try:
-        with pytest.raises(_Terminated), bounded(_DeadPeer(), "gradient clipping"):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)
-            reached.append("the collective's end")
-        assert reached == ["the collective's end"]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(_Ended, match=f"^{re.escape(line)}$"), bounded(_DeadPeer(), "the step's metrics gather"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # where the signal's handler runs
+        reached.append("the collective's end")
+    assert reached == []
 
 
 class _Healthy(_DeadPeer):
@@ -147,18 +155,16 @@ class _Healthy(_DeadPeer):
         pass
 
 
-@pytest.mark.parametrize("watch", [_DeadPeer(), _Healthy()], ids=["a-peer-died", "no-peer-died"])
-def test_a_launchers_sigterm_anywhere_in_a_run_names_the_peer_that_died(watch):
-    """Outside the bounded collectives (a microbatch, the optimizer), the launcher's SIGTERM raises PeerFailureError
-    naming the dead peer; with every peer alive it reaches the handler that was in place (by default, the end)."""
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    expected = _Terminated if isinstance(watch, _Healthy) else PeerFailureError
-    try:
-        with pytest.raises(expected) as raised, failing_together(watch):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)
-        if expected is PeerFailureError:
-            assert str(raised.value) == "hf_odc: rank 1 (pid 4242) died (its launcher then ended this rank)"
-        assert signal.getsignal(signal.SIGTERM) is _terminate
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def test_a_launchers_sigterm_anywhere_in_a_run_names_the_peer_that_died(sigterm):
+    """Outside the bounded collectives (a microbatch, the optimizer), the launcher's SIGTERM prints the
+    PeerFailureError naming the dead peer and ends the rank, waiting for no cleanup."""
+    line = "PeerFailureError: hf_odc: rank 1 (pid 4242) died (its launcher then ended this rank)"
+    with pytest.raises(_Ended, match=f"^{re.escape(line)}$"), failing_together(_DeadPeer()):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+
+
+def test_a_launchers_sigterm_with_every_peer_alive_reaches_the_handler_in_place(sigterm):
+    with pytest.raises(_Terminated), failing_together(_Healthy()):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
