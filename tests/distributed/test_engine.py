@@ -132,6 +132,13 @@ def assert_all_close(actual: dict, expected: dict, **tol) -> None:
         torch.testing.assert_close(actual[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **tol)
 
 
+def assert_matches_one_process(run: SimpleNamespace) -> None:
+    """Rank 0's gradients and parameters after ``run``'s steps are one process's on the whole minibatch (fp32)."""
+    ref = reference(run.case)
+    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
+    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
+
+
 def assert_no_segments(prefixes: list[str]) -> None:
     assert prefixes
     for prefix in prefixes:
@@ -143,19 +150,14 @@ def assert_no_segments(prefixes: list[str]) -> None:
 @pytest.mark.parametrize("name", ["1-vs-3", "rank-without-microbatches"])
 def test_fp32_parity_with_single_process_for_uneven_splits(name, two_ranks):
     run = two_ranks[name]
-    ref = reference(run.case)
-    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)  # after 5 AdamW steps
+    assert_matches_one_process(run)  # after 5 AdamW steps
     assert_no_segments(run.ranks[0]["prefix"])
 
 
 @_SHARED
 def test_plain_fsdp2_matches_the_same_reference(two_ranks):
     """The same reference that ODC matches is what plain FSDP2 computes on an even split."""
-    run = two_ranks["plain-fsdp2"]
-    ref = reference(run.case)
-    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
+    assert_matches_one_process(two_ranks["plain-fsdp2"])
 
 
 @_SHARED
@@ -182,10 +184,7 @@ def test_bf16_mixed_precision_matches_fsdp2(two_ranks):
 
 @_SHARED
 def test_activation_checkpointing_without_reshard_after_forward(two_ranks):
-    run = two_ranks["checkpointing"]
-    ref = reference(run.case)
-    assert_all_close(run.ranks[0]["grads"], ref["grads"], **FP32)
-    assert_all_close(run.ranks[0]["params"], ref["params"], **FP32)
+    assert_matches_one_process(two_ranks["checkpointing"])
 
 
 @_SHARED
