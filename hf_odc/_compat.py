@@ -356,7 +356,8 @@ def trl_prepared_dataset(trainer: Any, dataset: Any, processing_class: Any, args
     truncated to ``args.max_length`` or filtered by it, the samples left with nothing to learn dropped), on
     ``trainer``, an instance whose ``__init__`` has not run: a launcher checks the data so before any process starts.
     The state ``_prepare_dataset`` reads is set first, as that ``__init__`` sets it. ``None`` where TRL would not
-    prepare it (SFT's ``skip_prepare_dataset``, images)."""
+    prepare it (SFT's ``skip_prepare_dataset``); the caller leaves out vision datasets, which TRL processes on the
+    fly."""
     sft = isinstance(trainer, _checked("trl:SFTTrainer", "_prepare_dataset"))
     others = (_checked(f"trl:{name}", "_prepare_dataset") for name in ("DPOTrainer", "RewardTrainer"))
     if not sft and not isinstance(trainer, tuple(others)):
@@ -366,7 +367,7 @@ def trl_prepared_dataset(trainer: Any, dataset: Any, processing_class: Any, args
     if not sft:
         return trainer._prepare_dataset(dataset, processing_class, args, "train")
     skip = bool(args.dataset_kwargs and args.dataset_kwargs.get("skip_prepare_dataset", False))
-    if skip or {"image", "images"} & set(dataset.column_names):
+    if skip:
         return None
     templates = _checked("trl.chat_template_utils", "has_generation_markers", "get_training_chat_template")
     trainer.chat_template = None

@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -118,7 +118,13 @@ def _sigterm_names_the_dead(watch: PeerWatch, what: str | None = None) -> Iterat
     it; without one, the handler that was in place gets it (by default the same end, silent). Only the main thread
     can handle signals: elsewhere the block runs as it is."""
 
-    def handle(previous: Any) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.SIG_DFL if previous is None else previous  # None: installed by C code, not Python
+
+    def handle(signum: int, frame: Any) -> None:
         try:
             watch.check()
         except PeerFailureError as known:
@@ -127,8 +133,11 @@ def _sigterm_names_the_dead(watch: PeerWatch, what: str | None = None) -> Iterat
         signal.signal(signal.SIGTERM, previous)
         signal.raise_signal(signal.SIGTERM)
 
-    with _on_sigterm(handle):
+    signal.signal(signal.SIGTERM, handle)
+    try:
         yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _end_on_sigterm(line: str) -> None:
@@ -136,22 +145,6 @@ def _end_on_sigterm(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _on_sigterm(handle: Callable[[Any], None]) -> Iterator[None]:
-    """``handle(previous_handler)`` on SIGTERM inside the block (in the main thread; elsewhere the block runs as it
-    is); the previous handler is back in place when the block ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    previous = signal.SIG_DFL if previous is None else previous  # None: installed by C code, not Python
-    signal.signal(signal.SIGTERM, lambda signum, frame: handle(previous))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

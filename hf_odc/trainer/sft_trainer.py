@@ -33,7 +33,7 @@ from .core.data import (
     minibatch_loader,
     require_sft_columns,
 )
-from .core.vision import VisionMinibatchCollator, check_vision_model
+from .core.vision import VisionMinibatchCollator, check_vision_model, is_vision_dataset
 from .sft_config import ODCSFTConfig
 
 __all__ = ["ODCSFTTrainer"]
@@ -86,8 +86,7 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
         self._rope_index = None
-        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
-            # A vision dataset, as TRL tells one: TRL processes it on the fly, so no lengths before a step
+        if train_dataset is not None and is_vision_dataset(train_dataset):  # no lengths before a step
             self._rope_index = check_vision_model(self.model, type(self).__name__, args.sp_size)
         elif train_dataset is not None:
             self._check_prepared_data(train_dataset, warn=self.accelerator.is_main_process)

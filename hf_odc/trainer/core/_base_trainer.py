@@ -39,6 +39,7 @@ from .attention import (
     use_packed_attention,
     warm_attention_plans,
 )
+from .vision import is_vision_dataset
 
 
 class _ODCTrainer(_CheckpointHooks, ABC):
@@ -87,7 +88,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         train_dataset = kwargs.get("train_dataset")
         if train_dataset is not None and not isinstance(train_dataset, datasets.Dataset):
             raise TypeError(f"{cls.__name__} needs a map-style `datasets.Dataset`: it samples global minibatches.")
-        if text is not None and train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
+        if text is not None and train_dataset is not None and is_vision_dataset(train_dataset):
             raise NotImplementedError(f"{cls.__name__} trains on text {text}; vision datasets are not supported.")
 
     # -- the hooks a trainer supplies ---------------------------------------------------------------------------------

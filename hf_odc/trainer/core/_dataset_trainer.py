@@ -9,6 +9,7 @@ from typing import Any
 from ..._compat import trl_prepared_dataset
 from ._base_trainer import _ODCTrainer
 from ._step import PlannedStep
+from .vision import is_vision_dataset
 
 
 class _ODCDatasetTrainer(_ODCTrainer):
@@ -32,9 +33,12 @@ class _ODCDatasetTrainer(_ODCTrainer):
         leaves most of them nothing to learn), without a model, a process group or a device: ``hf-odc`` runs it in
         the launching process, before any worker starts. The data is prepared here as TRL's ``__init__`` prepares it
         (:func:`hf_odc._compat.trl_prepared_dataset`: tokenized once more), then checked by the trainer's own
-        ``_check_prepared_data``. SFT, DPO and reward modelling: KTO checks its data only as it is built."""
+        ``_check_prepared_data``. SFT, DPO and reward modelling: KTO checks its data only as it is built. A vision
+        dataset's samples are processed, and checked, by the step that draws them."""
         args = cls._odc_args(args)
         cls._check_train_data({"train_dataset": train_dataset}, packs=None, text=None)
+        if is_vision_dataset(train_dataset):
+            return
         unbuilt = cls.__new__(cls)  # the trainer's checks read only its args and its prepared data
         unbuilt.args = args
         unbuilt.train_dataset = trl_prepared_dataset(unbuilt, train_dataset, processing_class, args)

@@ -39,6 +39,7 @@ __all__ = [
     "VisionMinibatchCollator",
     "VisionSample",
     "check_vision_model",
+    "is_vision_dataset",
     "pack_vision",
     "with_images",
 ]
@@ -46,6 +47,12 @@ __all__ = [
 VISION_MODEL_TYPES = frozenset({"qwen2_5_vl"})
 """The vision-language models ODC trains (``config.model_type``): those whose 3-D rope positions it computes per
 sample with the model's own ``get_rope_index``, checked against stock TRL."""
+
+
+def is_vision_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a vision dataset as TRL tells one (an ``image`` or ``images`` column): TRL processes its
+    samples on the fly, so their lengths are known only once a step processes them."""
+    return bool({"image", "images"} & set(dataset.column_names))
 
 
 def check_vision_model(model: nn.Module, trainer: str, sp_size: int) -> Callable[..., Any]:

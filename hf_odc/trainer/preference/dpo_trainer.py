@@ -31,7 +31,7 @@ from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import check_peft_reference, shard_reference
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
-from ..core.vision import check_vision_model
+from ..core.vision import check_vision_model, is_vision_dataset
 from .dpo_config import ODCDPOConfig
 from .dpo_losses import TOKEN_LOSSES, PairLogps, pair_losses
 from .pairs import (
@@ -94,7 +94,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCDPOTrainer")
         self._vision = None  # a vision dataset's: the model's get_rope_index
-        if train_dataset is not None and {"image", "images"} & set(train_dataset.column_names):
+        if train_dataset is not None and is_vision_dataset(train_dataset):
             self._vision = check_vision_model(self.model, type(self).__name__, args.sp_size)
         step_metrics = StepMetrics(args.device, means=_PAIR_MEANS + _TOKEN_MEANS)
         self._setup_odc(step_metrics)
