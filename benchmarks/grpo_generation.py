@@ -104,9 +104,8 @@ def generate(
     steps at the same cost whether rows ended or not); returns (seconds, decoding steps, prompt + completion ids).
     ``group_lengths``: every completion's length in the batch ``generate`` decodes (tensor-parallel: the shard
     group's, rank by rank), where not ``lengths``."""
-    steps, out = [0], []
+    out = []
     target = decoder.model if mode in ("static", "tensor-parallel") else model
-    hook = target.register_forward_pre_hook(lambda module, inputs: steps.__setitem__(0, steps[0] + 1))
     end_at = EndAt(group_lengths or lengths, prompts.shape[1], EOS)
     ending = {"logits_processor": LogitsProcessorList([end_at]), "eos_token_id": EOS}
 
@@ -126,10 +125,9 @@ def generate(
     model.gradient_checkpointing_disable()  # as TRL does for generation: checkpointing would turn the KV cache off
     seconds = timed(prompts.device, run)
     model.gradient_checkpointing_enable()
-    hook.remove()
-    # The forwards after the prefill; a CUDA graph's replays run the forward without its hooks: then the tokens decoded
-    # after the prefill's.
-    return seconds, max(steps[0], out[0].shape[1] - prompts.shape[1]) - 1, out[0]
+    # The forwards after the prefill: one per token decoded after the prefill's. (Not counted by a forward hook: the
+    # compiled forward would guard on the hook's counter and recompile every step until dynamo's limit.)
+    return seconds, out[0].shape[1] - prompts.shape[1] - 1, out[0]
 
 
 def update(model, runtime, sequences: list[torch.Tensor], row_tokens: int) -> float:

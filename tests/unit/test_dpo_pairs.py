@@ -98,6 +98,8 @@ def test_every_rank_plans_alike_and_no_pair_is_split():
     step = steps[0]
     documents = [pair_documents(example, 32) for example in examples]
     assert step.num_samples == 24 and step.num_tokens == sum(len(c[0]) + len(r[0]) for c, r in documents)
+    # the pair is planned as one item, attended (and its attention planned) as two sequences
+    assert step.attended_lengths() == [len(sequence[0]) for pair in documents for sequence in pair]
     assert step.num_chosen_tokens == sum(sum(c[1][1:]) for c, _ in documents)
     assert step.num_loss_tokens == step.num_chosen_tokens + sum(sum(r[1][1:]) for _, r in documents)
 

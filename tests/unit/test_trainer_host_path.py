@@ -11,18 +11,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_odc.trainer.core._base_trainer as base_trainer
 from hf_odc.demo import build_tokenizer, chat_dataset
 from hf_odc.demo.models import MODEL_CONFIGS
+from hf_odc.kernels.attention import sdpa_length
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
 from hf_odc.trainer.core.attention import warm_attention_plans
 
 
-def _sft_trainer(tmp_path, **config) -> ODCSFTTrainer:
+def _sft_trainer(tmp_path, length: int = 64, **config) -> ODCSFTTrainer:
     tokenizer = build_tokenizer()
     shape = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id} | MODEL_CONFIGS["tiny"]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape))
-    args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=64, per_device_train_batch_size=4, use_cpu=True,
+    args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=length, per_device_train_batch_size=4, use_cpu=True,
                         cost_model="tokens", **config)  # fmt: skip
-    dataset = chat_dataset(8, 64, "swe-smith", seed=0)
+    dataset = chat_dataset(8, length, "swe-smith", seed=0)
     return ODCSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
 
 
@@ -40,6 +41,26 @@ def test_the_trainer_warms_the_attention_plans_of_its_training_documents(tmp_pat
     ((_, documents, device, dtype),) = calls
     assert documents == [len(ids) for ids in trainer.train_dataset["input_ids"]] and len(documents) == 8
     assert device == torch.device("cpu") and dtype == torch.float32
+
+
+def test_every_step_warms_the_minibatch_lengths_met_for_the_first_time_before_its_microbatches(tmp_path, monkeypatch):
+    """Where the trainer did not warm its data's lengths first, each step hands the lengths of the whole minibatch
+    (the same on every rank) that no earlier step met, rounded as SDPA attends them, to the warm-up before it runs its
+    microbatches: a length is warmed once per run."""
+    events = []
+    monkeypatch.setattr(base_trainer, "warm_attention_plans", lambda model, lengths, *_: events.append(list(lengths)))
+    trainer = _sft_trainer(tmp_path, 1024, warm_attention_plans=False, max_steps=2, save_strategy="no")
+    run_minibatch = trainer._run_minibatch
+    trainer._run_minibatch = lambda model, step: events.append(step.attended_lengths()) or run_minibatch(model, step)
+    trainer.args.warm_attention_plans = True
+    trainer.train()
+    trainer.end()
+    assert len(events) == 4  # warm-up, minibatch, warm-up, minibatch: nothing was warmed at construction
+    (first_warmed, first_step, second_warmed, second_step) = events
+    assert first_warmed == first_step and first_step
+    met = {sdpa_length(length) for length in first_step}
+    assert second_warmed == [length for length in second_step if sdpa_length(length) not in met]
+    assert second_warmed and len(second_warmed) < len(second_step)  # the data meets old and new lengths
 
 
 def test_warming_skips_the_cpu(tmp_path):

@@ -107,8 +107,10 @@ _ODC_PARAMETERS = """
             the first step. cuDNN builds an execution plan the first time it meets a length, on the host, while the
             device runs dry; without this the first steps of a run, which meet most lengths for the first time, run
             far below the speed of the later ones. It takes the lengths of the training data, where the trainer knows
-            its documents before training (SFT, DPO); the other trainers meet each length when it comes. CPU runs, and
-            models whose attention is not `"odc_packed"`, skip it.
+            its documents before training (SFT, DPO). Then, at every step, every rank warms the lengths of the whole
+            minibatch met for the first time, before its microbatches: under ODC the rank that met a new length
+            alone would plan it inside the minibatch and keep the others waiting at its end. CPU runs, and models
+            whose attention is not `"odc_packed"`, skip it.
 
     > [!NOTE]
     > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
@@ -267,7 +269,8 @@ class _ODCConfig:
         default=True,
         metadata={
             "help": "On a GPU with packed attention, build cuDNN's attention plan for every rounded document length "
-            "of the training data before the first step, instead of in the first steps."
+            "of the training data before the first step, and on every rank for each step's new lengths, instead of on "
+            "the rank that meets a length first."
         },
     )
 

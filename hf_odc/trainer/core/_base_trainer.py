@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from ... import _compat
 from ...accelerate_plugin import ODCRuntime, accelerate_without_parallelism
 from ...kernels import install_fused_kernels
+from ...kernels.attention import sdpa_length
 from ...packing import MinibatchPlanner, idle_fraction, named_cost
 from ...packing.calibration import FEATURES, Calibration, Calibrator
 from ...packing.flops import mfu, peak_flops, training_flops
@@ -143,10 +144,10 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
         self._install_fused_kernels(self.model)
+        self._warmed_lengths: set[int] = set()
         documents = self._training_documents() if args.warm_attention_plans else None
         if documents is not None:
-            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-            warm_attention_plans(self.model, documents, args.device, dtype)
+            self._warm_attention(documents)
         self.odc = ODCRuntime(args.odc_plugin(), self.accelerator)
         if self.accelerator.num_processes > 1:
             fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -267,12 +268,25 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         step = self._plan_step(window)
+        if self.args.warm_attention_plans:
+            self._warm_attention(step.attended_lengths())
         self._step_metrics.reset()
         loss = self._run_minibatch(model, step)
         self._end_step(step, self._log_step(step))
         self._step_flos = self._flops_per_token * step.rank_tokens(self.accelerator.process_index)
         self._metrics["train"]["step_time"].append(time.perf_counter() - started)
         return loss
+
+    def _warm_attention(self, documents: Iterable[int]) -> None:
+        """cuDNN's attention plans for the lengths of ``documents`` (token counts) that this run has not warmed yet
+        (:func:`~hf_odc.trainer.core.attention.warm_attention_plans`). Every rank passes the same lengths, so every
+        rank spends the same time planning them, and none plans inside the minibatch while the others wait."""
+        new = [length for length in documents if sdpa_length(length) not in self._warmed_lengths]
+        if new:
+            args = self.args
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+            warm_attention_plans(self.model, new, args.device, dtype)
+            self._warmed_lengths.update(map(sdpa_length, new))
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:

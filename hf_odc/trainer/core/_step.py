@@ -41,6 +41,8 @@ class PlannedStep:
             those whole documents; they are the first of a rank's ``microbatches``, and ``microbatch_lengths`` holds
             its own ones only. Empty lists (or none at all) without.
         sp_size: the ranks per sequence-parallel group (1: none).
+        attended: the lengths of the sequences the minibatch's forwards attend, where they are not its documents
+            (a preference pair is planned as one item but attended as its two sequences); ``None``: its documents.
     """
 
     microbatches: list[Any]
@@ -52,6 +54,7 @@ class PlannedStep:
     metrics: dict[str, float] = field(default_factory=dict)
     shared_lengths: list[list[int]] = field(default_factory=list)
     sp_size: int = 1
+    attended: list[int] | None = None
 
     def _shared(self, rank: int) -> list[int]:
         return self.shared_lengths[rank] if self.shared_lengths else []
@@ -76,6 +79,10 @@ class PlannedStep:
         own = [length for rank in self.microbatch_lengths for microbatch in rank for length in microbatch]
         shared = [length for rank in range(0, len(self.shared_lengths), self.sp_size) for length in self._shared(rank)]
         return own + shared
+
+    def attended_lengths(self) -> list[int]:
+        """The lengths of every sequence the minibatch attends (:attr:`attended`, else :meth:`documents`)."""
+        return self.documents() if self.attended is None else self.attended
 
 
 def group_plan_fields(plan: GroupPlan, lengths: Sequence[int]) -> dict[str, Any]:

@@ -170,11 +170,13 @@ class VisionMinibatchCollator:
                 f"Set --max_tokens_per_microbatch to at least {weights[heaviest]}, or shrink its images."
             )
         plan = self.planner.plan(weights, self.max_tokens)
+        lengths = [sample.input_ids.numel() for sample in samples]
         return PlannedStep(
             microbatches=[pack_vision([samples[i] for i in microbatch]) for microbatch in plan[self.rank]],
             microbatch_lengths=[[[weights[i] for i in microbatch] for microbatch in rank] for rank in plan],
             num_samples=len(samples),
-            num_tokens=sum(sample.input_ids.numel() for sample in samples),
+            num_tokens=sum(lengths),
+            attended=lengths,
             num_loss_tokens=sum(int((sample.labels[1:] != -100).sum()) for sample in samples),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, weights, self.max_tokens),
             metrics={"image_patches": float(sum(sample.patches for sample in samples))},

@@ -187,6 +187,7 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
             num_tokens=sum(own_lengths),
             num_loss_tokens=sum(sum(item[0][1][1:]) for item in documents),
             predicted_bubble_rate=self._planner.predicted_bubble(plan, lengths, max_tokens),
+            attended=[len(ids) for item in documents for ids, _ in item],
             labels_seen=(True in labels, False in labels),
         )
 

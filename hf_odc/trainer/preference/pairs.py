@@ -266,15 +266,17 @@ class PairPacker:
         metrics = {**fields.pop("metrics"), **self.metrics(documents)}
         own = [list(microbatch) for microbatch in plan.plan[self.rank]]
         scored = [[sum(mask[1:]) for _, mask in pair] for pair in documents]
+        attended = [len(ids) for pair in documents for ids, _ in pair]
         return PairStep(
             microbatches=[shard_pairs(pack([i]), self.sequence_group, self.rank % size, size) for i in shared]
             + [pack(microbatch) for microbatch in own],
             num_samples=len(examples),
-            num_tokens=sum(len(ids) for pair in documents for ids, _ in pair),
+            num_tokens=sum(attended),
             num_loss_tokens=sum(map(sum, scored)),
             predicted_bubble_rate=self.planner.predicted_bubble(plan, lengths, max_tokens),
             **fields,
             metrics=metrics,
+            attended=attended,
             pair_indices=[[i] for i in shared] + own,
             num_chosen_tokens=sum(chosen for chosen, _ in scored),
         )
