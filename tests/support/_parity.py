@@ -130,12 +130,13 @@ def parity_runs(
     model_class: type = Qwen2ForCausalLM,
     env: dict | None = None,
     accelerate: str = "",
+    processes: int = 2,
     **config: Any,
 ) -> tuple[dict, dict]:
     """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
     fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
-    process and by ODC on two (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch); their saved
-    states, by case."""
+    process and by ODC on ``processes`` (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch);
+    their saved states, by case."""
     if model is None:
         torch.manual_seed(0)
         fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
@@ -146,7 +147,8 @@ def parity_runs(
     run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
     accelerate_config = directory / "odc_cpu.yaml"
     accelerate_config.write_text((EXAMPLES / "odc_cpu.yaml").read_text() + accelerate)
-    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env, config=accelerate_config)
+    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=processes, env=env,
+                config=accelerate_config)  # fmt: skip
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 

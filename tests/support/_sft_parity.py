@@ -35,7 +35,14 @@ LONG_DOCUMENT_CASES = {
     "long-documents-accumulation": (8, 2, 32, {}),
     "long-documents-lora": (16, 1, 32, {"lora": True}),
 }
-CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES}
+# On 4 processes, sequence parallelism set per case (ODC's `parallelism_config`): documents of up to 59 tokens on
+# microbatches of 30 (groups of 2) or 15 (groups of 4), so each group splits documents of up to its whole capacity
+FOUR_RANK_CASES = {
+    "four-ranks-sp2": (16, 1, 30, {"sp_size": 2}),
+    "four-ranks-sp4": (16, 1, 15, {"sp_size": 4}),
+    "four-ranks-sp4-lora-accumulation": (8, 2, 15, {"sp_size": 4, "lora": True}),
+}
+CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES, **FOUR_RANK_CASES}
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
@@ -47,6 +54,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     batch, accumulation, max_tokens, settings = CASES[name]
     settings = COMMON | {"gradient_accumulation_steps": accumulation} | settings
     lora = settings.pop("lora", False)
+    sp_size = settings.pop("sp_size", None)
     peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if lora else None
     dataset = chat_dataset(batch * accumulation * STEPS, COMMON["max_length"], "swe-smith", seed=0)
     if kind == "trl":
@@ -60,7 +68,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         args = ODCSFTConfig(
             output_dir, per_device_train_batch_size=batch // world_size, max_tokens_per_microbatch=max_tokens,
-            cost_model="tokens", **settings,
+            cost_model="tokens", parallelism_config=sp_size and {"sp_size": sp_size}, **settings,
         )  # fmt: skip
         trainer = ODCSFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft_config
