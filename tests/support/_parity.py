@@ -30,6 +30,12 @@ SEQUENCE_PARALLEL = "parallelism_config:\n  parallelism_config_sp_size: 2\n"
 ``accelerate``): groups of 2 ranks split the documents longer than a microbatch."""
 
 
+def sequence_parallel(sp_size: int | None) -> dict | None:
+    """An ODC config's ``parallelism_config`` for a case's ``sp_size`` (``None``: Accelerate's launcher decides), so
+    that one launch runs cases with different group sizes (``tests/parity/test_sequence_parallel_four_ranks.py``)."""
+    return None if sp_size is None else {"sp_size": sp_size}
+
+
 def trained_state(trainer) -> dict | None:
     """After ``trainer.train()``: the logged training steps and the full parameters (gathered from the shards for an
     ODC trainer, which is then closed), on the first process; ``None`` on the others."""
@@ -106,16 +112,20 @@ def train_with(
 ) -> dict | None:
     """Train one case and return its :func:`trained_state`: ``classes[kind]``'s (config, trainer) pair, ``"trl"`` on
     one process with the whole ``minibatch`` per accumulation step, ``"odc"`` with ``minibatch / world_size`` per
-    process and accumulation step, token-costed microbatches of at most ``max_tokens``; the demo tokenizer."""
+    process and accumulation step, token-costed microbatches of at most ``max_tokens`` (and, where ``settings`` has
+    ``sp_size``, groups of that many ranks: :func:`sequence_parallel`); the demo tokenizer."""
     from hf_odc.demo import build_tokenizer
 
     config_class, trainer_class = classes[kind]
+    settings, sp_size = dict(settings), settings.get("sp_size")
+    settings.pop("sp_size", None)
     if kind == "trl":
         args = config_class(output_dir, per_device_train_batch_size=minibatch, **settings)
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         args = config_class(output_dir, per_device_train_batch_size=minibatch // world_size, cost_model="tokens",
-                            max_tokens_per_microbatch=max_tokens, **settings)  # fmt: skip
+                            max_tokens_per_microbatch=max_tokens, parallelism_config=sequence_parallel(sp_size),
+                            **settings)  # fmt: skip
     trainer = trainer_class(args=args, processing_class=build_tokenizer(), **trainer_kwargs)
     trainer.train()
     return trained_state(trainer)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from _parity import TRAINING, run_cases, trained_state
+from _parity import TRAINING, run_cases, sequence_parallel, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import build_tokenizer, chat_dataset
@@ -68,7 +68,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         args = ODCSFTConfig(
             output_dir, per_device_train_batch_size=batch // world_size, max_tokens_per_microbatch=max_tokens,
-            cost_model="tokens", parallelism_config=sp_size and {"sp_size": sp_size}, **settings,
+            cost_model="tokens", parallelism_config=sequence_parallel(sp_size), **settings,
         )  # fmt: skip
         trainer = ODCSFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft_config
