@@ -26,6 +26,25 @@ step). It then fits a ``Calibration`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
 for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
+
+``--sp-size N`` (sequence parallelism, Ulysses, groups of ``N`` consecutive ranks): the cap becomes a rank's share,
+``packing ratio x longest / N``, so that a group holds the longest document. The LB-Mini schemes run each document
+over the cap as a group microbatch of one group (:mod:`hf_odc.packing.sequence_parallel`, as ``ODCSFTTrainer`` does)
+and the others on single ranks; the other schemes plan the groups as ranks with ``N`` caps and split every microbatch
+over its group, as Accelerate's Ulysses under FSDP2 does (Collective+LB-Micro is then FSDP2 + LB-Micro with the same
+sequence parallelism). Each scheme also reports its peak memory per rank. ``--longest-document`` instead searches the
+longest document the shape trains at that ``--sp-size`` (one per group, every rank busy): lengths from
+``--start-length`` times ``--growth`` up to ``--max-length``, stopping at the first step out of memory, with each
+probe's step time and peak memory per rank. On 4 H100s, the longest documents, then a long-tailed distribution whose
+tail exceeds one GPU (longalign scaled to 128K: ``--length-scale 2``)::
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    for sp in 1 2 4; do timeout 150 torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py \
+        --model qwen2.5-7b --sp-size $sp --longest-document --start-length 32768 --growth 2 --max-length 1048576 \
+        --json longest_7b_sp$sp.json; done
+    torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py --model qwen2.5-7b --sp-size 4 \
+        --distribution longalign --length-scale 2 --samples-per-device 2 --steps 3 --warmup 1 \
+        --schemes Collective+LB-Micro,ODC+LB-Mini --predict-world-sizes 8,32 --json sft_7b_sp4.json
 """
 
 from __future__ import annotations
@@ -295,15 +314,21 @@ def plot(results: list[dict], path: str, world_size: int) -> None:
     fig.savefig(path, dpi=110)
 
 
-def longest_document(args, model, optimizer, odc, device, group: Any) -> dict:
+def longest_document(args, model, optimizer, odc, device, group: Any, report=None) -> dict:
     """Train one document per sequence-parallel group (each rank's, without) at growing lengths, from
     ``--start-length`` by ``--growth`` up to ``--max-length``, until a step runs out of memory: the longest that
     trained, each probe's step time and peak memory per rank, and the error that stopped the search. An out-of-memory
-    step aborts ODC (the peers' meeting fails at once, naming that rank), so every rank stops there."""
+    step aborts ODC (the peers' meeting fails at once, naming that rank), so every rank stops there. ``report`` gets
+    the result so far after every probe, so that a run cut short keeps what it found."""
     rank, world_size, sp_size = dist.get_rank(), dist.get_world_size(), args.sp_size
     cost = named_cost("attention", model.config)
     pool = torch.randint(4, model.config.vocab_size, (args.max_length,), generator=torch.Generator().manual_seed(0))
     probes, length, error = [], args.start_length, None
+
+    def found() -> dict:
+        return {"sp_size": sp_size, "longest": probes[-1]["length"] if probes else None, "error": error,
+                "probes": probes}  # fmt: skip
+
     while length <= args.max_length:
         planner = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, group_size=sp_size)
         examples = [{"input_ids": pool[:length].tolist()} for _ in range(world_size // sp_size)]
@@ -321,8 +346,10 @@ def longest_document(args, model, optimizer, odc, device, group: Any) -> dict:
         probes.append({"length": length, "step_s": result["busy"] + result["wait"], "peak_gib_per_rank": peaks})
         if rank == 0:
             print(f"  {length} tokens: step {probes[-1]['step_s']:.2f} s, peak GiB per rank {peaks}", flush=True)
+        if report is not None:
+            report(found())
         length = int(length * args.growth)
-    return {"sp_size": sp_size, "longest": probes[-1]["length"] if probes else None, "error": error, "probes": probes}
+    return found()
 
 
 def main() -> None:
@@ -353,16 +380,21 @@ def main() -> None:
     record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__,
               "model_type": model_config.model_type}  # fmt: skip
     if args.longest_document:
-        record["longest_document"] = found = longest_document(args, model, optimizer, odc, device, group)
+
+        def report(found: dict) -> None:
+            record["longest_document"] = found
+            if dist.get_rank() == 0 and args.json:
+                with open(args.json, "w") as f:
+                    json.dump(record, f, indent=1)
+
+        found = longest_document(args, model, optimizer, odc, device, group, report)
+        report(found)
         with contextlib.suppress(Exception):  # a probe that ran out of memory left the handle aborted
             odc.close()
         if dist.get_rank() == 0:
             stop = found["error"] or f"--max-length {args.max_length}"
             print(f"\n{args.model}, {world_size} x {args.device_name}, sp_size {args.sp_size}: longest document "
                   f"trained {found['longest']} tokens; stopped by {stop}")  # fmt: skip
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(record, f, indent=1)
         dist.destroy_process_group()
         return
     results = []

@@ -46,14 +46,13 @@ def _median_ms(fn, warmup: int, reps: int, device: torch.device) -> float:
     for _ in range(warmup):
         fn()
     times = []
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     for _ in range(reps):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         began = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         times.append(1e3 * (time.perf_counter() - began))
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

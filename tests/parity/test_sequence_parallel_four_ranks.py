@@ -16,21 +16,16 @@ from _four_rank_parity import CASES, QUIET
 from _grpo_parity import PER_SLICE as GRPO_PER_SLICE
 from _grpo_parity import TIMINGS as GRPO_TIMINGS
 from _parity import assert_same_case, parity_fixture
-
-from hf_odc.demo import build_tokenizer
+from _sft_parity import demo_token_fields
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
-_TOKENIZER = build_tokenizer()
 runs = parity_fixture(
     "_four_rank_parity.py",
     CASES,
     env=QUIET,
     processes=4,
-    vocab_size=len(_TOKENIZER),
-    pad_token_id=_TOKENIZER.pad_token_id,
-    eos_token_id=_TOKENIZER.eos_token_id,
-    bos_token_id=_TOKENIZER.bos_token_id,
+    **demo_token_fields(),
 )
 SFT_CASES = [name for name in CASES if name.startswith("sft/")]
 # SFT's cases are (samples, accumulation steps, microbatch tokens, settings); DPO's and GRPO's are their settings

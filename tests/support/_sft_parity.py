@@ -45,6 +45,14 @@ FOUR_RANK_CASES = {
 CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES, **FOUR_RANK_CASES}
 
 
+def demo_token_fields() -> dict:
+    """The model config fields of the demo tokenizer's vocabulary and special tokens (what :func:`_parity.parity_runs`
+    takes as ``config``), for the cases trained on TRL's tokenization of chats."""
+    tokenizer = build_tokenizer()
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+
+
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
