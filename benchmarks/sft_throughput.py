@@ -35,15 +35,17 @@ over its group, as Accelerate's Ulysses under FSDP2 does (Collective+LB-Micro is
 sequence parallelism). Each scheme also reports its peak memory per rank. ``--longest-document`` instead searches the
 longest document the shape trains at that ``--sp-size`` (one per group, every rank busy): lengths from
 ``--start-length`` times ``--growth`` up to ``--max-length``, stopping at the first step out of memory, with each
-probe's step time and peak memory per rank. On 4 H100s, the longest documents, then a long-tailed distribution whose
-tail exceeds one GPU (longalign scaled to 128K: ``--length-scale 2``)::
+probe's step time and peak memory per rank (the JSON is rewritten after every probe). On 4 H100s, the longest
+documents (a launch per shape and size: ``timeout`` ends one whose out-of-memory probe left a group's peers inside an
+all-to-all), then a long-tailed distribution whose tail exceeds one GPU (longalign scaled to 128K: ``--length-scale
+2``)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    for sp in 1 2 4; do timeout 150 torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py \
-        --model qwen2.5-7b --sp-size $sp --longest-document --start-length 32768 --growth 2 --max-length 1048576 \
+    for sp in 1 2 4; do timeout 140 torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py \
+        --model qwen2.5-7b --sp-size $sp --longest-document --start-length 32768 --growth 2 --max-length 262144 \
         --json longest_7b_sp$sp.json; done
     torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py --model qwen2.5-7b --sp-size 4 \
-        --distribution longalign --length-scale 2 --samples-per-device 2 --steps 3 --warmup 1 \
+        --distribution longalign --length-scale 2 --samples-per-device 2 --steps 2 --warmup 1 \
         --schemes Collective+LB-Micro,ODC+LB-Mini --predict-world-sizes 8,32 --json sft_7b_sp4.json
 """
 
