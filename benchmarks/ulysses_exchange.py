@@ -17,10 +17,11 @@ FLOPs (:class:`hf_odc.packing.AttentionCost` of the shape) at the measured secon
 share; the fitted ``EXCHANGE`` is the least-squares share over all lengths (weighted by the tokens sent). Pass it to
 the planner as ``exchange=`` (``lb_mini_groups``, ``split_costs``) where it differs from the default.
 
-On 4 GPUs (one group of 4; the 1.5B shape, bf16)::
+On 4 GPUs (one group of 4; the 1.5B and 7B shapes, bf16)::
 
-    torchrun --nproc_per_node 4 benchmarks/ulysses_exchange.py --model qwen2.5-1.5b \
-        --lengths 8192,16384,32768,65536,131072 --json ulysses_exchange.json
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    for model in qwen2.5-1.5b qwen2.5-7b; do torchrun --standalone --nproc_per_node 4 benchmarks/ulysses_exchange.py \
+        --model $model --lengths 8192,16384,32768,65536,131072 --json ulysses_exchange_$model.json; done
 
 ``--model tiny --lengths 64,128`` on 2 CPU processes (gloo, fp32) is the smoke test.
 """
