@@ -64,16 +64,20 @@ SCHEME_SYNC = {scheme.name: scheme.sync for scheme in SCHEMES} | {CALIBRATED: "m
 """Every SFT scheme the benchmarks run, by name, with how its ranks synchronise (``"minibatch"``: ODC)."""
 
 
-def scheme_planners(names, world_size: int, cost: CostModel) -> dict[str, MinibatchPlanner]:
+def scheme_planners(names, world_size: int, cost: CostModel, sp_size: int = 1) -> dict[str, MinibatchPlanner]:
     """A planner for each scheme of ``names`` (keys of ``SCHEME_SYNC``), in that order; :data:`CALIBRATED`'s with a
-    ``Calibrator`` to feed (:func:`calibrate`)."""
+    ``Calibrator`` to feed (:func:`calibrate`). With sequence parallelism (``sp_size`` above 1) the LB-Mini schemes
+    plan group microbatches (``group_size=sp_size``) and the others plan the ``world_size / sp_size`` groups as ranks,
+    each of their microbatches split over a group (as Accelerate's Ulysses runs every microbatch)."""
     schemes = {scheme.name: scheme for scheme in SCHEMES}
-    return {
-        name: MinibatchPlanner("lb-mini", world_size, "minibatch", cost, Calibrator(world_size))
-        if name == CALIBRATED
-        else MinibatchPlanner(schemes[name].balance, world_size, schemes[name].sync, cost)
-        for name in names
-    }
+    planners = {}
+    for name in names:
+        if name == CALIBRATED or schemes[name].balance == "lb-mini":
+            calibrator = Calibrator(world_size) if name == CALIBRATED else None
+            planners[name] = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, calibrator, group_size=sp_size)
+        else:
+            planners[name] = MinibatchPlanner(schemes[name].balance, world_size // sp_size, schemes[name].sync, cost)
+    return planners
 
 
 def calibrate(planner: MinibatchPlanner, batch, seconds: list[float]) -> None:
@@ -135,7 +139,8 @@ def build(args, device: torch.device, shard_size: int | None = None):
 
 
 def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
-    """One optimizer step of this rank's microbatches; returns its timings and microbatch features."""
+    """One optimizer step of this rank's microbatches; returns its timings and microbatch features (of its own
+    microbatches: ``shared``, the number of rows split over a sequence-parallel group, run first)."""
     microbatches = batch.microbatches
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -151,11 +156,14 @@ def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device
     model.set_requires_gradient_sync(True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    lengths = [np.diff(mb["cu_seq_lens_q"].numpy()).tolist() for mb in microbatches]
+    # a row split over a group (sequence parallelism: first, if any) is not one rank's work to calibrate against
+    own = [mb for mb in microbatches if "sequence_shard" not in mb]
+    lengths = [np.diff(mb["cu_seq_lens_q"].numpy()).tolist() for mb in own]
     return {
         "busy": runner.last.busy,
         "wait": runner.last.wait,
         "microbatch_s": runner.last.microbatches,
+        "shared": len(microbatches) - len(own),
         "microbatch_lengths": lengths,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
     }

@@ -26,11 +26,35 @@ step). It then fits a ``Calibration`` to the measured
 microbatch times and prints the speedups that model predicts for the same minibatches beside the measured ones, and
 for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
+
+``--sp-size N`` (sequence parallelism, Ulysses, groups of ``N`` consecutive ranks): the cap becomes a rank's share,
+``packing ratio x longest / N``, so that a group holds the longest document. The LB-Mini schemes run each document
+over the cap as a group microbatch of one group (:mod:`hf_odc.packing.sequence_parallel`, as ``ODCSFTTrainer`` does)
+and the others on single ranks; the other schemes plan the groups as ranks with ``N`` caps and split every microbatch
+over its group, as Accelerate's Ulysses under FSDP2 does (Collective+LB-Micro is then FSDP2 + LB-Micro with the same
+sequence parallelism). Each scheme also reports its peak memory per rank. ``--longest-document`` instead searches the
+longest document the shape trains at that ``--sp-size`` (one per group, every rank busy): lengths from
+``--start-length`` times ``--growth`` up to ``--max-length``, stopping at the first step out of memory, with each
+probe's step time and peak memory per rank (the JSON is rewritten after every probe). On 4 H100s, the longest
+documents (a launch per shape and size: ``timeout`` ends one whose out-of-memory probe left a group's peers inside an
+all-to-all), then a long-tailed distribution whose tail exceeds one GPU (longalign scaled to 128K: ``--length-scale
+2``)::
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    for sp in 1 2 4; do timeout 140 torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py \
+        --model qwen2.5-7b --sp-size $sp --longest-document --start-length 32768 --growth 2 --max-length 262144 \
+        --json longest_7b_sp$sp.json; done
+    torchrun --standalone --nproc_per_node 4 benchmarks/sft_throughput.py --model qwen2.5-7b --sp-size 4 \
+        --distribution longalign --length-scale 2 --samples-per-device 2 --steps 2 --warmup 1 \
+        --schemes Collective+LB-Micro,ODC+LB-Mini --predict-world-sizes 8,32 --json sft_7b_sp4.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,32 +76,85 @@ from _common import (
 import hf_odc
 from hf_odc.cli.plan import LengthPool, simulate
 from hf_odc.engine import CollectiveMinibatch
+from hf_odc.kernels import new_sequence_group
 from hf_odc.packing import (
     BASELINE,
     DISTRIBUTIONS,
     Calibration,
+    GroupPlan,
+    MinibatchPlanner,
     microbatch_features,
     named_cost,
     plan_costs,
+    split_costs,
 )
 from hf_odc.packing.bubble import sync_time
 from hf_odc.packing.distributions import get_distribution
 from hf_odc.packing.flops import mfu, peak_flops, training_flops
-from hf_odc.trainer import PlannedMinibatchCollator
+from hf_odc.trainer import PlannedMinibatchCollator, PlannedStep
+from hf_odc.trainer.core.data import shard_row
 
 UNBALANCED, HEADLINE = "Collective+LocalSort", "ODC+LB-Mini"
 NAMES = list(SCHEME_SYNC)
 
 
-def run_config(args, model, optimizer, odc, collective, device, samples_per_device: int, packing_ratio: float) -> dict:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+@dataclass
+class _SplitRows:
+    """Sequence parallelism as Accelerate's Ulysses runs it: every microbatch of a group's plan (``inner``'s, planned
+    with the groups as ranks) split over the group's ranks, this rank holding shard ``index`` of each."""
+
+    inner: PlannedMinibatchCollator
+    group: Any
+    index: int
+    size: int
+
+    def __call__(self, examples: list[dict]) -> PlannedStep:
+        step = self.inner(examples)
+        rows = [shard_row(row, self.group, self.index, self.size) for row in step.microbatches]
+        return replace(step, microbatches=rows)
+
+
+def _collator(planner: MinibatchPlanner, rank: int, cap: int, group: Any, sp_size: int):
+    """This rank's collator for ``planner``: its own (group microbatches for documents over ``cap`` where the planner
+    plans groups), or, for a planner of the ``world / sp_size`` groups, every microbatch split (:class:`_SplitRows`)."""
+    if planner.group_size == sp_size:
+        return PlannedMinibatchCollator(rank, planner, cap, 0, group)
+    return _SplitRows(
+        PlannedMinibatchCollator(rank // sp_size, planner, cap * sp_size, 0), group, rank % sp_size, sp_size
+    )
+
+
+def _plan_record(planner: MinibatchPlanner, lengths: list[int], cap: int, sp_size: int) -> dict:
+    """The plan the step ran, for its predicted time (:func:`_rank_costs`)."""
+    if planner.group_size > 1:
+        grouped = planner.plan_groups(lengths, cap)
+        return {"plan": grouped.plan, "groups": grouped.groups}
+    return {"plan": planner.plan(lengths, cap * sp_size)}
+
+
+def _rank_costs(step: dict, sp_size: int, cost) -> list[list[float]]:
+    """``[rank][microbatch]`` -> predicted cost of a recorded step (:func:`_plan_record`): group microbatches first;
+    with every microbatch split, each group's microbatches on each of its ranks."""
+    if "groups" in step:
+        return GroupPlan(step["plan"], sp_size, step["groups"]).rank_costs(step["lengths"], cost)
+    if sp_size == 1:
+        return plan_costs(step["plan"], step["lengths"], cost)
+    split = split_costs(step["lengths"], sp_size, cost)
+    return [[float(split[mb].sum()) for mb in group] for group in step["plan"] for _ in range(sp_size)]
+
+
+def run_config(
+    args, model, optimizer, odc, collective, device, samples_per_device: int, packing_ratio: float, group: Any = None
+) -> dict:
+    """Every scheme on the same minibatches (``group``: this rank's sequence-parallel group, with ``--sp-size``)."""
+    rank, world_size, sp_size = dist.get_rank(), dist.get_world_size(), args.sp_size
     dist_info = DISTRIBUTIONS[args.distribution]
     minibatch_size = samples_per_device * world_size
     steps = args.warmup + args.steps
-    cap = int(packing_ratio * dist_info.max_length * args.length_scale)
+    cap = int(packing_ratio * dist_info.max_length * args.length_scale / sp_size)  # a group holds sp_size caps
     cost = named_cost("attention", model.config)
-    planners = scheme_planners([name for name in NAMES if name in args.schemes], world_size, cost)
-    collators = {name: PlannedMinibatchCollator(rank, planner, cap, 0) for name, planner in planners.items()}
+    planners = scheme_planners([name for name in NAMES if name in args.schemes], world_size, cost, sp_size)
+    collators = {name: _collator(planner, rank, cap, group, sp_size) for name, planner in planners.items()}
     records: dict[str, list[dict]] = {name: [] for name in collators}
     names = list(collators)
     for step, (chunk, examples) in enumerate(minibatches(args, model.config.vocab_size, minibatch_size, steps)):
@@ -87,9 +164,9 @@ def run_config(args, model, optimizer, odc, collective, device, samples_per_devi
             batch = collator(examples)
             result = run_step(model, optimizer, odc if uses_odc else collective, batch, world_size, uses_odc, device)
             if planners[name].calibrator is not None:
-                calibrate(planners[name], batch, result["microbatch_s"])
+                calibrate(planners[name], batch, result["microbatch_s"][result["shared"] :])
             if step >= args.warmup:
-                result["plan"] = collator.plan(chunk)
+                result |= _plan_record(planners[name], chunk, cap, sp_size)
                 result["lengths"] = chunk
                 result["predicted_bubble"] = batch.predicted_bubble_rate
                 result["tokens"] = sum(chunk)
@@ -115,7 +192,7 @@ def summarize(config: dict, args, world_size: int) -> dict:
         for steps in rank_records.values():
             for step in steps:
                 features += map(microbatch_features, step["microbatch_lengths"])
-                seconds += step["microbatch_s"]
+                seconds += step["microbatch_s"][step["shared"] :]
     calibration = Calibration.fit(features, seconds)
     calibrated = calibration.cost.amortised(config["max_tokens"])
     summary: dict[str, dict] = {}
@@ -126,11 +203,12 @@ def summarize(config: dict, args, world_size: int) -> dict:
         step_s = [max(r["busy"] + r["wait"] for r in ranks) for ranks in steps]
         busy = [sum(ranks[rank]["busy"] for ranks in steps) for rank in range(world_size)]  # per rank, all steps
         first = [ranks[0] for ranks in steps]
-        predicted = sum(sync_time(plan_costs(s["plan"], s["lengths"], calibrated), sync) for s in first)
+        predicted = sum(sync_time(_rank_costs(s, args.sp_size, calibrated), sync) for s in first)
         flops = training_flops((length for s in first for length in s["lengths"]), args.model_config)
         summary[name] = {
             **timing_summary(step_s, busy, [s["tokens"] for s in first], [s["predicted_bubble"] for s in first]),
             "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
+            "peak_gib_per_rank": [max(ranks[rank]["peak_gib"] for ranks in steps) for rank in range(world_size)],
             "mfu": mfu(flops, sum(step_s), world_size, peak) if peak is not None else None,
             "predicted_time": predicted,
             "microbatches": [[len(r["microbatch_s"]) for r in ranks] for ranks in steps],
@@ -146,7 +224,13 @@ def summarize(config: dict, args, world_size: int) -> dict:
             f"{args.distribution}x{args.length_scale:g}", tuple(scaled_lengths(args, 4096, seed=[args.seed, 99]))
         )
     simulation = simulate(
-        source, args.predict_world_sizes, config["samples_per_device"], config["max_tokens"], calibrated, seed=args.seed
+        source,
+        args.predict_world_sizes,
+        config["samples_per_device"],
+        config["max_tokens"],
+        calibrated,
+        seed=args.seed,
+        sp_size=args.sp_size,
     )
     predictions = {
         f"{r.world_size}:{r.scheme}": r.speedup for r in simulation.results
@@ -159,7 +243,8 @@ def summarize(config: dict, args, world_size: int) -> dict:
 
 
 def print_table(results: list[dict], args, world_size: int) -> None:
-    print(f"\n{args.model}, {args.distribution}, {world_size} x {args.device_name}, {args.steps} timed steps each")
+    sp = f", sp_size {args.sp_size}" if args.sp_size > 1 else ""
+    print(f"\n{args.model}, {args.distribution}, {world_size} x {args.device_name}{sp}, {args.steps} timed steps each")
     head = (
         f"{'config':>9} | {'scheme':>20} | {'step s':>7} | {'tok/s':>8} | {'bubble':>6} | {'pred':>5} | {'GiB':>5} | "
     )
@@ -231,25 +316,93 @@ def plot(results: list[dict], path: str, world_size: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def longest_document(args, model, optimizer, odc, device, group: Any, report=None) -> dict:
+    """Train one document per sequence-parallel group (each rank's, without) at growing lengths, from
+    ``--start-length`` by ``--growth`` up to ``--max-length``, until a step runs out of memory: the longest that
+    trained, each probe's step time and peak memory per rank, and the error that stopped the search. An out-of-memory
+    step aborts ODC (the peers' meeting fails at once, naming that rank), so every rank stops there. ``report`` gets
+    the result so far after every probe, so that a run cut short keeps what it found."""
+    rank, world_size, sp_size = dist.get_rank(), dist.get_world_size(), args.sp_size
+    cost = named_cost("attention", model.config)
+    pool = torch.randint(4, model.config.vocab_size, (args.max_length,), generator=torch.Generator().manual_seed(0))
+    probes, length, error = [], args.start_length, None
+
+    def found() -> dict:
+        return {"sp_size": sp_size, "longest": probes[-1]["length"] if probes else None, "error": error,
+                "probes": probes}  # fmt: skip
+
+    while length <= args.max_length:
+        planner = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, group_size=sp_size)
+        examples = [{"input_ids": pool[:length].tolist()} for _ in range(world_size // sp_size)]
+        cap = -(-length // sp_size)  # each document split over a group (sp_size > 1) or one rank's microbatch
+        batch = PlannedMinibatchCollator(rank, planner, cap, 0, group)(examples)
+        try:
+            result = run_step(model, optimizer, odc, batch, world_size, True, device)
+        except (torch.OutOfMemoryError, hf_odc.PeerFailureError) as e:
+            error = f"{type(e).__name__} at {length} tokens: {str(e).splitlines()[0] if str(e) else ''}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            break
+        peaks: list = [None] * world_size
+        dist.all_gather_object(peaks, result["peak_gib"])
+        probes.append({"length": length, "step_s": result["busy"] + result["wait"], "peak_gib_per_rank": peaks})
+        if rank == 0:
+            print(f"  {length} tokens: step {probes[-1]['step_s']:.2f} s, peak GiB per rank {peaks}", flush=True)
+        if report is not None:
+            report(found())
+        length = int(length * args.growth)
+    return found()
+
+
 def main() -> None:
     parser = workload_parser(__doc__.splitlines()[0], steps=10, warmup=1, sweep=True)
     parser.add_argument("--schemes", default=",".join(NAMES), help=f"comma list of {NAMES}")
     parser.add_argument("--predict-world-sizes", default="8,32,128")
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--sp-size", type=int, default=1, help="sequence parallelism: ranks per group (see above)")
+    parser.add_argument("--longest-document", action="store_true", help="search the longest trainable document")
+    parser.add_argument("--start-length", type=int, default=16384, help="--longest-document's first length")
+    parser.add_argument("--growth", type=float, default=1.25, help="--longest-document's factor between lengths")
+    parser.add_argument("--max-length", type=int, default=1 << 20, help="--longest-document's last length")
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
     if unknown := set(args.schemes) - set(NAMES):
         parser.error(f"unknown schemes {sorted(unknown)}: choose from {NAMES}")
+    if args.growth <= 1 or args.start_length < 2:
+        parser.error("--growth must exceed 1 and --start-length be at least 2 tokens")
     args.predict_world_sizes = [int(w) for w in args.predict_world_sizes.split(",")]
     device = init_distributed(args)
     world_size = dist.get_world_size()
+    if args.sp_size < 1 or world_size % args.sp_size:
+        parser.error(f"--sp-size {args.sp_size} must divide the {world_size} processes")
+    group = new_sequence_group(args.sp_size) if args.sp_size > 1 else None
     model, optimizer, model_config = build(args, device)
     args.model_config = model_config.to_dict()
     odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
+    record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__,
+              "model_type": model_config.model_type}  # fmt: skip
+    if args.longest_document:
+
+        def report(found: dict) -> None:
+            record["longest_document"] = found
+            if dist.get_rank() == 0 and args.json:
+                with open(args.json, "w") as f:
+                    json.dump(record, f, indent=1)
+
+        found = longest_document(args, model, optimizer, odc, device, group, report)
+        report(found)
+        with contextlib.suppress(Exception):  # a probe that ran out of memory left the handle aborted
+            odc.close()
+        if dist.get_rank() == 0:
+            stop = found["error"] or f"--max-length {args.max_length}"
+            print(f"\n{args.model}, {world_size} x {args.device_name}, sp_size {args.sp_size}: longest document "
+                  f"trained {found['longest']} tokens; stopped by {stop}")  # fmt: skip
+        dist.destroy_process_group()
+        return
     results = []
     for samples in (int(s) for s in args.samples_per_device.split(",")):
         for ratio in (float(r) for r in args.packing_ratios.split(",")):
-            config = run_config(args, model, optimizer, odc, collective, device, samples, ratio)
+            config = run_config(args, model, optimizer, odc, collective, device, samples, ratio, group)
             if dist.get_rank() == 0:
                 config["summary"] = summarize(config, args, world_size)
             results.append(config)
@@ -258,8 +411,6 @@ def main() -> None:
         print_table(results, args, world_size)
         if args.json:
             with open(args.json, "w") as f:
-                record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__,
-                          "model_type": model_config.model_type}  # fmt: skip
                 json.dump({**record, "results": results}, f, indent=1)
         if args.plot:
             plot(results, args.plot, world_size)

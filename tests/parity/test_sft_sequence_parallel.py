@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import pytest
 from _parity import SEQUENCE_PARALLEL, assert_same_case, parity_fixture
-from _sft_parity import LONG_DOCUMENT_CASES
-
-from hf_odc.demo import build_tokenizer
+from _sft_parity import LONG_DOCUMENT_CASES, demo_token_fields
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
-_TOKENIZER = build_tokenizer()
 runs = parity_fixture(
     "_sft_parity.py",
     LONG_DOCUMENT_CASES,
     accelerate=SEQUENCE_PARALLEL,
-    vocab_size=len(_TOKENIZER),
-    pad_token_id=_TOKENIZER.pad_token_id,
-    eos_token_id=_TOKENIZER.eos_token_id,
-    bos_token_id=_TOKENIZER.bos_token_id,
+    **demo_token_fields(),
 )
 SETTINGS = {
     name: {"gradient_accumulation_steps": accumulation} for name, (_, accumulation, _, _) in LONG_DOCUMENT_CASES.items()

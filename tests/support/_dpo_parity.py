@@ -6,8 +6,9 @@ OUT CASE...`` trains ``ODCDPOTrainer`` with ``8 / world_size`` pairs per process
 optimizer step sees the same pairs (sequential sampling), planned as one ODC minibatch. The pairs are the DPO example's
 (``hf_odc.demo.preference_dataset``), many longer than ``max_length`` (truncated). The long-pair cases
 (:data:`LONG_PAIR_CASES`, launched with Accelerate's ``parallelism_config_sp_size: 2``) give ODC microbatches of 56
-tokens, so the pairs of up to 96 tokens longer than that are split over both ranks. Rank 0 saves, per case, the logged
-step entries and the full parameters."""
+tokens, so the pairs of up to 96 tokens longer than that are split over both ranks; the four-rank cases
+(:data:`FOUR_RANK_CASES`, on 4 processes) set groups of 2 ranks in their config. Rank 0 saves, per case, the logged step
+entries and the full parameters."""
 
 from __future__ import annotations
 
@@ -59,9 +60,13 @@ LONG_PAIR_CASES = {
     "long-pairs-accumulation": {"gradient_accumulation_steps": 2},
     "long-pairs-lora": {"learning_rate": 2.0},
 }
+# On 4 processes, sequence parallelism set per case (ODC's `parallelism_config`): pairs of up to 96 tokens on
+# microbatches of 48, split over two groups of 2 ranks (GRPO's four-rank case has one group of 4)
+FOUR_RANK_CASES = {"four-ranks-sp2": {"sp_size": 2}}
 PEFT_CASES = ("peft", "long-pairs-lora")
 # each case's microbatch size gives the ranks different counts in some step
 ODC_MAX_TOKENS = {"accumulation": 112} | dict.fromkeys(LONG_PAIR_CASES, 56)
+ODC_MAX_TOKENS |= {"four-ranks-sp2": 48}
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
@@ -74,7 +79,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         {"trl": (DPOConfig, DPOTrainer), "odc": (ODCDPOConfig, ODCDPOTrainer)},
         model_dir,
         output_dir,
-        COMMON | (CASES | MOE_CASES | LONG_PAIR_CASES)[name],
+        COMMON | (CASES | MOE_CASES | LONG_PAIR_CASES | FOUR_RANK_CASES)[name],
         peft=name in PEFT_CASES,
         minibatch=MINIBATCH,
         max_tokens=ODC_MAX_TOKENS.get(name, 2 * MAX_LENGTH),

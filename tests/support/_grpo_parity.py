@@ -20,7 +20,7 @@ import math
 import os
 
 import torch
-from _parity import TRAINING, run_cases, trained_state
+from _parity import TRAINING, run_cases, sequence_parallel, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import SyntheticRollouts, build_tokenizer, echo_reward, length_reward, prompt_dataset
@@ -67,6 +67,10 @@ LONG_ROLLOUT_CASES = {
     "long-lora-kl": {"lora": True, "loss_type": "grpo", "beta": 0.04, "max_steps": 2, "learning_rate": 8.0},
     "long-entropy-mask": CASES["entropy-mask"],
 }  # fmt: skip
+# On 4 processes, sequence parallelism set per case (ODC's `parallelism_config`): rollouts of up to 64 tokens on
+# microbatches of 16, split over one group of 4 ranks, with a sequence-level ratio summed over the group (DPO's
+# four-rank case has two groups of 2)
+FOUR_RANK_CASES = {"four-ranks-sp4-luspo-sequence": LONG_ROLLOUT_CASES["long-luspo-sequence"] | {"sp_size": 4}}
 # A Mixture-of-Experts model (tests/parity/test_trainer_moe.py): the router's load-balancing loss on (over the whole
 # minibatch, as TRL's one forward of it computes it) and off; 60 tokens per microbatch give the ranks different counts
 # in step 2.
@@ -96,6 +100,7 @@ DISTILLATION_CASES = {  # TRL's beta defaults to 1.0: the reverse KL
 ODC_TOKEN_CAP = {"accumulation": 64, "accumulation-dapo": 64}
 ODC_TOKEN_CAP |= dict.fromkeys(RLOO_CASES, 56) | dict.fromkeys(DISTILLATION_CASES, 50)  # ranks' counts differ
 ODC_TOKEN_CAP |= dict.fromkeys(MOE_CASES, 60) | dict.fromkeys(LONG_ROLLOUT_CASES, 32)
+ODC_TOKEN_CAP |= {"four-ranks-sp4-luspo-sequence": 16}
 # Sampling log-probabilities around the tiny policy's (about -ln 507 per token), so that the ratios fall on both sides
 # of each case's clip range: per token, or per sequence (sums over up to 40 tokens).
 VLLM_CASES = {
@@ -137,9 +142,9 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     from hf_odc import trainer as odc
 
     rloo, distill = name in RLOO_CASES, name in DISTILLATION_CASES
-    every_case = CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES | LONG_ROLLOUT_CASES
+    every_case = CASES | VLLM_CASES | MOE_CASES | RLOO_CASES | DISTILLATION_CASES | LONG_ROLLOUT_CASES | FOUR_RANK_CASES
     overrides = {"max_steps": 1} | every_case[name]
-    lora = overrides.pop("lora", False)
+    lora, sp_size = overrides.pop("lora", False), overrides.pop("sp_size", None)
     peft_config = None
     if lora:  # peft is imported only here: vLLM's own environment (tests/distributed/test_vllm.py) has none
         from peft import LoraConfig
@@ -172,7 +177,8 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         )  # fmt: skip
         args = config_class(
             output_dir, per_device_train_batch_size=MINIBATCH // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens", **(common | overrides),
+            max_tokens_per_microbatch=ODC_TOKEN_CAP.get(name, 48), cost_model="tokens",
+            parallelism_config=sequence_parallel(sp_size), **(common | overrides),
         )  # fmt: skip
     if distill:  # the teacher: the student's shape, other weights (the same on every process)
         torch.manual_seed(1)

@@ -30,6 +30,12 @@ SEQUENCE_PARALLEL = "parallelism_config:\n  parallelism_config_sp_size: 2\n"
 ``accelerate``): groups of 2 ranks split the documents longer than a microbatch."""
 
 
+def sequence_parallel(sp_size: int | None) -> dict | None:
+    """An ODC config's ``parallelism_config`` for a case's ``sp_size`` (``None``: Accelerate's launcher decides), so
+    that one launch runs cases with different group sizes (``tests/parity/test_sequence_parallel_four_ranks.py``)."""
+    return None if sp_size is None else {"sp_size": sp_size}
+
+
 def trained_state(trainer) -> dict | None:
     """After ``trainer.train()``: the logged training steps and the full parameters (gathered from the shards for an
     ODC trainer, which is then closed), on the first process; ``None`` on the others."""
@@ -106,16 +112,20 @@ def train_with(
 ) -> dict | None:
     """Train one case and return its :func:`trained_state`: ``classes[kind]``'s (config, trainer) pair, ``"trl"`` on
     one process with the whole ``minibatch`` per accumulation step, ``"odc"`` with ``minibatch / world_size`` per
-    process and accumulation step, token-costed microbatches of at most ``max_tokens``; the demo tokenizer."""
+    process and accumulation step, token-costed microbatches of at most ``max_tokens`` (and, where ``settings`` has
+    ``sp_size``, groups of that many ranks: :func:`sequence_parallel`); the demo tokenizer."""
     from hf_odc.demo import build_tokenizer
 
     config_class, trainer_class = classes[kind]
+    settings, sp_size = dict(settings), settings.get("sp_size")
+    settings.pop("sp_size", None)
     if kind == "trl":
         args = config_class(output_dir, per_device_train_batch_size=minibatch, **settings)
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         args = config_class(output_dir, per_device_train_batch_size=minibatch // world_size, cost_model="tokens",
-                            max_tokens_per_microbatch=max_tokens, **settings)  # fmt: skip
+                            max_tokens_per_microbatch=max_tokens, parallelism_config=sequence_parallel(sp_size),
+                            **settings)  # fmt: skip
     trainer = trainer_class(args=args, processing_class=build_tokenizer(), **trainer_kwargs)
     trainer.train()
     return trained_state(trainer)
@@ -130,12 +140,13 @@ def parity_runs(
     model_class: type = Qwen2ForCausalLM,
     env: dict | None = None,
     accelerate: str = "",
+    processes: int = 2,
     **config: Any,
 ) -> tuple[dict, dict]:
     """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
     fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
-    process and by ODC on two (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch); their saved
-    states, by case."""
+    process and by ODC on ``processes`` (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch);
+    their saved states, by case."""
     if model is None:
         torch.manual_seed(0)
         fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
@@ -146,7 +157,8 @@ def parity_runs(
     run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
     accelerate_config = directory / "odc_cpu.yaml"
     accelerate_config.write_text((EXAMPLES / "odc_cpu.yaml").read_text() + accelerate)
-    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=2, env=env, config=accelerate_config)
+    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=processes, env=env,
+                config=accelerate_config)  # fmt: skip
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 

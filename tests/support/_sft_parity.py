@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from _parity import TRAINING, run_cases, trained_state
+from _parity import TRAINING, run_cases, sequence_parallel, trained_state
 from transformers import AutoModelForCausalLM
 
 from hf_odc.demo import build_tokenizer, chat_dataset
@@ -35,7 +35,22 @@ LONG_DOCUMENT_CASES = {
     "long-documents-accumulation": (8, 2, 32, {}),
     "long-documents-lora": (16, 1, 32, {"lora": True}),
 }
-CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES}
+# On 4 processes, sequence parallelism set per case (ODC's `parallelism_config`): documents of up to 59 tokens on
+# microbatches of 30 (groups of 2) or 15 (groups of 4), so each group splits documents of up to its whole capacity
+FOUR_RANK_CASES = {
+    "four-ranks-sp2": (16, 1, 30, {"sp_size": 2}),
+    "four-ranks-sp4": (16, 1, 15, {"sp_size": 4}),
+    "four-ranks-sp4-lora-accumulation": (8, 2, 15, {"sp_size": 4, "lora": True}),
+}
+CASES = {"accumulation": (8, 4, 160, {}), **MOE_CASES, **LONG_DOCUMENT_CASES, **FOUR_RANK_CASES}
+
+
+def demo_token_fields() -> dict:
+    """The model config fields of the demo tokenizer's vocabulary and special tokens (what :func:`_parity.parity_runs`
+    takes as ``config``), for the cases trained on TRL's tokenization of chats."""
+    tokenizer = build_tokenizer()
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id)  # fmt: skip
 
 
 def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
@@ -47,6 +62,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     batch, accumulation, max_tokens, settings = CASES[name]
     settings = COMMON | {"gradient_accumulation_steps": accumulation} | settings
     lora = settings.pop("lora", False)
+    sp_size = settings.pop("sp_size", None)
     peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]) if lora else None
     dataset = chat_dataset(batch * accumulation * STEPS, COMMON["max_length"], "swe-smith", seed=0)
     if kind == "trl":
@@ -60,7 +76,7 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         args = ODCSFTConfig(
             output_dir, per_device_train_batch_size=batch // world_size, max_tokens_per_microbatch=max_tokens,
-            cost_model="tokens", **settings,
+            cost_model="tokens", parallelism_config=sequence_parallel(sp_size), **settings,
         )  # fmt: skip
         trainer = ODCSFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=build_tokenizer(), peft_config=peft_config

@@ -17,7 +17,7 @@ from hf_odc.accelerate_plugin import (
     parallelism_config_from,
     sequence_parallel_size,
 )
-from hf_odc.trainer import ODCSFTConfig
+from hf_odc.trainer import ODCDPOConfig, ODCGRPOConfig, ODCSFTConfig
 
 LAUNCHED = {  # what `accelerate launch` exports for a yaml with `parallelism_config: {parallelism_config_sp_size: 2}`
     "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
@@ -64,6 +64,15 @@ def test_the_trainer_config_takes_it_over(tmp_path, launched):
     given = ParallelismConfig(sp_size=4)
     args = ODCSFTConfig(str(tmp_path), report_to="none", parallelism_config=given)
     assert args.sp_size == 4 and args.parallelism_config is given  # kept for the record, hidden from Accelerate
+
+
+@pytest.mark.parametrize("config_class", [ODCDPOConfig, ODCGRPOConfig])
+def test_every_splitting_trainer_config_takes_a_parallelism_config(tmp_path, config_class):
+    """``ParallelismConfig(sp_size=N)`` in Python reaches DPO's and GRPO's configs too: TRL's own ``__post_init__``
+    does not see it (its GRPOConfig refuses any ``sp_size`` above 1, which hf_odc runs itself)."""
+    given = ParallelismConfig(sp_size=2)
+    args = config_class(str(tmp_path), report_to="none", parallelism_config=given)
+    assert args.sp_size == 2 and args.parallelism_config is given
 
 
 @pytest.mark.parametrize(

@@ -453,7 +453,8 @@ def test_sp_size_plans_documents_longer_than_the_cap_on_groups(tmp_path, capsys)
     lengths_file, out_json = str(_lengths_file(tmp_path)), tmp_path / "sp.json"
     out = _plan(capsys, "--lengths", lengths_file, "--max-tokens", "12000", "--sp-size", "2", "--world-sizes", "2,4",
                 "--minibatches", "2", "--samples-per-rank", "4", "--json", str(out_json))  # fmt: skip
-    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    schemes_table = out.split("┃ Group ┃")[0]  # the groups' table follows
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in schemes_table.splitlines() if line[:1] == "│"]
     assert [row[:2] for row in rows] == [[str(w), name] for w in (2, 4) for name in SCHEMES]
     assert "sp_size=2: samples over max_tokens split over 2 ranks" in " ".join(out.split())
     report = json.loads(out_json.read_text())
@@ -463,3 +464,36 @@ def test_sp_size_plans_documents_longer_than_the_cap_on_groups(tmp_path, capsys)
     assert "must divide the number of processes (2)" in err
     err = _fails(capsys, "--lengths", lengths_file, "--max-tokens", "6000", "--sp-size", "2")
     assert "has 24000 tokens, more than --sp-size 2 x max_tokens=6000" in err
+
+
+def test_sp_size_shows_which_documents_each_group_splits_and_the_balance(tmp_path, capsys):
+    """With ``--sp-size 2``, ``hf-odc plan`` shows ODC+LB-Mini's groups in the first minibatch (here every length of
+    the file, drawn in some order, on 4 ranks): exactly the documents over the cap (5, so some group splits several),
+    each on one group of 2 ranks, longest first; what they cost each rank of the group and every rank's load (token
+    costs: the short documents' tokens plus each split document's share, all-to-alls included, on both ranks of its
+    group); the busiest rank's load over the mean, in the table too."""
+    from hf_odc.packing import split_costs
+
+    out_json = tmp_path / "groups.json"
+    lengths = [*LENGTHS[:11], 24000, 20000, 16384, 13000, 12500]
+    out = _plan(capsys, "--lengths", str(_lengths_file(tmp_path, lengths)), "--max-tokens", "12000", "--sp-size", "2",
+                "--world-sizes", "4", "--samples-per-rank", "4", "--minibatches", "1", "--cost", "tokens",
+                "--json", str(out_json))  # fmt: skip
+    groups = json.loads(out_json.read_text())["groups"]["4"]
+    assert [group["ranks"] for group in groups] == [[0, 1], [2, 3]]
+    long = sorted(length for length in lengths if length > 12000)
+    assert sorted(length for group in groups for length in group["documents"]) == long
+    shares = dict(zip(long, split_costs(long, 2, "tokens"), strict=True))
+    for group in groups:
+        assert list(group["documents"]) == sorted(group["documents"], reverse=True)
+        assert group["shared_cost"] == pytest.approx(sum(shares[length] for length in group["documents"]))
+        assert all(load >= group["shared_cost"] for load in group["loads"])
+    loads = [load for group in groups for load in group["loads"]]
+    short = sum(length for length in lengths if length <= 12000)
+    assert sum(loads) == pytest.approx(short + 2 * sum(shares.values()))
+    balance = f"{max(loads) / (sum(loads) / len(loads)):.2f}x"
+    groups_table = " ".join(out.split("┃ Group ┃")[1].split())
+    for group in groups:
+        documents = ", ".join(map(str, group["documents"])) or "-"
+        assert f"{group['ranks'][0]}-{group['ranks'][1]} │ {documents} │" in groups_table
+    assert f"│ {balance} │" in groups_table

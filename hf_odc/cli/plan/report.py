@@ -52,7 +52,38 @@ def render_table(simulation: Simulation, console: Console | None = None) -> None
             f"{result.speedup:.2f}x",
             str(result.min_microbatches) if result.min_microbatches == result.max_microbatches else counts,
         )
-    (console or Console()).print(table)
+    console = console or Console()
+    console.print(table)
+    if simulation.groups:
+        console.print(_group_table(simulation))
+
+
+def _group_table(simulation: Simulation) -> Table:
+    """ODC+LB-Mini's sequence-parallel groups in each world size's first minibatch: the documents each group splits,
+    what they and everything else cost each rank, against the mean rank's load, and the busiest rank's over it."""
+    table = Table(
+        title=f"ODC+LB-Mini's group microbatches, first minibatch, sp_size={simulation.config['sp_size']}",
+        caption="Documents: the lengths a group runs split over its ranks, in order, before the ranks' own "
+        "microbatches. Split and Loads: their share of each rank's cost and each rank's whole cost, as fractions of "
+        "the mean rank's load. Balance: the busiest rank's load over the mean (1.00x: even).",
+    )
+    for name, justify in (("Ranks", "right"), ("Group", "left"), ("Documents", "left"), ("Split", "right"),
+                          ("Loads", "left"), ("Balance", "right")):  # fmt: skip
+        table.add_column(name, justify=justify)
+    for world_size, groups in simulation.groups.items():
+        loads = [load for group in groups for load in group.loads]
+        mean = sum(loads) / len(loads)
+        for index, group in enumerate(groups):
+            table.add_row(
+                str(world_size) if index == 0 else "",
+                f"{group.ranks[0]}-{group.ranks[-1]}",
+                ", ".join(map(str, group.documents)) or "-",
+                f"{group.shared_cost / mean:.0%}",
+                " ".join(f"{load / mean:.0%}" for load in group.loads),
+                f"{max(loads) / mean:.2f}x" if index == 0 else "",
+            )
+        table.add_section()
+    return table
 
 
 def _cross_host_caption(simulation: Simulation) -> str:

@@ -13,7 +13,8 @@ training runs them (:mod:`hf_odc.packing.sequence_parallel`): ODC+LB-Mini runs e
 as a group microbatch of ``sp_size`` ranks and every other one on a single rank; the other schemes, whose ranks run
 microbatches in step, split every microbatch over a group, as Accelerate's Ulysses does (the groups plan as ranks
 with ``sp_size`` times the cap). A split document costs each rank of its group its share plus the all-to-alls
-(:func:`~hf_odc.packing.split_costs`).
+(:func:`~hf_odc.packing.split_costs`). For the first minibatch of each world size the simulation also keeps where
+ODC+LB-Mini placed the split documents (:class:`GroupPlacement`): which group's ranks run them, and every rank's load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ...packing.schemes import BASELINE, SCHEMES, Scheme
 from ...packing.sequence_parallel import check_group_size, lb_mini_groups, split_costs
 from .sources import LengthSource
 
-__all__ = ["HYBRID_SCHEMES", "CrossHost", "SchemeResult", "Simulation", "simulate"]
+__all__ = ["HYBRID_SCHEMES", "CrossHost", "GroupPlacement", "SchemeResult", "Simulation", "simulate"]
 
 HYBRID_SCHEMES: dict[str, str] = {"HSDP+LB-Micro": "Collective+LB-Micro", "Hybrid ODC+LB-Mini": "ODC+LB-Mini"}
 """Each cross-host row and the compute-only row whose plans and time it extends by the cross-host all-reduce. Both
@@ -133,14 +134,35 @@ class SchemeResult:
 
 
 @dataclass(frozen=True)
+class GroupPlacement:
+    """One sequence-parallel group in ODC+LB-Mini's plan of a minibatch: the documents longer than the cap that its
+    ranks run together, and what each of its ranks runs in all (its share of those plus its own microbatches)."""
+
+    ranks: tuple[int, ...]
+    """The group's ranks (consecutive)."""
+    documents: tuple[int, ...]
+    """The lengths of its group microbatches' documents, in the order its ranks run them (first in the minibatch)."""
+    shared_cost: float
+    """What the group microbatches cost each of its ranks (its share of every document plus the all-to-alls)."""
+    loads: tuple[float, ...]
+    """Each rank's whole planned cost in the minibatch, in :attr:`ranks`' order."""
+
+
+@dataclass(frozen=True)
 class Simulation:
     config: dict[str, object]
     results: list[SchemeResult]
     timelines: dict[int, dict[str, list[list[float]]]] = field(repr=False)
     """``timelines[world_size][scheme][rank]``: microbatch costs of the first minibatch, for plotting."""
+    groups: dict[int, list[GroupPlacement]] = field(default_factory=dict)
+    """``groups[world_size]``: with sequence parallelism, ODC+LB-Mini's groups in the first minibatch (empty
+    without)."""
 
     def to_dict(self) -> dict[str, object]:
-        return {"config": self.config, "results": [asdict(result) for result in self.results]}
+        result: dict[str, object] = {"config": self.config, "results": [asdict(result) for result in self.results]}
+        if self.groups:
+            result["groups"] = {str(size): [asdict(group) for group in groups] for size, groups in self.groups.items()}
+        return result
 
 
 def simulate(
@@ -171,6 +193,7 @@ def simulate(
         check_group_size(world_size, sp_size)
     results: list[SchemeResult] = []
     timelines: dict[int, dict[str, list[list[float]]]] = {}
+    groups: dict[int, list[GroupPlacement]] = {}
     for world_size in world_sizes:
         rng = np.random.default_rng([seed, world_size])
         times = dict.fromkeys((scheme.name for scheme in SCHEMES), 0.0)
@@ -178,6 +201,8 @@ def simulate(
         counts: dict[str, list[int]] = {scheme.name: [] for scheme in SCHEMES}
         for minibatch in range(num_minibatches):
             lengths = source.draw(samples_per_rank * world_size, rng)
+            if minibatch == 0 and sp_size > 1:
+                groups[world_size] = _group_placements(lengths, world_size, max_tokens, cost, sp_size)
             costs_by_planner: dict[str, list[list[float]]] = {}  # two schemes share the LB-Micro plan
             for scheme in SCHEMES:
                 if scheme.balance not in costs_by_planner:
@@ -224,7 +249,7 @@ def simulate(
         config["sp_size"] = sp_size
     if cross_host is not None:
         config["cross_host"] = asdict(cross_host)
-    return Simulation(config=config, results=results, timelines=timelines)
+    return Simulation(config=config, results=results, timelines=timelines, groups=groups)
 
 
 def _planned_costs(
@@ -238,3 +263,24 @@ def _planned_costs(
     plan = scheme.planner(lengths, world_size // sp_size, max_tokens * sp_size, cost)  # every microbatch split
     split = split_costs(lengths, sp_size, cost)
     return [[float(split[microbatch].sum()) for microbatch in group] for group in plan for _ in range(sp_size)]
+
+
+def _group_placements(
+    lengths: list[int], world_size: int, max_tokens: int, cost: CostLike, sp_size: int
+) -> list[GroupPlacement]:
+    """ODC+LB-Mini's groups in a minibatch's plan (:func:`~hf_odc.packing.lb_mini_groups`), as
+    one :class:`GroupPlacement` per group."""
+    plan = lb_mini_groups(lengths, world_size, max_tokens, cost, group_size=sp_size)
+    costs = plan.rank_costs(lengths, cost)  # each rank's group microbatches first
+    placements = []
+    for start in range(0, world_size, sp_size):
+        shared = plan.shared(start)
+        placements.append(
+            GroupPlacement(
+                ranks=tuple(range(start, start + sp_size)),
+                documents=tuple(lengths[i] for i in shared),
+                shared_cost=float(sum(costs[start][: len(shared)])),
+                loads=tuple(float(sum(costs[rank])) for rank in range(start, start + sp_size)),
+            )
+        )
+    return placements

@@ -15,7 +15,12 @@ import torch
 
 from ... import packing
 from ..._env import parse_bool
-from ...accelerate_plugin import ODCPlugin, parallelism_config_from, sequence_parallel_size
+from ...accelerate_plugin import (
+    ODCPlugin,
+    accelerate_without_parallelism,
+    parallelism_config_from,
+    sequence_parallel_size,
+)
 from ...accelerate_plugin.plugin import odc_field
 from ...packing import COSTS, PLANNERS
 from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
@@ -346,7 +351,8 @@ class _ODCConfig:
             ):
                 if getattr(self, new) is None:
                     setattr(self, new, getattr(self, old))
-        super().__post_init__()
+        with accelerate_without_parallelism(self):  # taken over: TRL's GRPOConfig would refuse sp_size > 1
+            super().__post_init__()
         checkpointing = getattr(self, "activation_checkpointing", self.gradient_checkpointing)
         if self.checkpoint_attention == "save" and checkpointing:
             # what the trainer will pass, checked now (TrainingArguments has parsed the kwargs from JSON)
