@@ -30,7 +30,13 @@ from .script import (
 )
 from .tokenizer import build_tokenizer, load_tokenizer
 from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
-from .vision import build_vision_model, build_vision_processor, vision_dataset, vision_preference_dataset
+from .vision import (
+    build_vision_model,
+    build_vision_processor,
+    vision_dataset,
+    vision_preference_dataset,
+    vision_prompt_dataset,
+)
 
 __all__ = [
     "ExampleParser",
@@ -67,4 +73,5 @@ __all__ = [
     "unpaired_dataset",
     "vision_dataset",
     "vision_preference_dataset",
+    "vision_prompt_dataset",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "build_vision_processor",
     "vision_dataset",
     "vision_preference_dataset",
+    "vision_prompt_dataset",
 ]
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -163,4 +164,18 @@ def vision_preference_dataset(num_pairs: int, seed: int, max_images: int = 2) ->
         rows["chosen"].append([{"role": "assistant", "content": " ".join(prompt.split()[::-1])}])
         rows["rejected"].append([{"role": "assistant", "content": _words(rng, 2, 12)}])
     features = {"images": Sequence(Image()), "prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES}
+    return Dataset.from_dict(rows, features=Features(features))
+
+
+def vision_prompt_dataset(num_prompts: int, seed: int, max_images: int = 2, max_completion_length: int = 16) -> Dataset:
+    """``num_prompts`` GRPO prompts in TRL's vision format: ``images`` (as :func:`vision_dataset`'s), a one-turn
+    ``prompt`` of a few words and the reply's asked length ``target_length`` (1 to ``max_completion_length`` words,
+    :func:`hf_odc.demo.length_reward`'s column), seeded by ``seed``."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"images": [], "prompt": [], "target_length": []}
+    for index in range(num_prompts):
+        rows["images"].append(_random_images(rng, index, max_images))
+        rows["prompt"].append([{"role": "user", "content": _words(rng, 2, 8)}])
+        rows["target_length"].append(int(rng.integers(1, max_completion_length + 1)))
+    features = {"images": Sequence(Image()), "prompt": _MESSAGES, "target_length": Value("int64")}
     return Dataset.from_dict(rows, features=Features(features))

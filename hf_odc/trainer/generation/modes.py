@@ -87,6 +87,7 @@ GENERATION_MODES = ("static", "gathered", "sharded", "lockstep", "tensor-paralle
 # The share of the device's free memory the full weights may take, by mode, when the mode is chosen: the static copy
 # is held through the policy update too, so it takes less; what is left goes to the KV cache and the activations.
 _COPY_SHARE_OF_FREE_MEMORY = {"static": 0.25, "gathered": 0.5}
+_COPY_MODES = ("static", "tensor-parallel")  # the modes that decode a text decoder's copy of the policy
 
 
 def check_generation_mode(
@@ -336,13 +337,27 @@ class VLLMGenerator(Generator):
 
 def make_generator(trainer: Any) -> Generator:
     """The owner of ``trainer``'s generation mode: ``"vllm"`` with ``use_vllm``, else ``odc_generation`` as
-    :func:`choose_generation_mode` settles it. Called once, after the policy is sharded and ODC installed."""
+    :func:`choose_generation_mode` settles it. Called once, after the policy is sharded and ODC installed.
+
+    A vision-language policy (TRL's ``_is_vlm``) decodes its images with transformers' ``generate`` on the policy
+    itself: ``"gathered"`` (the default in place of a copy mode), ``"sharded"`` or ``"lockstep"``; the copy modes
+    (``"static"``, ``"tensor-parallel"``: text decoders) and vLLM (whose weight sync is the text model's) are
+    refused."""
     args = trainer.args
+    vision = getattr(trainer, "_is_vlm", False)
+    if vision and (args.use_vllm or args.odc_generation in _COPY_MODES):
+        chosen = "use_vllm=True" if args.use_vllm else f"odc_generation={args.odc_generation!r}"
+        raise ValueError(
+            f"{chosen} decodes a text-only copy of the policy; a vision-language policy decodes with odc_generation "
+            "'gathered' (the default), 'sharded' or 'lockstep'."
+        )
     if args.use_vllm:
         return VLLMGenerator(trainer)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     device, tools = trainer.accelerator.device, _uses_tools(trainer)
     mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, device, tools)
+    if vision and mode in _COPY_MODES:
+        mode = "gathered"
     if mode == "static":
         return StaticGenerator(trainer, dtype)
     if mode == "tensor-parallel":
