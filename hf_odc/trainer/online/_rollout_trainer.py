@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ class _ODCRolloutTrainer(_ODCTrainer):
     """The ODC side of an online TRL trainer that generates and scores rollouts (a mixin placed before the TRL class,
     whose ``__init__`` takes ``model`` and ``args`` by name). The subclass calls :meth:`_setup_odc`, then
     :meth:`_setup_generation`, and implements :meth:`_deferred_passes` and ``_microbatch_loss``."""
+
+    _trains_vision: ClassVar[bool] = True
+    """Whether the trainer trains a vision-language policy (TRL's processor as ``processing_class``)."""
 
     def __init__(self, model: Any, args: Any, **kwargs: Any):
         self._deferring_scores = False
@@ -77,6 +80,11 @@ class _ODCRolloutTrainer(_ODCTrainer):
         and its ``get_rope_index`` kept: its rollouts carry their images and 3-D positions."""
         self._rope_index = None
         if getattr(self, "_is_vlm", False):
+            if not self._trains_vision:
+                raise NotImplementedError(
+                    f"{type(self).__name__} trains text-only policies; pass a tokenizer as processing_class, not a "
+                    "processor."
+                )
             model = self.accelerator.unwrap_model(self.model)
             self._rope_index = check_vision_model(model, type(self).__name__, self.args.sp_size)
         self._ref_odc = shard_reference(self)
