@@ -31,6 +31,8 @@ from .script import (
 from .tokenizer import build_tokenizer, load_tokenizer
 from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
 from .vision import (
+    build_llava_model,
+    build_llava_processor,
     build_vision_model,
     build_vision_processor,
     vision_dataset,
@@ -45,6 +47,8 @@ __all__ = [
     "LookupScript",
     "PromptScriptArguments",
     "SyntheticRollouts",
+    "build_llava_model",
+    "build_llava_processor",
     "build_model",
     "build_tokenizer",
     "build_tool_tokenizer",

@@ -9,6 +9,10 @@ import torch
 from datasets import Dataset, Features, Image, Sequence, Value
 from PIL import Image as PILImage
 from transformers import (
+    CLIPImageProcessorPil,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
     PreTrainedModel,
     ProcessorMixin,
     Qwen2_5_VLConfig,
@@ -21,7 +25,10 @@ from .._compat import set_attn_implementation
 from .tokenizer import build_tokenizer
 
 __all__ = [
+    "LLAVA_IMAGE_TOKEN",
     "VISION_TOKENS",
+    "build_llava_model",
+    "build_llava_processor",
     "build_vision_model",
     "build_vision_processor",
     "vision_dataset",
@@ -120,6 +127,55 @@ def build_vision_model(processor: Qwen2_5_VLProcessor, seed: int, attn_implement
     set_attn_implementation(config, attn_implementation)
     torch.manual_seed(seed)
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+LLAVA_IMAGE_TOKEN = "<image>"
+"""The LLaVA-style demo's image placeholder, one per image in the rendered prompt; its processor expands it into one
+token per patch."""
+
+LLAVA_IMAGE_SIZE = 16
+"""The LLaVA-style demo's images: every image resized to 16 x 16 pixels, 16 patches of 4 x 4 (16 image tokens)."""
+
+_LLAVA_CHAT_TEMPLATE = _VISION_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", LLAVA_IMAGE_TOKEN)
+
+
+def build_llava_processor() -> LlavaProcessor:
+    """LLaVA's processor over the demos' word-level tokenizer (with :data:`LLAVA_IMAGE_TOKEN`) and CLIP's image
+    processor (the PIL one) resizing every image to :data:`LLAVA_IMAGE_SIZE` pixels a side; the processor expands each
+    placeholder into one token per 4 x 4 patch."""
+    tokenizer = build_tokenizer(extra_tokens=[LLAVA_IMAGE_TOKEN], chat_template=_LLAVA_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})
+    size = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+    image_processor = CLIPImageProcessorPil(size=size, crop_size=size, do_center_crop=False)
+    return LlavaProcessor(
+        image_processor, tokenizer, patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+        chat_template=_LLAVA_CHAT_TEMPLATE, image_token=LLAVA_IMAGE_TOKEN, num_additional_image_tokens=1,
+    )  # fmt: skip
+
+
+def build_llava_model(processor: LlavaProcessor, seed: int, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """A tiny LLaVA-style model (a 2-block CLIP vision tower of width 32 over 4-pixel patches, its CLS feature dropped,
+    a 2-layer projector, a 2-layer Qwen2 language model of width 64, plain 1-D positions) with random weights seeded by
+    ``seed``, for ``processor``'s vocabulary and image token."""
+    tokenizer = processor.tokenizer
+    config = LlavaConfig(
+        vision_config=dict(
+            model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, image_size=LLAVA_IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
+        ),
+        text_config=dict(
+            model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    set_attn_implementation(config, attn_implementation)
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(config)
 
 
 def _random_images(rng: np.random.Generator, index: int, max_images: int) -> list[PILImage.Image]:

@@ -1,5 +1,6 @@
 """Vision-language models end to end: ``ODCSFTTrainer``, ``ODCDPOTrainer`` (with a reference model),
-``ODCGRPOTrainer`` and ``ODCRLOOTrainer`` on 2 CPU processes train the built-in tiny Qwen2.5-VL on image data exactly
+``ODCGRPOTrainer`` and ``ODCRLOOTrainer`` on 2 CPU processes train the built-in tiny Qwen2.5-VL (SFT also the tiny
+LLaVA-style model: whole images, the processor's image tokens, 1-D positions) on image data exactly
 as stock TRL does on one process (loss, gradient norm, TRL's metrics, final parameters), with the ranks running
 different numbers of microbatches, and a step with no image on one rank (SFT, DPO) or on every rank (GRPO, RLOO:
 stock TRL cannot score prompts with and without images together) (``tests/support/_vision_parity.py``: one launch of
@@ -11,17 +12,19 @@ import pytest
 from _grpo_parity import TIMINGS
 from _parity import assert_same_training, assert_unequal_microbatches, example_steps, parity_runs
 
-from hf_odc.demo import build_vision_model, build_vision_processor
+from hf_odc.demo import build_llava_model, build_llava_processor, build_vision_model, build_vision_processor
 
 pytestmark = pytest.mark.slow  # every test starts processes
-CASES = ["sft", "dpo", "grpo", "rloo"]
+CASES = ["sft", "dpo", "grpo", "rloo", "sft-llava"]
 ONLINE = ["grpo", "rloo"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("vision")
+    build_llava_model(build_llava_processor(), seed=0).save_pretrained(directory / "model" / "llava")
     model = build_vision_model(build_vision_processor(), seed=0)
-    return parity_runs(tmp_path_factory.mktemp("vision"), "_vision_parity.py", CASES, model=model)
+    return parity_runs(directory, "_vision_parity.py", CASES, model=model)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -32,7 +35,7 @@ def test_odc_on_images_matches_stock_trl_on_one_process(runs, case):
     assert_unequal_microbatches([ours])
 
 
-@pytest.mark.parametrize("case", ["sft", "dpo"])
+@pytest.mark.parametrize("case", ["sft", "dpo", "sft-llava"])
 def test_a_rank_with_no_image_still_trains(runs, case):
     """The second step holds one sample (pair) with images: both ranks train microbatches, so one of them has none
     (its microbatches carry no pixels: ``tests/unit/test_trainer_vision.py``), and the step's image patches are that

@@ -24,10 +24,11 @@ import os
 from datasets import concatenate_datasets
 
 from _parity import TRAINING, run_cases, trained_state
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 
 from hf_odc.demo import (
     SyntheticRollouts,
+    build_llava_processor,
     build_vision_processor,
     length_reward,
     vision_dataset,
@@ -41,7 +42,9 @@ STEPS = 2
 CASES = {
     "sft": (12, 190, vision_dataset, dict(max_length=96)),
     "dpo": (8, 160, vision_preference_dataset, dict(max_length=64, beta=0.5, gradient_checkpointing=False)),
+    "sft-llava": (12, 130, vision_dataset, dict(max_length=96)),
 }
+LLAVA_CASES = {"sft-llava"}  # the LLaVA-style demo model (saved in MODEL_DIR/llava) and its processor
 ONLINE = dict(num_generations=3, max_completion_length=16, shuffle_dataset=False)
 ONLINE_CASES = {  # (rollouts per step, ODC's microbatch tokens, other settings)
     "grpo": (12, 112, dict(ONLINE, loss_type="grpo")),
@@ -118,6 +121,8 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
     config_class, trainer_class = {
         ("trl", "sft"): (SFTConfig, SFTTrainer),
         ("odc", "sft"): (ODCSFTConfig, ODCSFTTrainer),
+        ("trl", "sft-llava"): (SFTConfig, SFTTrainer),
+        ("odc", "sft-llava"): (ODCSFTConfig, ODCSFTTrainer),
         ("trl", "dpo"): (DPOConfig, DPOTrainer),
         ("odc", "dpo"): (ODCDPOConfig, ODCDPOTrainer),
     }[kind, name]
@@ -129,12 +134,15 @@ def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | 
             output_dir, per_device_train_batch_size=minibatch // world_size // 2, gradient_accumulation_steps=2,
             max_tokens_per_microbatch=max_tokens, cost_model="tokens", **settings,
         )  # fmt: skip
-    load = lambda: Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, attn_implementation="sdpa")  # noqa: E731
+    llava = name in LLAVA_CASES
+    model_class = LlavaForConditionalGeneration if llava else Qwen2_5_VLForConditionalGeneration
+    directory = os.path.join(model_dir, "llava") if llava else model_dir
+    load = lambda: model_class.from_pretrained(directory, attn_implementation="sdpa")  # noqa: E731
     references = {"ref_model": load()} if name == "dpo" else {}
+    processor = build_llava_processor() if llava else build_vision_processor()
     trainer = trainer_class(
-        load(), args=args, train_dataset=lone_image_dataset(name), processing_class=build_vision_processor(),
-        **references,
-    )  # fmt: skip
+        load(), args=args, train_dataset=lone_image_dataset(name), processing_class=processor, **references
+    )
     trainer.train()
     return trained_state(trainer)
 

@@ -55,5 +55,5 @@ def rollout_images(
             rows = int(own_grid.prod(dim=-1).sum())
             own_pixels = pixels[first_row : first_row + rows]
             first_image, first_row = first_image + count, first_row + rows
-        images.append(ImageInputs(positions[:, 0], own_pixels, own_grid))
+        images.append(ImageInputs(positions[:, 0], own_pixels, own_grid, 0))
     return images
