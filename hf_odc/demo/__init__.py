@@ -31,6 +31,7 @@ from .script import (
 from .tokenizer import build_tokenizer, load_tokenizer
 from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
 from .vision import (
+    VISION_SHAPES,
     build_llava_model,
     build_llava_processor,
     build_vision_model,
@@ -41,6 +42,7 @@ from .vision import (
 )
 
 __all__ = [
+    "VISION_SHAPES",
     "ExampleParser",
     "GlobalBatchParser",
     "GlobalBatchScriptArguments",

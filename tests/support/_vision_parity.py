@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import os
 
-from datasets import concatenate_datasets
-
 from _parity import TRAINING, run_cases, trained_state
+from datasets import concatenate_datasets
 from transformers import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 
 from hf_odc.demo import (

@@ -45,8 +45,8 @@ def rollout_images(
             token_types = torch.zeros_like(ids)
         else:  # the padded row's prompt ends at prompt_width (left padding), its completion starts there
             row = types[i].cpu()
-            token_types = torch.cat([row[prompt_width - len(prompt) : prompt_width], row[prompt_width:][: len(completion)]])
-            token_types = token_types[None]
+            prompt_types = row[prompt_width - len(prompt) : prompt_width]
+            token_types = torch.cat([prompt_types, row[prompt_width:][: len(completion)]])[None]
         count = counts[i]
         own_grid = grid[first_image : first_image + count] if count else None
         positions, _ = rope_index(ids, token_types, image_grid_thw=own_grid, attention_mask=torch.ones_like(ids))

@@ -5,8 +5,9 @@ TRL's ``GRPOTrainer`` trains each rank on the rollouts it generated, cut into eq
 long completions sets the pace of every step. Here, once a generation batch is generated and scored (its advantages
 final), every rank gathers every rollout (:func:`gather_rollouts`, one gather per generation batch), cuts the batch
 into ``steps_per_generation`` minibatches with the same seeded permutation, and plans each minibatch with the
-trainer's planner on the rollouts' weights (their tokens, plus a vision policy's image patches: :func:`plan_generation_batch`): every rank computes the same plan and keeps
-its own row, so rollouts move between ranks without any further communication. Each microbatch is one padding-free
+trainer's planner on the rollouts' weights (their tokens, plus a vision policy's image patches;
+:func:`plan_generation_batch`): every rank computes the same plan and keeps its own row, so rollouts move between
+ranks without any further communication. Each microbatch is one padding-free
 row (:func:`pack_rollouts`): each rollout's prompt and completion, ``position_ids`` restarting at 0. With sequence
 parallelism (the planner's ``group_size`` above 1) a rollout longer than a microbatch is a group microbatch: its row
 cut over the group's ranks, each scoring the completion tokens of its own slice (:func:`shard_rollouts`).
