@@ -233,10 +233,9 @@ def vision_dataset(
     replies = longtail_lengths(num_samples, max_reply, "swe-smith", seed) if max_reply else None
     for index in range(num_samples):
         rows["images"].append(_random_images(rng, index, max_images, replies is not None, max_side))
+        user = _words(rng, 2, 8)
         reply = _words(rng, 4, 25) if replies is None else _words(rng, replies[index], replies[index] + 1)
-        rows["messages"].append(
-            [{"role": "user", "content": _words(rng, 2, 8)}, {"role": "assistant", "content": reply}]
-        )
+        rows["messages"].append([{"role": "user", "content": user}, {"role": "assistant", "content": reply}])
     return Dataset.from_dict(rows, features=Features({"images": Sequence(Image()), "messages": _MESSAGES}))
 
 

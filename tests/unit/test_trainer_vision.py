@@ -112,7 +112,7 @@ def test_unsupported_vision_models_and_options_are_refused(parts, tmp_path):
         check_vision_model(model, "ODCSFTTrainer", sp_size=2)
     other = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=len(processor.tokenizer)))  # a text model
     args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=96)
-    with pytest.raises(ValueError, match=r"trains vision datasets with \['qwen2_5_vl'\] models, not 'qwen2'"):
+    with pytest.raises(ValueError, match=r"trains vision datasets with \['llava', 'qwen2_5_vl'\] models, not 'qwen2'"):
         ODCSFTTrainer(model=other, args=args, train_dataset=dataset, processing_class=processor)
 
 

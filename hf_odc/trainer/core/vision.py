@@ -180,7 +180,7 @@ class VisionMinibatchCollator:
                 ids, out["mm_token_type_ids"], image_grid_thw=grid, attention_mask=out["attention_mask"]
             )
             positions = positions[:, 0]
-        image_tokens = int((ids == self.image_token_id).sum())
+        image_tokens = 0 if self.image_token_id is None else int((ids == self.image_token_id).sum())
         return VisionSample(positions, out.get("pixel_values"), grid, image_tokens, ids[0], out["labels"][0])
 
     def __call__(self, examples: list[dict[str, Any]]) -> PlannedStep:
