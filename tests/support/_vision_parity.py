@@ -72,25 +72,10 @@ def online_prompts(per_step: int):
 
 def train_online_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
     """GRPO's or RLOO's case: TRL's processing and scoring of the image prompts, the decoding replaced."""
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-    from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer, ODCRLOOConfig, ODCRLOOTrainer
-
     rollouts, max_tokens, settings = ONLINE_CASES[name]
-    settings = TRAINING | dict(max_steps=STEPS) | settings
-    config_class, trainer_class = {
-        ("trl", "grpo"): (GRPOConfig, GRPOTrainer),
-        ("odc", "grpo"): (ODCGRPOConfig, ODCGRPOTrainer),
-        ("trl", "rloo"): (RLOOConfig, RLOOTrainer),
-        ("odc", "rloo"): (ODCRLOOConfig, ODCRLOOTrainer),
-    }[kind, name]
-    if kind == "trl":
-        args = config_class(output_dir, per_device_train_batch_size=rollouts, **settings)
-    else:
-        args = config_class(
-            output_dir, per_device_train_batch_size=rollouts // int(os.environ.get("WORLD_SIZE", "1")),
-            max_tokens_per_microbatch=max_tokens, cost_model="tokens", **settings,
-        )  # fmt: skip
+    trainer_class, args = case_setup(
+        kind, name, output_dir, rollouts, max_tokens, TRAINING | dict(max_steps=STEPS) | settings
+    )
     prompts = online_prompts(rollouts // settings["num_generations"])
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, attn_implementation="sdpa")
     processor = build_vision_processor()
@@ -107,32 +92,34 @@ def train_online_case(kind: str, model_dir: str, name: str, output_dir: str) -> 
     return trained_state(trainer)
 
 
-def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+def case_setup(
+    kind: str, name: str, output_dir: str, samples: int, max_tokens: int, settings: dict, accumulation: int = 1
+) -> tuple[type, object]:
+    """The case's trainer class and config: stock TRL's with the step's ``samples`` in one batch, ODC's with a share
+    per process and accumulation call, token-costed microbatches of at most ``max_tokens``."""
+    import trl
 
+    from hf_odc import trainer as odc
+
+    base = {"sft": "SFT", "sft-llava": "SFT", "dpo": "DPO", "grpo": "GRPO", "rloo": "RLOO"}[name]
+    module, prefix = (trl, "") if kind == "trl" else (odc, "ODC")
+    config_class, trainer_class = getattr(module, f"{prefix}{base}Config"), getattr(module, f"{prefix}{base}Trainer")
+    if kind == "trl":
+        return trainer_class, config_class(output_dir, per_device_train_batch_size=samples, **settings)
+    per_device = samples // int(os.environ.get("WORLD_SIZE", "1")) // accumulation
+    return trainer_class, config_class(
+        output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+        max_tokens_per_microbatch=max_tokens, cost_model="tokens", **settings,
+    )  # fmt: skip
+
+
+def train_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
     if name in ONLINE_CASES:
         return train_online_case(kind, model_dir, name, output_dir)
-
-    from hf_odc.trainer import ODCDPOConfig, ODCDPOTrainer, ODCSFTConfig, ODCSFTTrainer
-
     minibatch, max_tokens, _, settings = CASES[name]
     settings = TRAINING | dict(max_steps=STEPS, train_sampling_strategy="sequential") | settings
-    config_class, trainer_class = {
-        ("trl", "sft"): (SFTConfig, SFTTrainer),
-        ("odc", "sft"): (ODCSFTConfig, ODCSFTTrainer),
-        ("trl", "sft-llava"): (SFTConfig, SFTTrainer),
-        ("odc", "sft-llava"): (ODCSFTConfig, ODCSFTTrainer),
-        ("trl", "dpo"): (DPOConfig, DPOTrainer),
-        ("odc", "dpo"): (ODCDPOConfig, ODCDPOTrainer),
-    }[kind, name]
-    if kind == "trl":
-        args = config_class(output_dir, per_device_train_batch_size=minibatch, **settings)
-    else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        args = config_class(
-            output_dir, per_device_train_batch_size=minibatch // world_size // 2, gradient_accumulation_steps=2,
-            max_tokens_per_microbatch=max_tokens, cost_model="tokens", **settings,
-        )  # fmt: skip
+    # ODC: a quarter of the minibatch per process and accumulation call (2 of them)
+    trainer_class, args = case_setup(kind, name, output_dir, minibatch, max_tokens, settings, accumulation=2)
     llava = name in LLAVA_CASES
     model_class = LlavaForConditionalGeneration if llava else Qwen2_5_VLForConditionalGeneration
     directory = os.path.join(model_dir, "llava") if llava else model_dir
