@@ -209,7 +209,7 @@ def _vision_ratio(model: Any) -> float | None:
 @contextlib.contextmanager
 def built_on_device(module: Any) -> Any:
     """While open, the example ``module``'s ``build_model`` (and ``hf_odc.demo.script``'s, which builds DPO's and
-    KTO's reference) build on this rank's GPU when there is one; restored on exit."""
+    KTO's reference) or ``build_vision_model`` build on this rank's GPU when there is one; restored on exit."""
     import torch
 
     import hf_odc.demo.script as demo_script
@@ -217,19 +217,26 @@ def built_on_device(module: Any) -> Any:
     if not torch.cuda.is_available():
         yield
         return
-    original = demo_script.build_model
+    original, vision = demo_script.build_model, getattr(module, "build_vision_model", None)
     if getattr(module, "build_model", original) is not original:
         raise RuntimeError(f"{module.__name__} builds its model with another build_model than hf_odc.demo's.")
 
-    def build_model(*args: Any, **kwargs: Any) -> Any:
-        with torch.device("cuda", torch.cuda.current_device()):
-            return original(*args, **kwargs)
+    def on_device(build: Any) -> Any:
+        def build_here(*args: Any, **kwargs: Any) -> Any:
+            with torch.device("cuda", torch.cuda.current_device()):
+                return build(*args, **kwargs)
 
-    module.build_model = demo_script.build_model = build_model
+        return build_here
+
+    module.build_model = demo_script.build_model = on_device(original)
+    if vision is not None:
+        module.build_vision_model = on_device(vision)
     try:
         yield
     finally:
         module.build_model = demo_script.build_model = original
+        if vision is not None:
+            module.build_vision_model = vision
 
 
 def load_example(script: str) -> Any:
