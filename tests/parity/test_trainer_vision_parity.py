@@ -15,7 +15,8 @@ from _parity import assert_same_training, assert_unequal_microbatches, example_s
 from hf_odc.demo import build_llava_model, build_llava_processor, build_vision_model, build_vision_processor
 
 pytestmark = pytest.mark.slow  # every test starts processes
-CASES = ["sft", "dpo", "grpo", "rloo", "sft-llava"]
+PARITY = ["sft", "dpo", "grpo", "rloo", "sft-llava"]
+CASES = [*PARITY, "grpo-generate"]
 ONLINE = ["grpo", "rloo"]
 
 
@@ -27,7 +28,7 @@ def runs(tmp_path_factory):
     return parity_runs(directory, "_vision_parity.py", CASES, model=model)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", PARITY)
 def test_odc_on_images_matches_stock_trl_on_one_process(runs, case):
     reference, ours = runs[0][case], runs[1][case]
     assert [entry["step"] for entry in ours["logs"]] == [1, 2]
@@ -58,3 +59,13 @@ def test_a_vision_policy_trains_a_step_without_images(runs, case):
     first, second = runs[1][case]["logs"]
     assert first["image_patches"] > 0 and second["image_patches"] == 0
     assert second["microbatches/rank_0"] >= 1 and second["microbatches/rank_1"] >= 1
+
+
+def test_a_vision_policy_decodes_its_images(runs):
+    """``ODCGRPOTrainer`` decodes the image prompts with transformers' ``generate`` (the ``"gathered"`` mode, FSDP2's
+    lazy initialisation run from the root: the vision blocks run first) and trains on the rollouts, as stock TRL
+    does."""
+    for result in runs:
+        (entry,) = result["grpo-generate"]["logs"]
+        assert entry["completions/mean_length"] > 0 and entry["num_tokens"] > 0
+    assert runs[1]["grpo-generate"]["logs"][0]["image_patches"] > 0

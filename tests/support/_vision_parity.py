@@ -2,7 +2,9 @@
 image data (``hf_odc.demo.vision``), per case: ``sft`` (``SFTTrainer`` / ``ODCSFTTrainer``, image conversations),
 ``dpo`` (``DPOTrainer`` / ``ODCDPOTrainer`` with a reference model, image preference pairs), ``grpo`` and ``rloo``
 (``GRPOTrainer`` / ``ODCGRPOTrainer``, ``RLOOTrainer`` / ``ODCRLOOTrainer``: image prompts, TRL's own prompt processing
-and scoring, the decoding replaced by the demo's synthetic completions, :class:`hf_odc.demo.SyntheticRollouts`).
+and scoring, the decoding replaced by the demo's synthetic completions, :class:`hf_odc.demo.SyntheticRollouts`), and
+``grpo-generate`` (one GRPO step with transformers' own decoding of the image prompts: it runs, without parity, as
+each rank samples its own completions).
 
 ``python tests/support/_vision_parity.py trl MODEL_DIR OUT CASE...`` trains stock TRL with each step's global minibatch
 in one batch, no accumulation: Qwen2.5-VL sets ``accepts_loss_kwargs = False``, so TRL's SFT loss under accumulation
@@ -48,6 +50,8 @@ ONLINE = dict(num_generations=3, max_completion_length=16, shuffle_dataset=False
 ONLINE_CASES = {  # (rollouts per step, ODC's microbatch tokens, other settings)
     "grpo": (12, 112, dict(ONLINE, loss_type="grpo")),
     "rloo": (12, 112, dict(ONLINE, beta=0.0)),
+    # transformers' generate with the images (ODC: the "gathered" mode), one step: it runs (sampling differs by rank)
+    "grpo-generate": (12, 112, dict(ONLINE, loss_type="grpo", max_completion_length=4)),
 }
 
 
@@ -73,8 +77,9 @@ def online_prompts(per_step: int):
 def train_online_case(kind: str, model_dir: str, name: str, output_dir: str) -> dict | None:
     """GRPO's or RLOO's case: TRL's processing and scoring of the image prompts, the decoding replaced."""
     rollouts, max_tokens, settings = ONLINE_CASES[name]
+    steps = 1 if name == "grpo-generate" else STEPS
     trainer_class, args = case_setup(
-        kind, name, output_dir, rollouts, max_tokens, TRAINING | dict(max_steps=STEPS) | settings
+        kind, name, output_dir, rollouts, max_tokens, TRAINING | dict(max_steps=steps) | settings
     )
     prompts = online_prompts(rollouts // settings["num_generations"])
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, attn_implementation="sdpa")
@@ -87,7 +92,8 @@ def train_online_case(kind: str, model_dir: str, name: str, output_dir: str) -> 
     complete = completions.complete
     if name == "grpo":  # GRPO's decoding returns the sampling log-probabilities too
         complete = lambda prompt_ids, trainer: (completions.complete(prompt_ids, trainer), None)  # noqa: E731
-    trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: complete(prompt_ids, trainer)
+    if name != "grpo-generate":
+        trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: complete(prompt_ids, trainer)
     trainer.train()
     return trained_state(trainer)
 
@@ -101,7 +107,9 @@ def case_setup(
 
     from hf_odc import trainer as odc
 
-    base = {"sft": "SFT", "sft-llava": "SFT", "dpo": "DPO", "grpo": "GRPO", "rloo": "RLOO"}[name]
+    base = {"sft": "SFT", "sft-llava": "SFT", "dpo": "DPO", "grpo": "GRPO", "grpo-generate": "GRPO", "rloo": "RLOO"}[
+        name
+    ]
     module, prefix = (trl, "") if kind == "trl" else (odc, "ODC")
     config_class, trainer_class = getattr(module, f"{prefix}{base}Config"), getattr(module, f"{prefix}{base}Trainer")
     if kind == "trl":
