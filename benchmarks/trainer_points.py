@@ -1,8 +1,9 @@
-"""ODCRewardTrainer, ODCKTOTrainer, ODCRLOOTrainer and ODCDistillationTrainer, each under three schemes side by side
+"""ODCRewardTrainer, ODCKTOTrainer, ODCRLOOTrainer, ODCDistillationTrainer and ODCSFTTrainer on a vision-language
+model, each under three schemes side by side
 (FSDP2 on TRL's own split, FSDP2 + LB-Micro, ODC + LB-Mini: ``_common.TRAINER_SCHEMES``), with a table and JSON.
 
-Each trainer is trained by its example script's own setup (``examples/{reward,kto,rloo,distill}.py``: the built-in
-model shape, tokenizer and long-tailed data), the same seed in every scheme, so every scheme trains on the same
+Each trainer is trained by its example script's own setup (``examples/{reward,kto,rloo,distill,sft_vlm}.py``: the
+built-in model shape, tokenizer and long-tailed data), the same seed in every scheme, so every scheme trains on the same
 minibatches. The driver (this script without ``--worker``) starts one ``accelerate launch`` of this script per
 trainer; that worker runs the schemes one after the other in its process (one launch per row would spend most of a
 GPU lease on starting processes): per scheme it parses the example's command line with the scheme's flags and calls
@@ -21,7 +22,17 @@ The data (``--max-length`` is the longest sequence; ``swe-smith``-shaped lengths
   reference: the policy update is what the schemes change);
 * distillation: ``--global-batch-size`` completions per step up to ``--max-length / 2`` tokens (the teacher's
   full-vocabulary log-probabilities of a rank's rows are kept until the update: ``4 x tokens x vocabulary`` bytes),
-  injected likewise, and a teacher of the same shape (other random weights), sharded, scoring forward-only.
+  injected likewise, and a teacher of the same shape (other random weights), sharded, scoring forward-only;
+* sft_vlm: ``--global-batch-size`` image conversations per step (``examples/sft_vlm.py --long_tailed``: replies up to
+  ``--max-length / 4`` words, long-tailed; 1 to ``--max-images`` random images each, their count long-tailed: every
+  sample has one, as FSDP2's per-layer collectives need every rank to run the vision tower in each microbatch;
+  microbatches of ``4 x --max-length`` tokens plus patches), on the built-in Qwen2.5-VL of ``--model-config``
+  (``tiny``, or ``qwen2.5-vl-3b``: Qwen2.5-VL-3B's shape, random weights, 14-pixel patches, images up to 448 pixels
+  a side).
+  Its rows' tokens count text tokens plus image patches (the planner's weights), and ``mfu_vision`` is the logged MFU
+  (which prices a patch as a token of the language model) with the patches priced by the vision tower's parameters
+  instead: ``mfu x (text + r x patches) / (text + patches)``, ``r`` the tower's parameters over the language model's
+  non-embedding ones (linear layers only: the attention's share is priced alike for both).
 
 Per scheme, over the steps after ``--warmup``: the median device-timed step (``step_s``: the minibatch between its
 two meeting points, what the schemes change) and the median wall-clock step (``wall_s``: from one step's end to the
@@ -37,6 +48,13 @@ still run. On 2 GPUs (``STEPS=trainers bash benchmarks/gpu_suite.sh``)::
 
     python benchmarks/trainer_points.py --num-processes 2 --budget 450 --logs out/trainer_logs \\
         --json out/trainer_points.json
+
+the vision-language point on 4 GPUs (Qwen2.5-VL-3B's shape; ``--max-length`` in words of a reply, its tokens plus
+up to 8 images of up to 256 tokens and 1024 patches each)::
+
+    python benchmarks/trainer_points.py --trainers sft_vlm --model-config qwen2.5-vl-3b --num-processes 4 \
+        --max-length 4096 --global-batch-size 32 --steps 7 --warmup 2 --budget 300 \
+        --schemes "FSDP2 + LB-Micro,ODC + LB-Mini" --json out/sft_vlm_point.json
 
 and on 2 CPU processes (the smoke test)::
 
@@ -93,6 +111,12 @@ TRAINERS = {
         "--rollouts synthetic --max_completion_length {length} --per_device_train_batch_size {per_device} "
         "--num_generations {generations} --beta 0",
     ),
+    "sft_vlm": Point(
+        "sft_vlm.py",
+        "ODCSFTTrainer",
+        "--max_length {length} --num_samples {samples} --global_batch_size {batch} --long_tailed true "
+        "--max_images {images} --max_tokens_per_microbatch {vision_tokens}",
+    ),
     "distill": Point(
         "distill.py",
         "ODCDistillationTrainer",
@@ -112,6 +136,8 @@ def example_flags(args: argparse.Namespace, name: str, output_dir: str) -> list[
         "per_device": args.global_batch_size // args.num_processes,
         "model": args.model_config,
         "generations": args.num_generations,
+        "images": args.max_images,
+        "vision_tokens": 4 * args.max_length,
     }
     return [
         "--model_config", args.model_config, *TRAINERS[name].flags.format(**fields).split(),
@@ -164,14 +190,26 @@ def train_and_release(trainer: Any, record: dict) -> None:
     trainer.train()
     record["entries"] = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
     record["wall_s"] = clock.times
+    record["vision_ratio"] = _vision_ratio(trainer.accelerator.unwrap_model(trainer.model))
     trainer.close_odc()
     trainer.accelerator.free_memory()
+
+
+def _vision_ratio(model: Any) -> float | None:
+    """A vision-language model's vision-tower parameters over its language model's non-embedding ones (the FLOPs of a
+    patch over a token's, linear layers only); ``None`` for a language model."""
+    inner = getattr(model, "model", model)
+    visual, language = getattr(inner, "visual", None), getattr(inner, "language_model", None)
+    if visual is None or language is None:
+        return None
+    embeddings = sum(p.numel() for p in language.get_input_embeddings().parameters())
+    return sum(p.numel() for p in visual.parameters()) / (sum(p.numel() for p in language.parameters()) - embeddings)
 
 
 @contextlib.contextmanager
 def built_on_device(module: Any) -> Any:
     """While open, the example ``module``'s ``build_model`` (and ``hf_odc.demo.script``'s, which builds DPO's and
-    KTO's reference) build on this rank's GPU when there is one; restored on exit."""
+    KTO's reference) or ``build_vision_model`` build on this rank's GPU when there is one; restored on exit."""
     import torch
 
     import hf_odc.demo.script as demo_script
@@ -179,19 +217,26 @@ def built_on_device(module: Any) -> Any:
     if not torch.cuda.is_available():
         yield
         return
-    original = demo_script.build_model
+    original, vision = demo_script.build_model, getattr(module, "build_vision_model", None)
     if getattr(module, "build_model", original) is not original:
         raise RuntimeError(f"{module.__name__} builds its model with another build_model than hf_odc.demo's.")
 
-    def build_model(*args: Any, **kwargs: Any) -> Any:
-        with torch.device("cuda", torch.cuda.current_device()):
-            return original(*args, **kwargs)
+    def on_device(build: Any) -> Any:
+        def build_here(*args: Any, **kwargs: Any) -> Any:
+            with torch.device("cuda", torch.cuda.current_device()):
+                return build(*args, **kwargs)
 
-    module.build_model = demo_script.build_model = build_model
+        return build_here
+
+    module.build_model = demo_script.build_model = on_device(original)
+    if vision is not None:
+        module.build_vision_model = on_device(vision)
     try:
         yield
     finally:
         module.build_model = demo_script.build_model = original
+        if vision is not None:
+            module.build_vision_model = vision
 
 
 def load_example(script: str) -> Any:
@@ -290,6 +335,14 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
     wall = record["wall_s"][warmup:] or record["wall_s"]
     mean = lambda key: statistics.fmean(e[key] for e in entries) if all(key in e for e in entries) else None  # noqa: E731
     tokens = sum(e[f"tokens/rank_{r}"] for e in entries for r in range(world_size))
+    mfu_vision = None
+    if record.get("vision_ratio") is not None and all(e.get("mfu") is not None for e in entries):
+        patches = [e["image_patches"] for e in entries]
+        weights = [sum(e[f"tokens/rank_{r}"] for r in range(world_size)) for e in entries]
+        mfu_vision = statistics.fmean(
+            e["mfu"] * (w - p + record["vision_ratio"] * p) / w
+            for e, w, p in zip(entries, weights, patches, strict=True)
+        )
     return {
         "steps": len(entries),
         "step_s_median": statistics.median(e["step_s"] for e in entries),
@@ -301,6 +354,8 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         "bubble_rate": mean("bubble_rate"),
         "predicted_bubble_rate": mean("predicted_bubble_rate"),
         "mfu": mean("mfu"),
+        "mfu_vision": mfu_vision,
+        "image_patches_per_step": mean("image_patches"),
         "scoring_s": mean("scoring_s"),
         "microbatches_per_rank": [mean(f"microbatches/rank_{r}") for r in range(world_size)],
         "loss": [e["loss"] for e in record["entries"]],
@@ -334,10 +389,12 @@ def print_table(trainers: dict) -> None:
             print(f"{trainer:8s} {scheme:33s} {row['step_s_median']:7.2f} {row['wall_s_median']:7.2f} "
                   f"{row['tokens_per_second']:9.0f} {ratio(row.get('x_trl_split')):>6s} "
                   f"{ratio(row.get('x_lb_micro')):>6s} {percent(row['bubble_rate']):>7s} "
-                  f"{percent(row['predicted_bubble_rate']):>6s} {percent(row['mfu']):>6s} "
+                  f"{percent(row['predicted_bubble_rate']):>6s} {percent(row.get('mfu_vision') or row['mfu']):>6s} "
                   f"{row['peak_memory_gib']:8.1f}  {mbs}")  # fmt: skip
         if "error" in result:
             print(f"{trainer:8s} error: {result['error'].splitlines()[0]}")
+    if any(row.get("mfu_vision") is not None for result in trainers.values() for row in result["schemes"].values()):
+        print("note: sft_vlm's MFU counts the vision tower's FLOPs per patch (mfu_vision in the JSON)")
     for trainer, result in trainers.items():
         for scheme, row in result["schemes"].items():
             if row.get("allocated_at_start_gib", 0.0) > 0.1:  # counted in its peak
@@ -387,7 +444,9 @@ def write_json(args: argparse.Namespace, environment: dict | None, trainers: dic
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainers", default=",".join(TRAINERS), help="comma list of " + ", ".join(TRAINERS))
+    parser.add_argument(
+        "--trainers", default="reward,kto,rloo,distill", help="comma list of " + ", ".join(TRAINERS)
+    )  # sft_vlm takes its own --model-config (a vision shape)
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma list of scheme names")
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--accelerate-config", default=str(ROOT / "examples" / "odc.yaml"))
@@ -396,6 +455,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=8192, help="longest sequence (distillation: half)")
     parser.add_argument("--global-batch-size", type=int, default=16, help="pairs / examples / completions per step")
     parser.add_argument("--num-generations", type=int, default=8, help="RLOO's group size")
+    parser.add_argument("--max-images", type=int, default=8, help="sft_vlm: most images of a sample")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2, help="first steps not counted")
     parser.add_argument("--seed", type=int, default=0)

@@ -33,6 +33,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import ModelConfig, get_peft_config
 
 from hf_odc.demo import (
+    VISION_SHAPES,
     GlobalBatchParser,
     GlobalBatchScriptArguments,
     build_vision_model,
@@ -48,23 +49,36 @@ from hf_odc.trainer import PACKED_ATTENTION, ODCSFTConfig, ODCSFTTrainer
 
 @dataclass
 class VisionScriptArguments(GlobalBatchScriptArguments):
-    """The examples' script arguments (`hf_odc.demo.GlobalBatchScriptArguments`), plus the size of the built-in image
-    dataset. `model_config` is not read: without `model_name_or_path` the model is the built-in tiny Qwen2.5-VL.
+    """The examples' script arguments (`hf_odc.demo.GlobalBatchScriptArguments`), plus the built-in image dataset's.
+    Without `model_name_or_path`, `model_config` names a built-in Qwen2.5-VL shape (`hf_odc.demo.VISION_SHAPES`:
+    `"tiny"`, or `"qwen2.5-vl-3b"` with random weights, for GPU benchmarks).
 
     Args:
         num_samples (`int`, *optional*, defaults to `160`):
             Number of samples of the built-in image dataset.
+        max_images (`int`, *optional*, defaults to `2`):
+            Most images of a built-in sample (every third has none).
+        long_tailed (`bool`, *optional*, defaults to `False`):
+            Built-in samples with long-tailed reply lengths (up to a quarter of `max_length` words) and image counts
+            (1 to `max_images`: a benchmark's workload, which FSDP2 runs too), images of up to the shape's largest
+            side.
     """
 
     num_samples: int = field(default=160, metadata={"help": "Number of samples of the built-in image dataset."})
+    max_images: int = field(default=2, metadata={"help": "Most images of a built-in sample."})
+    long_tailed: bool = field(
+        default=False, metadata={"help": "Long-tailed reply lengths and image counts in the built-in dataset."}
+    )
 
 
-def load_model_and_processor(model_args: ModelConfig, seed: int) -> tuple[torch.nn.Module, object]:
-    """``--model_name_or_path`` (a directory holding a Qwen2.5-VL and its processor), else the built-in tiny one."""
+def load_model_and_processor(model_args: ModelConfig, seed: int, shape: str = "tiny") -> tuple[torch.nn.Module, object]:
+    """``--model_name_or_path`` (a directory holding a Qwen2.5-VL and its processor), else the built-in ``shape``."""
     attn = model_args.attn_implementation or PACKED_ATTENTION
     if not model_args.model_name_or_path:
-        processor = build_vision_processor()
-        return build_vision_model(processor, seed, attn_implementation=attn), processor
+        if shape not in VISION_SHAPES:
+            raise ValueError(f"--model_config must be one of {sorted(VISION_SHAPES)} for the built-in model.")
+        processor = build_vision_processor(shape)
+        return build_vision_model(processor, seed, attn_implementation=attn, shape=shape), processor
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
     path = model_args.model_name_or_path
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
@@ -75,12 +89,17 @@ def load_train_dataset(script_args: VisionScriptArguments, training_args: ODCSFT
     """``--dataset_name``'s ``--dataset_train_split``, else the built-in image conversations."""
     if script_args.dataset_name:
         return load_script_dataset(script_args)
-    return vision_dataset(script_args.num_samples, training_args.seed)
+    if not script_args.long_tailed:
+        return vision_dataset(script_args.num_samples, training_args.seed, script_args.max_images)
+    max_side = VISION_SHAPES.get(script_args.model_config, VISION_SHAPES["tiny"])["max_side"]
+    return vision_dataset(
+        script_args.num_samples, training_args.seed, script_args.max_images, training_args.max_length // 4, max_side
+    )
 
 
 def main(script_args: VisionScriptArguments, training_args: ODCSFTConfig, model_args: ModelConfig) -> None:
     quiet_datasets_on_other_ranks()
-    model, processor = load_model_and_processor(model_args, training_args.seed)
+    model, processor = load_model_and_processor(model_args, training_args.seed, script_args.model_config)
     trainer = make_trainer(
         ODCSFTTrainer,
         model=model,

@@ -30,15 +30,27 @@ from .script import (
 )
 from .tokenizer import build_tokenizer, load_tokenizer
 from .tools import LookupScript, build_tool_tokenizer, lookup, scripted_generation, tool_use_reward
-from .vision import build_vision_model, build_vision_processor, vision_dataset, vision_preference_dataset
+from .vision import (
+    VISION_SHAPES,
+    build_llava_model,
+    build_llava_processor,
+    build_vision_model,
+    build_vision_processor,
+    vision_dataset,
+    vision_preference_dataset,
+    vision_prompt_dataset,
+)
 
 __all__ = [
+    "VISION_SHAPES",
     "ExampleParser",
     "GlobalBatchParser",
     "GlobalBatchScriptArguments",
     "LookupScript",
     "PromptScriptArguments",
     "SyntheticRollouts",
+    "build_llava_model",
+    "build_llava_processor",
     "build_model",
     "build_tokenizer",
     "build_tool_tokenizer",
@@ -67,4 +79,5 @@ __all__ = [
     "unpaired_dataset",
     "vision_dataset",
     "vision_preference_dataset",
+    "vision_prompt_dataset",
 ]

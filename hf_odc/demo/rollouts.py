@@ -10,6 +10,7 @@ import numpy as np
 
 from .data import longtail_lengths
 from .tokenizer import SPECIAL_TOKENS
+from .vision import VISION_TOKENS
 
 
 class SyntheticRollouts:
@@ -45,11 +46,13 @@ class SyntheticRollouts:
 
     def _draw(self, keys: list[str], trainer: Any) -> list[list[int]]:
         """One completion per prompt, seeded by ``seed``, the prompt's ``key`` and its index in its group."""
-        tokenizer, args = trainer.processing_class, trainer.args
+        processor, args = trainer.processing_class, trainer.args
+        tokenizer = getattr(processor, "tokenizer", processor)  # a vision-language policy's processor's
         rank = trainer.accelerator.process_index
         # one completion per prompt where the trainer has no groups (distillation)
         num_generations = getattr(trainer, "num_generations" if trainer.model.training else "num_generations_eval", 1)
-        low = len(SPECIAL_TOKENS) + 3  # after the special tokens and role names
+        # after the special tokens and role names, and a processor's vision tokens (TRL never samples an image token)
+        low = len(SPECIAL_TOKENS) + 3 + (len(VISION_TOKENS) if tokenizer is not processor else 0)
         vocab = len(tokenizer)
         completion_ids = []
         for i, key in enumerate(keys):

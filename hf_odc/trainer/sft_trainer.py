@@ -33,7 +33,7 @@ from .core.data import (
     minibatch_loader,
     require_sft_columns,
 )
-from .core.vision import VisionMinibatchCollator, check_vision_model, is_vision_dataset
+from .core.vision import VISION_MODEL_TYPES, VisionMinibatchCollator, check_vision_model, is_vision_dataset
 from .sft_config import ODCSFTConfig
 
 __all__ = ["ODCSFTTrainer"]
@@ -86,8 +86,10 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
             require_sft_columns(train_dataset, args.dataset_text_field)
         super().__init__(model=model, args=args, **kwargs)
         self._rope_index = None
-        if train_dataset is not None and is_vision_dataset(train_dataset):  # no lengths before a step
-            self._rope_index = check_vision_model(self.model, type(self).__name__, args.sp_size)
+        self._vision = train_dataset is not None and is_vision_dataset(train_dataset)  # no lengths before a step
+        if self._vision:
+            name, sp_size = type(self).__name__, args.sp_size
+            self._rope_index = check_vision_model(self.model, name, sp_size, model_types=VISION_MODEL_TYPES)
         elif train_dataset is not None:
             self._check_prepared_data(train_dataset, warn=self.accelerator.is_main_process)
         if self.label_smoother is not None:
@@ -104,7 +106,7 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
         if self.train_dataset is None:
             raise ValueError("ODCSFTTrainer needs a train_dataset.")
         max_tokens = self.args.max_tokens_for(self.args.max_length)
-        if self._rope_index is not None:  # images: each sample processed by TRL's collator when its step plans it
+        if self._vision:  # images: each sample processed by TRL's collator when its step plans it
             self._collator = VisionMinibatchCollator(
                 rank=self.accelerator.process_index,
                 planner=self._planner,
@@ -112,6 +114,7 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
                 process=self.data_collator,
                 rope_index=self._rope_index,
                 max_length=self.args.max_length,
+                image_token_id=self.model.config.image_token_id,
             )
             return minibatch_loader(self.train_dataset, self.args, self.accelerator.num_processes)
         dataset = self.train_dataset.select_columns(
@@ -170,7 +173,7 @@ class ODCSFTTrainer(_ODCDatasetTrainer, SFTTrainer):
 
     def _training_documents(self) -> list[int] | None:
         """Every sample is one document (a vision sample's length is known only once its step processes it)."""
-        return self._sample_lengths if self.train_dataset is not None and self._rope_index is None else None
+        return self._sample_lengths if self.train_dataset is not None and not self._vision else None
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 

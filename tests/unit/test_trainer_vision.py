@@ -1,7 +1,7 @@
 """The vision data path (``hf_odc.trainer.core.vision``) on the built-in tiny Qwen2.5-VL, in one process: a packed row
 scores every sample as the sample alone does (its pixels and its 3-D rope positions kept with its text), a microbatch
 without an image carries no pixels, the planner weighs images' patches, and what the path cannot train is refused in
-one line."""
+one line (GRPO's too: the generation modes that cannot decode images, a model without 3-D rope positions)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_unsupported_vision_models_and_options_are_refused(parts, tmp_path):
         check_vision_model(model, "ODCSFTTrainer", sp_size=2)
     other = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=len(processor.tokenizer)))  # a text model
     args = ODCSFTConfig(str(tmp_path), report_to="none", max_length=96)
-    with pytest.raises(ValueError, match=r"trains vision datasets with \['qwen2_5_vl'\] models, not 'qwen2'"):
+    with pytest.raises(ValueError, match=r"trains vision datasets with \['llava', 'qwen2_5_vl'\] models, not 'qwen2'"):
         ODCSFTTrainer(model=other, args=args, train_dataset=dataset, processing_class=processor)
 
 
@@ -151,3 +151,30 @@ def test_a_vision_pair_cut_inside_an_image_is_refused(parts):
     pair = vision_preference_dataset(1, seed=1)[0]
     with pytest.raises(ValueError, match="max_length=6 cuts a preference pair inside an image's tokens"):
         pair_packer(parts, max_length=6).documents(pair)  # the prompt's 3 tokens, then 6 of its image's
+
+
+@pytest.mark.parametrize("setting", [dict(odc_generation="static"), dict(odc_generation="lockstep")])
+def test_a_vision_policy_refuses_the_generation_modes_that_cannot_decode_images(parts, tmp_path, setting):
+    from hf_odc.demo import length_reward, vision_prompt_dataset
+    from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
+
+    processor, model, _ = parts
+    args = ODCGRPOConfig(
+        str(tmp_path), report_to="none", use_cpu=True, num_generations=2, per_device_train_batch_size=2, **setting
+    )
+    with pytest.raises(ValueError, match="cannot decode a vision-language policy's images; leave odc_generation unset"):
+        ODCGRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=vision_prompt_dataset(4, 0),
+                       processing_class=processor)  # fmt: skip
+
+
+def test_a_llava_model_is_refused_where_only_rope_models_train(tmp_path):
+    from hf_odc.demo import build_llava_model, build_llava_processor, length_reward, vision_prompt_dataset
+    from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
+
+    processor = build_llava_processor()
+    args = ODCGRPOConfig(
+        str(tmp_path), report_to="none", use_cpu=True, num_generations=2, per_device_train_batch_size=2
+    )
+    with pytest.raises(ValueError, match=r"trains vision datasets with \['qwen2_5_vl'\] models, not 'llava'"):
+        ODCGRPOTrainer(model=build_llava_model(processor, 0), reward_funcs=length_reward, args=args,
+                       train_dataset=vision_prompt_dataset(4, 0), processing_class=processor)  # fmt: skip

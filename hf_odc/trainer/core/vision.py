@@ -12,10 +12,11 @@ padding), plans the minibatch on the samples' weights and packs its own share:
   folds them into tokens), so a rank given many images gets fewer tokens. It is a count, not a cost: the configured
   cost model prices it as tokens (the attention cost's quadratic term per sample included);
 * a packed row keeps each sample's pixel values and image grids with its text, in the row's order (the model fills
-  the image tokens in order); its ``position_ids`` are ``(4, 1, T)``: the text positions restarting at 0 for each
-  sample (which keep the samples apart in the attention), then the model's 3-D rope positions
+  the image tokens in order); for Qwen2.5-VL its ``position_ids`` are ``(4, 1, T)``: the text positions restarting at
+  0 for each sample (which keep the samples apart in the attention), then the model's 3-D rope positions
   (``get_rope_index``) computed for each sample alone and concatenated, so every sample sees the positions it has
-  unpacked;
+  unpacked; a LLaVA-style model (whole images through its vision tower, the processor's image tokens one per patch,
+  1-D positions) keeps the text positions;
 * a microbatch with no image has no ``pixel_values``: the vision tower does not run on that rank (no dummy batch).
   ODC has no per-layer collective, so a rank that leaves the vision blocks untouched waits for nobody; their owners'
   accumulators hold the other ranks' pushes only.
@@ -34,6 +35,7 @@ from ...packing import MinibatchPlanner
 from ._step import PlannedStep, packed_row
 
 __all__ = [
+    "ROPE_VISION_MODEL_TYPES",
     "VISION_MODEL_TYPES",
     "ImageInputs",
     "VisionMinibatchCollator",
@@ -44,9 +46,13 @@ __all__ = [
     "with_images",
 ]
 
-VISION_MODEL_TYPES = frozenset({"qwen2_5_vl"})
-"""The vision-language models ODC trains (``config.model_type``): those whose 3-D rope positions it computes per
-sample with the model's own ``get_rope_index``, checked against stock TRL."""
+ROPE_VISION_MODEL_TYPES = frozenset({"qwen2_5_vl"})
+"""The vision-language models whose 3-D rope positions ODC computes per sample with the model's own
+``get_rope_index`` (``config.model_type``): SFT, DPO, GRPO and RLOO train them, checked against stock TRL."""
+
+VISION_MODEL_TYPES = ROPE_VISION_MODEL_TYPES | {"llava"}
+"""Every vision-language model SFT trains: those of :data:`ROPE_VISION_MODEL_TYPES`, and LLaVA-style models (1-D
+positions, the processor's image tokens one per patch), checked against stock TRL."""
 
 
 def is_vision_dataset(dataset: Any) -> bool:
@@ -55,35 +61,44 @@ def is_vision_dataset(dataset: Any) -> bool:
     return bool({"image", "images"} & set(dataset.column_names))
 
 
-def check_vision_model(model: nn.Module, trainer: str, sp_size: int) -> Callable[..., Any]:
-    """The model's ``get_rope_index`` (it reads only the config, so it stays valid once the model is sharded), after
-    refusing (``ValueError``) what the vision data path does not train: another model type than
-    :data:`VISION_MODEL_TYPES`, and sequence parallelism."""
+def check_vision_model(
+    model: nn.Module, trainer: str, sp_size: int, model_types: frozenset[str] = ROPE_VISION_MODEL_TYPES
+) -> Callable[..., Any] | None:
+    """The model's ``get_rope_index`` (it reads only the config, so it stays valid once the model is sharded), or
+    ``None`` for a model with 1-D positions, after refusing (``ValueError``) what the trainer's vision data path does
+    not train: another model type than ``model_types``, and sequence parallelism."""
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in VISION_MODEL_TYPES:
+    if model_type not in model_types:
         raise ValueError(
-            f"{trainer} trains vision datasets with {sorted(VISION_MODEL_TYPES)} models, not {model_type!r}; train "
+            f"{trainer} trains vision datasets with {sorted(model_types)} models, not {model_type!r}; train "
             "this model with stock TRL, or drop the image columns."
         )
     if sp_size > 1:
         raise ValueError(f"{trainer} does not split vision samples over ranks; set sp_size to 1 for a vision dataset.")
+    if model_type not in ROPE_VISION_MODEL_TYPES:
+        return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's
     return base.model.get_rope_index
 
 
 @dataclass
 class ImageInputs:
-    """A document's vision inputs: its 3-D rope ``positions`` ``(3, L)`` and its ``pixel_values`` ``(patches, D)`` and
-    ``image_grid_thw`` ``(images, 3)`` (``None`` without an image)."""
+    """A document's vision inputs: its 3-D rope ``positions`` ``(3, L)`` (``None`` for a model with 1-D positions),
+    its ``pixel_values`` (Qwen's ``(patches, D)``, LLaVA's whole images ``(images, C, H, W)``) and ``image_grid_thw``
+    ``(images, 3)`` (``None`` without an image, or for whole images), and ``image_tokens``, its image tokens (one per
+    patch of a whole image)."""
 
-    positions: torch.Tensor
+    positions: torch.Tensor | None
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    image_tokens: int
 
     @property
     def patches(self) -> int:
-        """Patches through the vision tower."""
-        return 0 if self.pixel_values is None else int(self.pixel_values.shape[0])
+        """Patches through the vision tower: Qwen's ``pixel_values`` rows, or a whole image's tokens."""
+        if self.pixel_values is None:
+            return 0
+        return int(self.pixel_values.shape[0]) if self.pixel_values.dim() == 2 else self.image_tokens
 
 
 @dataclass
@@ -101,14 +116,17 @@ class VisionSample(ImageInputs):
 
 def with_images(row: dict[str, Any], documents: Sequence[ImageInputs]) -> dict[str, Any]:
     """A packed ``row`` (:func:`~hf_odc.trainer.core._step.packed_row`'s, of ``documents`` in order) given their vision
-    inputs: ``position_ids`` ``(4, 1, T)`` (the row's text positions, then the documents' 3-D rope positions), and
-    the documents' pixel values and image grids concatenated in row order, where any document has an image."""
-    rope = torch.cat([document.positions for document in documents], dim=1)[:, None]
-    row["position_ids"] = torch.cat([row["position_ids"][None], rope])
+    inputs: with 3-D rope positions, ``position_ids`` ``(4, 1, T)`` (the row's text positions, then the documents'
+    3-D rope positions); the documents' pixel values and image grids concatenated in row order, where any document
+    has an image."""
+    if documents[0].positions is not None:
+        rope = torch.cat([document.positions for document in documents], dim=1)[:, None]
+        row["position_ids"] = torch.cat([row["position_ids"][None], rope])
     imaged = [document for document in documents if document.pixel_values is not None]
     if imaged:
         row["pixel_values"] = torch.cat([document.pixel_values for document in imaged])
-        row["image_grid_thw"] = torch.cat([document.image_grid_thw for document in imaged])
+        if imaged[0].image_grid_thw is not None:
+            row["image_grid_thw"] = torch.cat([document.image_grid_thw for document in imaged])
     return row
 
 
@@ -132,15 +150,17 @@ class VisionMinibatchCollator:
     :class:`~hf_odc.trainer.PlannedStep` (see the module docstring).
 
     ``process`` is TRL's vision collator (``SFTTrainer``'s ``data_collator``), called on one sample at a time;
-    ``rope_index`` the model's ``get_rope_index``; ``max_length`` TRL's, named in the refusal of a truncation inside an
-    image's tokens."""
+    ``rope_index`` the model's ``get_rope_index`` (``None``: 1-D positions); ``max_length`` TRL's, named in the
+    refusal of a truncation inside an image's tokens; ``image_token_id`` the model's image token (a whole image's
+    patches are its tokens)."""
 
     rank: int
     planner: MinibatchPlanner
     max_tokens: int
     process: Callable[[list[dict[str, Any]]], dict[str, Any]]
-    rope_index: Callable[..., Any]
+    rope_index: Callable[..., Any] | None
     max_length: int | None
+    image_token_id: int | None = None
 
     def sample(self, example: dict[str, Any]) -> VisionSample:
         """``example`` processed alone, as TRL's collator processes it in a batch."""
@@ -153,11 +173,15 @@ class VisionMinibatchCollator:
                     "--max_length or set it to None."
                 ) from e
             raise
-        grid = out.get("image_grid_thw")
-        positions, _ = self.rope_index(
-            out["input_ids"], out["mm_token_type_ids"], image_grid_thw=grid, attention_mask=out["attention_mask"]
-        )
-        return VisionSample(positions[:, 0], out.get("pixel_values"), grid, out["input_ids"][0], out["labels"][0])
+        grid, ids = out.get("image_grid_thw"), out["input_ids"]
+        positions = None
+        if self.rope_index is not None:
+            positions, _ = self.rope_index(
+                ids, out["mm_token_type_ids"], image_grid_thw=grid, attention_mask=out["attention_mask"]
+            )
+            positions = positions[:, 0]
+        image_tokens = 0 if self.image_token_id is None else int((ids == self.image_token_id).sum())
+        return VisionSample(positions, out.get("pixel_values"), grid, image_tokens, ids[0], out["labels"][0])
 
     def __call__(self, examples: list[dict[str, Any]]) -> PlannedStep:
         samples = [self.sample(example) for example in examples]

@@ -214,8 +214,12 @@ class Generator:
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[None]:
         """Around TRL's ``_generate``: a sharded PEFT policy generates through the model it wraps, below the FSDP
-        root, so the root's parameters (embeddings, head) are gathered around it, as the root's forward would."""
+        root, so the root's parameters (embeddings, head) are gathered around it, as the root's forward would. A
+        sharded vision-language policy runs its vision blocks before any root forward when it first generates, so
+        FSDP2's lazy initialisation is run from the root first."""
         model = self.trainer.model
+        if isinstance(model, FSDPModule) and getattr(self.trainer, "_is_vlm", False):
+            lazy_init_root(model)
         if not (isinstance(model, FSDPModule) and is_peft_model(model)):
             yield
             return
@@ -336,13 +340,28 @@ class VLLMGenerator(Generator):
 
 def make_generator(trainer: Any) -> Generator:
     """The owner of ``trainer``'s generation mode: ``"vllm"`` with ``use_vllm``, else ``odc_generation`` as
-    :func:`choose_generation_mode` settles it. Called once, after the policy is sharded and ODC installed."""
+    :func:`choose_generation_mode` settles it. Called once, after the policy is sharded and ODC installed.
+
+    A vision-language policy (TRL's ``_is_vlm``) decodes its images with transformers' ``generate`` on the policy
+    itself, its full weights held in place: ``"gathered"``, its only mode. The others are refused: the copy modes
+    (``"static"``, ``"tensor-parallel"``: text decoders), vLLM (whose weight sync is the text model's), and
+    ``"sharded"`` and ``"lockstep"``, in which ``generate`` runs the vision tower before the FSDP root's forward
+    gathers the root's own parameters (the patch embedding among them)."""
     args = trainer.args
+    vision = getattr(trainer, "_is_vlm", False)
+    if vision and (args.use_vllm or args.odc_generation not in (None, "gathered")):
+        chosen = "use_vllm=True" if args.use_vllm else f"odc_generation={args.odc_generation!r}"
+        raise ValueError(
+            f"{chosen} cannot decode a vision-language policy's images; leave odc_generation unset (or 'gathered'), "
+            "use_vllm=False."
+        )
     if args.use_vllm:
         return VLLMGenerator(trainer)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     device, tools = trainer.accelerator.device, _uses_tools(trainer)
     mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, device, tools)
+    if vision:
+        mode = "gathered"
     if mode == "static":
         return StaticGenerator(trainer, dtype)
     if mode == "tensor-parallel":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -38,18 +38,22 @@ from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
 from ..core._quiet import without_checkpointing_alias_warning, without_ignored_model_init_kwargs_warning
 from ..core._reference import shard_reference
+from ..core.vision import check_vision_model
 from ..generation.modes import make_generator
+from ._vision_rollouts import rollout_images
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
 # A deferred pass: the model, its runtime, the context to run it in, and the key its log-probabilities are stored under.
 Pass = tuple[nn.Module, ODCRuntime, contextlib.AbstractContextManager, str]
-_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids", "mm_token_type_ids")
 
 
 class _ODCRolloutTrainer(_ODCTrainer):
     """The ODC side of an online TRL trainer that generates and scores rollouts (a mixin placed before the TRL class,
     whose ``__init__`` takes ``model`` and ``args`` by name). The subclass calls :meth:`_setup_odc`, then
     :meth:`_setup_generation`, and implements :meth:`_deferred_passes` and ``_microbatch_loss``."""
+
+    _trains_vision: ClassVar[bool] = True
+    """Whether the trainer trains a vision-language policy (TRL's processor as ``processing_class``)."""
 
     def __init__(self, model: Any, args: Any, **kwargs: Any):
         self._deferring_scores = False
@@ -71,7 +75,18 @@ class _ODCRolloutTrainer(_ODCTrainer):
 
     def _setup_generation(self) -> None:
         """After :meth:`_setup_odc`: the reference model (if any) sharded, then the generation mode's owner (the
-        default mode is chosen by the device memory left; vLLM's weight sync is installed)."""
+        default mode is chosen by the device memory left; vLLM's weight sync is installed). A vision-language policy
+        (TRL's processor as ``processing_class``) is checked (:func:`~hf_odc.trainer.core.vision.check_vision_model`)
+        and its ``get_rope_index`` kept: its rollouts carry their images and 3-D positions."""
+        self._rope_index = None
+        if getattr(self, "_is_vlm", False):
+            if not self._trains_vision:
+                raise NotImplementedError(
+                    f"{type(self).__name__} trains text-only policies; pass a tokenizer as processing_class, not a "
+                    "processor."
+                )
+            model = self.accelerator.unwrap_model(self.model)
+            self._rope_index = check_vision_model(model, type(self).__name__, self.args.sp_size)
         self._ref_odc = shard_reference(self)
         self._generator = make_generator(self)
         self._generation_index = 0
@@ -176,12 +191,10 @@ class _ODCRolloutTrainer(_ODCTrainer):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         metrics["generation_s"].append(time.perf_counter() - started)
-        if any(key in scored for key in _MULTIMODAL_KEYS):
-            raise NotImplementedError(
-                f"{type(self).__name__} trains text-only policies; multimodal prompts are not supported. Train a "
-                f"vision-language policy with TRL's {type(self).__name__.removeprefix('ODC')}."
-            )
-        rollouts = gather_rollouts(Rollouts.from_scored(scored, self._completion_lengths))
+        local = Rollouts.from_scored(scored, self._completion_lengths)
+        if self._rope_index is not None:
+            local.images = rollout_images(scored, local.prompt_ids, local.completion_ids, self._rope_index)
+        rollouts = gather_rollouts(local)
         planned = plan_generation_batch(
             rollouts,
             steps=self._steps_per_generation() // args.gradient_accumulation_steps,

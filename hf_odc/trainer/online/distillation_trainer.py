@@ -56,6 +56,7 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
     _tag_names: ClassVar[list[str]] = ["trl", "distillation", "hf-odc"]
     _name = "ODC Distillation"
     _config_class = ODCDistillationConfig
+    _trains_vision = False  # its teacher's pass is text-only
 
     def __init__(self, model: Any, teacher_model: Any = None, args: ODCDistillationConfig | None = None, **kwargs: Any):
         args = self._odc_args(args)

@@ -69,9 +69,10 @@ class ODCGRPOConfig(_ODCRolloutConfig, GRPOConfig):
 
     > [!NOTE]
     > Not supported, refused at construction: `use_transformers_continuous_batching` (generate with `odc_generation`
-    > or vLLM), multimodal prompts (train a vision-language policy with TRL's `GRPOTrainer`), a PEFT model whose
-    > adapter TRL would copy as the reference (pass the base model with `peft_config`) and prompt-learning PEFT, and
-    > with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers (their merge).
+    > or vLLM), a PEFT model whose adapter TRL would copy as the reference (pass the base model with `peft_config`)
+    > and prompt-learning PEFT, and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other than linear layers
+    > (their merge). A vision-language policy (Qwen2.5-VL, its processor as `processing_class`) decodes with
+    > `odc_generation="gathered"` only, not vLLM.
     > `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole models and hf_odc shards them.
     > With Accelerate's `sp_size` (a rollout longer than a microbatch split over a group of ranks): `loss_type="vespo"`,
     > `off_policy_mask_threshold` and vLLM's importance-sampling correction (whose weights need every token of a

@@ -44,8 +44,8 @@ class ODCRLOOConfig(_ODCRolloutConfig, RLOOConfig):
 
     > [!NOTE]
     > Not supported, refused at construction: `use_transformers_continuous_batching`, a PEFT model whose adapter TRL
-    > would copy as the reference (pass the base model with `peft_config`) and prompt-learning PEFT, multimodal
-    > prompts, Mixture-of-Experts auxiliary losses, and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other
+    > would copy as the reference (pass the base model with `peft_config`) and prompt-learning PEFT,
+    > Mixture-of-Experts auxiliary losses, and with vLLM LoRA variants (DoRA), `lora_bias` and LoRA on other
     > than linear layers (their merge). `model_init_kwargs` defaults `device_map` to `None`: every rank loads whole
     > models and hf_odc shards them.
     """

@@ -5,8 +5,9 @@ TRL's ``GRPOTrainer`` trains each rank on the rollouts it generated, cut into eq
 long completions sets the pace of every step. Here, once a generation batch is generated and scored (its advantages
 final), every rank gathers every rollout (:func:`gather_rollouts`, one gather per generation batch), cuts the batch
 into ``steps_per_generation`` minibatches with the same seeded permutation, and plans each minibatch with the
-trainer's planner on the rollouts' lengths (:func:`plan_generation_batch`): every rank computes the same plan and keeps
-its own row, so rollouts move between ranks without any further communication. Each microbatch is one padding-free
+trainer's planner on the rollouts' weights (their tokens, plus a vision policy's image patches;
+:func:`plan_generation_batch`): every rank computes the same plan and keeps its own row, so rollouts move between
+ranks without any further communication. Each microbatch is one padding-free
 row (:func:`pack_rollouts`): each rollout's prompt and completion, ``position_ids`` restarting at 0. With sequence
 parallelism (the planner's ``group_size`` above 1) a rollout longer than a microbatch is a group microbatch: its row
 cut over the group's ranks, each scoring the completion tokens of its own slice (:func:`shard_rollouts`).
@@ -24,6 +25,7 @@ from accelerate.utils import gather_object
 from ...packing import MinibatchPlanner
 from ..core._step import PlannedStep, group_plan_fields, packed_row
 from ..core.data import shard_row, shard_window
+from ..core.vision import ImageInputs, with_images
 
 __all__ = ["RolloutStep", "Rollouts", "gather_rollouts", "pack_rollouts", "plan_generation_batch", "shard_rollouts"]
 
@@ -41,6 +43,8 @@ class Rollouts:
             (distillation).
         sampling_logps: per completion token, the generator's log-probabilities when it returned them
             (a ``rollout_func``), else ``None``.
+        images: a vision-language policy's rollouts' images and 3-D rope positions, one per rollout
+            (:mod:`hf_odc.trainer.online._vision_rollouts`); ``None`` for a text-only policy.
     """
 
     prompt_ids: list[torch.Tensor]
@@ -48,6 +52,7 @@ class Rollouts:
     loss_mask: list[torch.Tensor]
     advantages: torch.Tensor
     sampling_logps: list[torch.Tensor] | None = None
+    images: list[ImageInputs] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -56,6 +61,14 @@ class Rollouts:
     def lengths(self) -> list[int]:
         """Tokens of each rollout (prompt + completion): what a microbatch holds and the planner balances."""
         return [len(p) + len(c) for p, c in zip(self.prompt_ids, self.completion_ids, strict=True)]
+
+    @property
+    def weights(self) -> list[int]:
+        """What the planner balances: each rollout's tokens, plus its patches through the vision tower (as
+        :class:`~hf_odc.trainer.core.vision.VisionSample` weighs an SFT sample)."""
+        if self.images is None:
+            return self.lengths
+        return [length + image.patches for length, image in zip(self.lengths, self.images, strict=True)]
 
     def count_loss_tokens(self, indices: Sequence[int] | None = None) -> int:
         """Trained completion tokens of the rollouts ``indices`` (all of them by default: TRL's
@@ -91,13 +104,14 @@ class Rollouts:
     @classmethod
     def concat(cls, parts: Sequence[Rollouts]) -> Rollouts:
         """The rollouts of ``parts``, in order."""
-        sampling = [p.sampling_logps for p in parts]
+        sampling, images = [p.sampling_logps for p in parts], [p.images for p in parts]
         return cls(
             prompt_ids=[x for p in parts for x in p.prompt_ids],
             completion_ids=[x for p in parts for x in p.completion_ids],
             loss_mask=[x for p in parts for x in p.loss_mask],
             advantages=torch.cat([p.advantages for p in parts]),
             sampling_logps=None if any(s is None for s in sampling) else [x for s in sampling for x in s],
+            images=None if any(i is None for i in images) else [x for i in images for x in i],
         )
 
 
@@ -151,7 +165,7 @@ def plan_generation_batch(
     minibatches. Each is planned by ``planner``, ``max_tokens_for(longest rollout of the minibatch)`` tokens per
     microbatch.
     """
-    lengths, generation_loss_tokens = rollouts.lengths, rollouts.count_loss_tokens()
+    lengths, tokens, generation_loss_tokens = rollouts.weights, rollouts.lengths, rollouts.count_loss_tokens()
     total, world_size = len(lengths), planner.world_size
     if total % (steps * world_size):
         raise ValueError(f"{total} rollouts do not split into {steps} minibatches of {world_size} ranks.")
@@ -183,6 +197,8 @@ def plan_generation_batch(
         group_size, shared = plan.group_size, [indices[j] for j in plan.shared(rank)]
         microbatches = [sorted(indices[j] for j in microbatch) for microbatch in plan.plan[rank]]
         generated = [sum(local_lengths[j] for j in share) for share in generated_by]
+        if rollouts.images is not None:  # as SFT logs it: the vision tower's work in the minibatch
+            metrics["image_patches"] = float(sum(rollouts.images[i].patches for i in indices))
         planned.append(
             RolloutStep(
                 microbatches=[
@@ -191,7 +207,7 @@ def plan_generation_batch(
                 ]
                 + [pack_rollouts(rollouts, microbatch) for microbatch in microbatches],
                 num_samples=size,
-                num_tokens=sum(local_lengths),
+                num_tokens=sum(tokens[i] for i in indices),
                 num_loss_tokens=rollouts.count_loss_tokens(indices),
                 predicted_bubble_rate=planner.predicted_bubble(plan, local_lengths, max_tokens),
                 metrics=metrics | {f"tokens_generated/rank_{r}": tokens for r, tokens in enumerate(generated)},
@@ -225,6 +241,8 @@ def pack_rollouts(rollouts: Rollouts, indices: Sequence[int]) -> dict[str, Any]:
         token_index.append(torch.arange(first - 1, first - 1 + len(completion)))
         lengths.append(len(prompt) + len(completion))
     model_inputs = packed_row(torch.cat(ids), torch.cat(labels), lengths)
+    if rollouts.images is not None:
+        model_inputs = with_images(model_inputs, [rollouts.images[i] for i in indices])
     width = max(1, max(len(rollouts.completion_ids[i]) for i in indices))
     loss = {
         "token_index": _pad(token_index, width, 0).long(),

@@ -63,7 +63,7 @@ class VisionPairPacker(PairPacker):
         bounds = [0] if grid is None else [0, *torch.cumsum(grid.prod(-1), 0).tolist()]
         documents = []
         for side in (0, 1):
-            images = ImageInputs(positions[:, side, kept[side]], None, None)
+            images = ImageInputs(positions[:, side, kept[side]], None, None, 0)
             if grid is not None:
                 images.image_grid_thw = grid[side * per_side : (side + 1) * per_side]
                 images.pixel_values = pixels[bounds[side * per_side] : bounds[(side + 1) * per_side]]
