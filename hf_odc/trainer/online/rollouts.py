@@ -208,6 +208,7 @@ def plan_generation_batch(
                 + [pack_rollouts(rollouts, microbatch) for microbatch in microbatches],
                 num_samples=size,
                 num_tokens=sum(tokens[i] for i in indices),
+                attended=None if rollouts.images is None else [tokens[i] for i in indices],
                 num_loss_tokens=rollouts.count_loss_tokens(indices),
                 predicted_bubble_rate=planner.predicted_bubble(plan, local_lengths, max_tokens),
                 metrics=metrics | {f"tokens_generated/rank_{r}": tokens for r, tokens in enumerate(generated)},
