@@ -61,6 +61,22 @@ def _with(flags, *more: str):
 LONG_TEXT = json.dumps({"text": "w1 w2"}) + "\n" + json.dumps({"text": " ".join(f"w{i}" for i in range(30))}) + "\n"
 
 
+def _example(prompt: str, completion: str, label: bool) -> str:
+    return json.dumps({"prompt": prompt, "completion": f" {completion}", "label": label}) + "\n"
+
+
+WORDS = " ".join(f"w{i}" for i in range(1, 21))
+KL_EXAMPLES = (
+    _example(WORDS, "w1", True) + _example("w2", "w2", False) + _example("w3", "w3", True) + _example("w4", WORDS, False)
+)
+"""Four KTO examples, the first with a long prompt and the last with a long completion: in global batches of 2 (one
+process) the long completion is the third example's mismatched one (its longest example: 44 tokens); in one global
+batch of 4 (two processes) the first example's (63 tokens)."""
+
+LONG_PAIRS = "".join(json.dumps({"chosen": text, "rejected": text + " w1"}) + "\n" for text in ("w1", WORDS, WORDS, WORDS))
+"""Four preference pairs, three of them longer than 16 tokens."""
+
+
 def _recipe(text: str):
     def make(tmp_path: Path) -> list[str]:
         (tmp_path / "recipe.yaml").write_text(text)
@@ -131,6 +147,20 @@ BAD_INPUTS = [
      "refused."),
     ("truncation that leaves most pairs nothing to prefer", "dpo", ["--max_length", "8"],
      "max_length=8 leaves 417 of the 512 preference pairs with nothing to prefer: 417 lost a whole reply"),
+    ("example longer than a microbatch", "kto", ["--max_tokens_per_microbatch", "16"],
+     "The training dataset's longest example has 124 tokens (it and its mismatched KL completion stay in one "
+     "microbatch), more than one microbatch holds (16 tokens). Set --max_tokens_per_microbatch to at least 124"),
+    ("mismatched completion from another process's examples", "kto", _with(data_file("kl.jsonl", KL_EXAMPLES),
+     "--per_device_train_batch_size", "2", "--max_tokens_per_microbatch", "50", "--num_processes", "2"),
+     "The training dataset's longest example has 63 tokens (it and its mismatched KL completion"),
+    ("example longer than a microbatch, without the KL estimate", "kto", ["--max_tokens_per_microbatch", "16",
+     "--loss_type", "apo_zero_unpaired"], "The training dataset's longest example has 62 tokens, more than one"),
+    ("max_length that drops most reward pairs", "reward", _with(data_file("long.jsonl", LONG_PAIRS), "--max_length",
+     "16"), "max_length=16 drops 3 of the 4 preference pairs: TRL's reward trainer drops a pair whose chosen or "
+     "rejected sequence is longer. Raise --max_length to keep most pairs. Or pass --allow_truncated_data true"),
+    ("max_length that drops every reward pair", "reward", ["--max_length", "2"],
+     "max_length=2 drops 512 of the 512 preference pairs: TRL's reward trainer drops a pair whose chosen or rejected "
+     "sequence is longer. Raise --max_length to keep most pairs. Nothing is left to train on, so the run is refused."),
 ]  # fmt: skip
 if importlib.util.find_spec("vllm") is None:
     BAD_INPUTS.append(("--use_vllm without vLLM", "grpo", ["--use_vllm", "true"], "vLLM is not installed"))
@@ -186,12 +216,27 @@ def test_the_launch_gets_the_options_a_recipe_and_an_accelerate_config_give(tmp_
     assert set(train.LAUNCH_OPTIONS) == LAUNCH_KEYS  # what the command takes is what the scripts pass over
 
 
-@pytest.mark.parametrize("flags", [["sft", "--max_length", "4"], ["dpo", "--max_length", "8"]], ids=["sft", "dpo"])
+@pytest.mark.parametrize(
+    "flags",
+    [["sft", "--max_length", "4"], ["dpo", "--max_length", "8"], ["reward", "--max_length", "16", "{long_pairs}"]],
+    ids=["sft", "dpo", "reward"],
+)
 def test_truncation_that_damages_most_samples_is_launched_when_allowed(tmp_path, capsys, launched, flags):
-    """``--allow_truncated_data true`` lets a run whose truncation damages most samples through the launcher's check
-    (the one refused above, named in its message), silently: the first worker warns."""
+    """``--allow_truncated_data true`` lets a run whose truncation damages most samples (or, reward modelling's,
+    drops most pairs) through the launcher's check (the one refused above, named in its message), silently: the first
+    worker warns."""
+    if "{long_pairs}" in flags:
+        flags = [*flags[:-1], *data_file("long.jsonl", LONG_PAIRS)(tmp_path)]
     assert main([*flags, "--allow_truncated_data", "true", "--output_dir", str(tmp_path)]) == 0
     assert len(launched) == 1 and capsys.readouterr().err == ""
+
+
+def test_ktos_mismatched_completions_are_checked_as_the_processes_to_come_choose_them(tmp_path, launched):
+    """The examples refused on two processes (:data:`BAD_INPUTS`: the longest example with its mismatched completion,
+    chosen within a global batch of 4) are launched on one, whose global batches of 2 pair them otherwise."""
+    flags = data_file("kl.jsonl", KL_EXAMPLES)(tmp_path)
+    batch = ["--per_device_train_batch_size", "2", "--max_tokens_per_microbatch", "50", "--num_processes", "1"]
+    assert main(["kto", *flags, *batch, "--output_dir", str(tmp_path / "out")]) == 0 and len(launched) == 1
 
 
 _failure = SimpleNamespace  # torchrun's ProcessFailure, as far as it is read
