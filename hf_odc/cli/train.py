@@ -10,10 +10,10 @@ variables the workers will see), the global minibatch against the number of proc
 config and tokenizer), the dataset (its path, rows and columns), a checkpoint to resume from, and vLLM for
 ``--use_vllm``. A bad one ends the command with one line on standard error, ``hf-odc <name>: error: ...``, and exit
 status 2. What only the tokenized data shows (samples longer than a microbatch, truncation that leaves most of them with
-nothing to learn) is checked here too where the script has a ``check_training_data(script_args, training_args, model_args,
-num_processes)`` (SFT, DPO, KTO and reward modelling: the trainer's own checks, on the data tokenized as TRL's trainer
-tokenizes it, without a model, for the processes to come); the other trainers refuse it as they are built, in the workers, in
-the same one line and status.
+nothing to learn) is checked here too where the script has a ``check_training_data(script_args, training_args,
+model_args, num_processes)`` (SFT, DPO, KTO and reward modelling: the trainer's own checks, on the data tokenized as
+TRL's trainer tokenizes it, without a model, for the processes to come); the other trainers refuse it as they are
+built, in the workers, in the same one line and status.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ launch with what the workers need (the launch options, a recipe's launch keys, a
 
 The slow tests share one pool of launches (:func:`runs`), two at a time: README's first command (``hf-odc sft``, its
 defaults, from a fresh folder), each other command on 2 CPU processes for one step with the built-in tiny model and
-data (one through a recipe, one through an Accelerate config holding an ODC key), and a refusal that only the workers
-make (KTO's, whose data the launcher does not tokenize: an example longer than a microbatch): one line, exit status
-2, no torchrun report. SFT's and DPO's data are checked before the launch (:data:`BAD_INPUTS`).
+data (one through a recipe, one through an Accelerate config holding an ODC key), and a refusal of the tokenized
+data (KTO's: an example longer than a microbatch): one line, exit status 2, no worker started.
 """
 
 from __future__ import annotations
@@ -66,14 +65,17 @@ def _example(prompt: str, completion: str, label: bool) -> str:
 
 
 WORDS = " ".join(f"w{i}" for i in range(1, 21))
-KL_EXAMPLES = (
-    _example(WORDS, "w1", True) + _example("w2", "w2", False) + _example("w3", "w3", True) + _example("w4", WORDS, False)
+KL_EXAMPLES = "".join(
+    _example(*example)
+    for example in ((WORDS, "w1", True), ("w2", "w2", False), ("w3", "w3", True), ("w4", WORDS, False))
 )
 """Four KTO examples, the first with a long prompt and the last with a long completion: in global batches of 2 (one
 process) the long completion is the third example's mismatched one (its longest example: 44 tokens); in one global
 batch of 4 (two processes) the first example's (63 tokens)."""
 
-LONG_PAIRS = "".join(json.dumps({"chosen": text, "rejected": text + " w1"}) + "\n" for text in ("w1", WORDS, WORDS, WORDS))
+LONG_PAIRS = "".join(
+    json.dumps({"chosen": text, "rejected": f"{text} w1"}) + "\n" for text in ("w1", WORDS, WORDS, WORDS)
+)
 """Four preference pairs, three of them longer than 16 tokens."""
 
 
@@ -310,7 +312,7 @@ LAUNCHES = {
     "grpo": ["grpo", *GENERATING, "--use_peft"],
     "rloo": ["rloo", *GENERATING],
     "distill": ["distill", *GENERATING],
-    "refused in a worker": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
+    "refused": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
 }
 """Each launch's arguments; ``{odc_config}``: ``examples/odc_cpu.yaml`` plus ``odc_timeout: 123``; ``{recipe}``: a
 recipe of one step on 2 processes (a launch key) with 32 pairs."""
@@ -378,12 +380,15 @@ def test_each_command_trains_on_2_cpu_processes(runs, command):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_refusal_only_the_workers_can_make_is_one_line_with_status_2(runs):
-    """The data, tokenized in the workers, holds an example longer than a microbatch: the first worker's one line, as
-    ``hf-odc kto`` names itself, status 2, and neither a traceback nor torchrun's report."""
-    run = runs["refused in a worker"]
+def test_a_refusal_of_the_tokenized_data_is_one_line_with_status_2_before_any_worker_starts(runs):
+    """The installed ``hf-odc kto``, whose data holds an example longer than a microbatch (once tokenized, with its
+    mismatched completion): the launcher's one line, status 2, no worker started (nothing written) and neither a
+    traceback nor torchrun's report."""
+    run = runs["refused"]
     lines = [line for line in re.split(r"[\r\n]", run.err) if line.strip() and "examples/s]" not in line]  # no bars
     assert run.code == 2 and len(lines) == 1, run.err[-4000:]
-    assert re.fullmatch(r"hf-odc kto: error: The training dataset's longest pair has \d+ tokens .* more than one "
-                        r"microbatch holds \(16 tokens\).*", lines[0]), lines  # fmt: skip
+    assert re.fullmatch(r"hf-odc kto: error: The training dataset's longest example has \d+ tokens \(it and its "
+                        r"mismatched KL completion stay in one microbatch\), more than one microbatch holds \(16 "
+                        r"tokens\)\..*", lines[0]), lines  # fmt: skip
+    assert not (run.folder / "out").exists()
     assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]
