@@ -88,11 +88,14 @@ def check_pairs(dataset: Dataset, namespace: argparse.Namespace) -> None:
     )
 
 
-def check_training_data(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_args: ModelConfig) -> None:
+def check_training_data(
+    script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_args: ModelConfig, num_processes: int = 1
+) -> None:
     """What the trainer refuses of the pairs once TRL has tokenized them (a pair longer than a microbatch, truncation
-    that leaves most pairs nothing to prefer), checked without a model: ``hf-odc dpo`` runs it before any process
-    starts."""
-    ODCDPOTrainer.check_train_dataset(load_pairs(script_args, training_args), load_tokenizer(model_args), training_args)
+    that leaves most pairs nothing to prefer), checked without a model: ``hf-odc dpo`` runs it before any of its
+    ``num_processes`` processes starts."""
+    pairs, tokenizer = load_pairs(script_args, training_args), load_tokenizer(model_args)
+    ODCDPOTrainer.check_train_dataset(pairs, tokenizer, training_args, num_processes)
 
 
 def main(script_args: DPOScriptArguments, training_args: ODCDPOConfig, model_args: ModelConfig) -> None:

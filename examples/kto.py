@@ -90,6 +90,16 @@ def check_examples(dataset: Dataset, namespace: argparse.Namespace) -> None:
     )
 
 
+def check_training_data(
+    script_args: KTOScriptArguments, training_args: ODCKTOConfig, model_args: ModelConfig, num_processes: int = 1
+) -> None:
+    """What the trainer refuses of the examples once TRL has tokenized them (an example longer than a microbatch,
+    with its mismatched completion: chosen within each global batch, of ``num_processes`` processes' examples),
+    checked without a model: ``hf-odc kto`` runs it before any process starts."""
+    examples, tokenizer = load_examples(script_args, training_args), load_tokenizer(model_args)
+    ODCKTOTrainer.check_train_dataset(examples, tokenizer, training_args, num_processes)
+
+
 def main(script_args: KTOScriptArguments, training_args: ODCKTOConfig, model_args: ModelConfig) -> None:
     quiet_datasets_on_other_ranks()
     tokenizer = load_tokenizer(model_args)

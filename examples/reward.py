@@ -88,13 +88,13 @@ def check_pairs(dataset: Dataset, namespace: argparse.Namespace) -> None:
 
 
 def check_training_data(
-    script_args: RewardScriptArguments, training_args: ODCRewardConfig, model_args: ModelConfig
+    script_args: RewardScriptArguments, training_args: ODCRewardConfig, model_args: ModelConfig, num_processes: int = 1
 ) -> None:
-    """What the trainer refuses of the pairs once TRL has tokenized them (a pair longer than a microbatch), checked
-    without a model: ``hf-odc reward`` runs it before any process starts."""
-    ODCRewardTrainer.check_train_dataset(
-        load_pairs(script_args, training_args), load_tokenizer(model_args), training_args
-    )
+    """What the trainer refuses of the pairs once TRL has tokenized them (a pair longer than a microbatch, a
+    ``max_length`` that drops most pairs), checked without a model: ``hf-odc reward`` runs it before any of its
+    ``num_processes`` processes starts."""
+    pairs, tokenizer = load_pairs(script_args, training_args), load_tokenizer(model_args)
+    ODCRewardTrainer.check_train_dataset(pairs, tokenizer, training_args, num_processes)
 
 
 def main(script_args: RewardScriptArguments, training_args: ODCRewardConfig, model_args: ModelConfig) -> None:

@@ -108,13 +108,16 @@ def check_dataset(dataset: Dataset, namespace: argparse.Namespace) -> None:
     require_sft_columns(dataset, namespace.dataset_text_field)
 
 
-def check_training_data(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_args: ModelConfig) -> None:
+def check_training_data(
+    script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_args: ModelConfig, num_processes: int = 1
+) -> None:
     """What the trainer refuses of the training data once TRL has tokenized it (a sample longer than a microbatch,
     truncation that leaves most samples nothing to learn), checked without a model: ``hf-odc sft`` runs it before
-    any process starts. The built-in token ids are drawn below the tokenizer's size here: only their lengths count."""
+    any of its ``num_processes`` processes starts. The built-in token ids are drawn below the tokenizer's size here:
+    only their lengths count."""
     tokenizer = load_tokenizer(model_args)
     dataset = load_train_dataset(script_args, training_args, vocab_size=len(tokenizer))
-    ODCSFTTrainer.check_train_dataset(dataset, tokenizer, training_args)
+    ODCSFTTrainer.check_train_dataset(dataset, tokenizer, training_args, num_processes)
 
 
 def main(script_args: ODCScriptArguments, training_args: ODCSFTConfig, model_args: ModelConfig) -> None:

@@ -351,19 +351,24 @@ def padding_free_collator(pad_token_id: int) -> Any:
 
 
 def trl_prepared_dataset(trainer: Any, dataset: Any, processing_class: Any, args: Any) -> Any | None:
-    """``dataset`` as the ``__init__`` of ``trainer``'s TRL class (``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer``)
-    prepares it for training with ``processing_class`` and ``args`` (its ``_prepare_dataset``: formatted, tokenized,
-    truncated to ``args.max_length`` or filtered by it, the samples left with nothing to learn dropped), on
-    ``trainer``, an instance whose ``__init__`` has not run: a launcher checks the data so before any process starts.
-    The state ``_prepare_dataset`` reads is set first, as that ``__init__`` sets it. ``None`` where TRL would not
-    prepare it (SFT's ``skip_prepare_dataset``); the caller leaves out vision datasets, which TRL processes on the
-    fly."""
+    """``dataset`` as the ``__init__`` of ``trainer``'s TRL class (``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` or
+    ``RewardTrainer``) prepares it for training with ``processing_class`` and ``args`` (its ``_prepare_dataset``:
+    formatted, tokenized, truncated to ``args.max_length`` or filtered by it, the samples left with nothing to learn
+    dropped), on ``trainer``, an instance whose ``__init__`` has not run: a launcher checks the data so before any
+    process starts. The state ``_prepare_dataset`` reads is set first, as that ``__init__`` sets it, but for KTO's
+    mismatched completions, which TRL chooses within each process's batch and the caller within each global batch.
+    ``None`` where TRL would not prepare it (SFT's ``skip_prepare_dataset``); the caller leaves out vision datasets,
+    which TRL processes on the fly."""
     sft = isinstance(trainer, _checked("trl:SFTTrainer", "_prepare_dataset"))
+    kto = isinstance(trainer, _checked("trl:KTOTrainer", "_prepare_dataset"))
     others = (_checked(f"trl:{name}", "_prepare_dataset") for name in ("DPOTrainer", "RewardTrainer"))
-    if not sft and not isinstance(trainer, tuple(others)):
-        raise TypeError(f"{type(trainer).__name__} is not TRL's SFTTrainer, DPOTrainer or RewardTrainer.")
+    if not sft and not kto and not isinstance(trainer, tuple(others)):
+        raise TypeError(f"{type(trainer).__name__} is not TRL's SFTTrainer, DPOTrainer, KTOTrainer or RewardTrainer.")
     processor = _checked("transformers:ProcessorMixin")
     trainer._tokenizer = processing_class.tokenizer if isinstance(processing_class, processor) else processing_class
+    if kto:  # what its _prepare_dataset reads: the loss weights (TRL's note on their balance) and the KL switch
+        trainer.desirable_weight, trainer.undesirable_weight = args.desirable_weight, args.undesirable_weight
+        trainer.calculate_KL = False
     if not sft:
         return trainer._prepare_dataset(dataset, processing_class, args, "train")
     skip = bool(args.dataset_kwargs and args.dataset_kwargs.get("skip_prepare_dataset", False))

@@ -11,8 +11,9 @@ config and tokenizer), the dataset (its path, rows and columns), a checkpoint to
 ``--use_vllm``. A bad one ends the command with one line on standard error, ``hf-odc <name>: error: ...``, and exit
 status 2. What only the tokenized data shows (samples longer than a microbatch, truncation that leaves most of them with
 nothing to learn) is checked here too where the script has a ``check_training_data(script_args, training_args,
-model_args)`` (SFT, DPO and reward modelling: the trainer's own checks, on the data tokenized as TRL's trainer tokenizes
-it, without a model); the other trainers refuse it as they are built, in the workers, in the same one line and status.
+model_args, num_processes)`` (SFT, DPO, KTO and reward modelling: the trainer's own checks, on the data tokenized as
+TRL's trainer tokenizes it, without a model, for the processes to come); the other trainers refuse it as they are
+built, in the workers, in the same one line and status.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _run(command: str, program: str, argv: list[str]) -> int:
         configs = parser.parse_args_and_config(script_args)  # every check; one line and exit status 2 on a bad input
         check_training_data = getattr(module, "check_training_data", None)
         if check_training_data is not None:  # the trainer's checks of its tokenized data (a ValueError: one line)
-            check_training_data(*configs)
+            check_training_data(*configs, num_processes=processes)
     launch_options = LaunchOptions(
         processes, options.num_machines, options.machine_rank, options.main_process_ip, options.main_process_port
     )

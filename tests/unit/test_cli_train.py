@@ -7,9 +7,8 @@ launch with what the workers need (the launch options, a recipe's launch keys, a
 
 The slow tests share one pool of launches (:func:`runs`), two at a time: README's first command (``hf-odc sft``, its
 defaults, from a fresh folder), each other command on 2 CPU processes for one step with the built-in tiny model and
-data (one through a recipe, one through an Accelerate config holding an ODC key), and a refusal that only the workers
-make (KTO's, whose data the launcher does not tokenize: an example longer than a microbatch): one line, exit status
-2, no torchrun report. SFT's and DPO's data are checked before the launch (:data:`BAD_INPUTS`).
+data (one through a recipe, one through an Accelerate config holding an ODC key), and a refusal of the tokenized
+data (KTO's: an example longer than a microbatch): one line, exit status 2, no worker started.
 """
 
 from __future__ import annotations
@@ -59,6 +58,25 @@ def _with(flags, *more: str):
 
 
 LONG_TEXT = json.dumps({"text": "w1 w2"}) + "\n" + json.dumps({"text": " ".join(f"w{i}" for i in range(30))}) + "\n"
+
+
+def _example(prompt: str, completion: str, label: bool) -> str:
+    return json.dumps({"prompt": prompt, "completion": f" {completion}", "label": label}) + "\n"
+
+
+WORDS = " ".join(f"w{i}" for i in range(1, 21))
+KL_EXAMPLES = "".join(
+    _example(*example)
+    for example in ((WORDS, "w1", True), ("w2", "w2", False), ("w3", "w3", True), ("w4", WORDS, False))
+)
+"""Four KTO examples, the first with a long prompt and the last with a long completion: in global batches of 2 (one
+process) the long completion is the third example's mismatched one (its longest example: 44 tokens); in one global
+batch of 4 (two processes) the first example's (63 tokens)."""
+
+LONG_PAIRS = "".join(
+    json.dumps({"chosen": text, "rejected": f"{text} w1"}) + "\n" for text in ("w1", WORDS, WORDS, WORDS)
+)
+"""Four preference pairs, three of them longer than 16 tokens."""
 
 
 def _recipe(text: str):
@@ -131,6 +149,20 @@ BAD_INPUTS = [
      "refused."),
     ("truncation that leaves most pairs nothing to prefer", "dpo", ["--max_length", "8"],
      "max_length=8 leaves 417 of the 512 preference pairs with nothing to prefer: 417 lost a whole reply"),
+    ("example longer than a microbatch", "kto", ["--max_tokens_per_microbatch", "16"],
+     "tokens (it and its mismatched KL completion stay in one microbatch), more than one microbatch holds (16 "
+     "tokens). Set --max_tokens_per_microbatch to at least"),
+    ("mismatched completion from another process's examples", "kto", _with(data_file("kl.jsonl", KL_EXAMPLES),
+     "--per_device_train_batch_size", "2", "--max_tokens_per_microbatch", "50", "--num_processes", "2"),
+     "The training dataset's longest example has 63 tokens (it and its mismatched KL completion"),
+    ("example longer than a microbatch, without the KL estimate", "kto", ["--max_tokens_per_microbatch", "16",
+     "--loss_type", "apo_zero_unpaired"], "tokens, more than one microbatch holds (16 tokens). Set --max_tokens_per_"),
+    ("max_length that drops most reward pairs", "reward", _with(data_file("long.jsonl", LONG_PAIRS), "--max_length",
+     "16"), "max_length=16 drops 3 of the 4 preference pairs: TRL's reward trainer drops a pair whose chosen or "
+     "rejected sequence is longer. Raise --max_length to keep most pairs. Or pass --allow_truncated_data true"),
+    ("max_length that drops every reward pair", "reward", ["--max_length", "2"],
+     "max_length=2 drops 512 of the 512 preference pairs: TRL's reward trainer drops a pair whose chosen or rejected "
+     "sequence is longer. Raise --max_length to keep most pairs. Nothing is left to train on, so the run is refused."),
 ]  # fmt: skip
 if importlib.util.find_spec("vllm") is None:
     BAD_INPUTS.append(("--use_vllm without vLLM", "grpo", ["--use_vllm", "true"], "vLLM is not installed"))
@@ -186,12 +218,27 @@ def test_the_launch_gets_the_options_a_recipe_and_an_accelerate_config_give(tmp_
     assert set(train.LAUNCH_OPTIONS) == LAUNCH_KEYS  # what the command takes is what the scripts pass over
 
 
-@pytest.mark.parametrize("flags", [["sft", "--max_length", "4"], ["dpo", "--max_length", "8"]], ids=["sft", "dpo"])
+@pytest.mark.parametrize(
+    "flags",
+    [["sft", "--max_length", "4"], ["dpo", "--max_length", "8"], ["reward", "--max_length", "16", "{long_pairs}"]],
+    ids=["sft", "dpo", "reward"],
+)
 def test_truncation_that_damages_most_samples_is_launched_when_allowed(tmp_path, capsys, launched, flags):
-    """``--allow_truncated_data true`` lets a run whose truncation damages most samples through the launcher's check
-    (the one refused above, named in its message), silently: the first worker warns."""
+    """``--allow_truncated_data true`` lets a run whose truncation damages most samples (or, reward modelling's,
+    drops most pairs) through the launcher's check (the one refused above, named in its message), silently: the first
+    worker warns."""
+    if "{long_pairs}" in flags:
+        flags = [*flags[:-1], *data_file("long.jsonl", LONG_PAIRS)(tmp_path)]
     assert main([*flags, "--allow_truncated_data", "true", "--output_dir", str(tmp_path)]) == 0
     assert len(launched) == 1 and capsys.readouterr().err == ""
+
+
+def test_ktos_mismatched_completions_are_checked_as_the_processes_to_come_choose_them(tmp_path, launched):
+    """The examples refused on two processes (:data:`BAD_INPUTS`: the longest example with its mismatched completion,
+    chosen within a global batch of 4) are launched on one, whose global batches of 2 pair them otherwise."""
+    flags = data_file("kl.jsonl", KL_EXAMPLES)(tmp_path)
+    batch = ["--per_device_train_batch_size", "2", "--max_tokens_per_microbatch", "50", "--num_processes", "1"]
+    assert main(["kto", *flags, *batch, "--output_dir", str(tmp_path / "out")]) == 0 and len(launched) == 1
 
 
 _failure = SimpleNamespace  # torchrun's ProcessFailure, as far as it is read
@@ -265,7 +312,7 @@ LAUNCHES = {
     "grpo": ["grpo", *GENERATING, "--use_peft"],
     "rloo": ["rloo", *GENERATING],
     "distill": ["distill", *GENERATING],
-    "refused in a worker": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
+    "refused": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
 }
 """Each launch's arguments; ``{odc_config}``: ``examples/odc_cpu.yaml`` plus ``odc_timeout: 123``; ``{recipe}``: a
 recipe of one step on 2 processes (a launch key) with 32 pairs."""
@@ -333,12 +380,15 @@ def test_each_command_trains_on_2_cpu_processes(runs, command):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_refusal_only_the_workers_can_make_is_one_line_with_status_2(runs):
-    """The data, tokenized in the workers, holds an example longer than a microbatch: the first worker's one line, as
-    ``hf-odc kto`` names itself, status 2, and neither a traceback nor torchrun's report."""
-    run = runs["refused in a worker"]
+def test_a_refusal_of_the_tokenized_data_is_one_line_with_status_2_before_any_worker_starts(runs):
+    """The installed ``hf-odc kto``, whose data holds an example longer than a microbatch (once tokenized, with its
+    mismatched completion): the launcher's one line, status 2, no worker started (nothing written) and neither a
+    traceback nor torchrun's report."""
+    run = runs["refused"]
     lines = [line for line in re.split(r"[\r\n]", run.err) if line.strip() and "examples/s]" not in line]  # no bars
     assert run.code == 2 and len(lines) == 1, run.err[-4000:]
-    assert re.fullmatch(r"hf-odc kto: error: The training dataset's longest pair has \d+ tokens .* more than one "
-                        r"microbatch holds \(16 tokens\).*", lines[0]), lines  # fmt: skip
+    assert re.fullmatch(r"hf-odc kto: error: The training dataset's longest example has \d+ tokens \(it and its "
+                        r"mismatched KL completion stay in one microbatch\), more than one microbatch holds \(16 "
+                        r"tokens\)\..*", lines[0]), lines  # fmt: skip
+    assert not (run.folder / "out").exists()
     assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]

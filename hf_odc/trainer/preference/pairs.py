@@ -70,26 +70,32 @@ def pair_documents(
     return documents[0], documents[1]
 
 
-def check_pair_capacity(lengths: Sequence[int], max_tokens_for: Callable[[int], int], sp_size: int = 1) -> None:
+def check_pair_capacity(
+    lengths: Sequence[int],
+    max_tokens_for: Callable[[int], int],
+    sp_size: int = 1,
+    item: str = "pair",
+    together: str | None = "its chosen and rejected sequences together stay in one microbatch",
+) -> None:
     """Refuse, at construction, a microbatch size that the dataset's longest pair (``lengths``: each pair's two
     sequences' summed length, as packed) does not fit: the planner would only find out at the minibatch that draws
     it. ``max_tokens_for(longest)`` is the microbatch's capacity (``max_tokens_for_pairs``); with sequence
-    parallelism a pair may fill ``sp_size`` microbatches."""
+    parallelism a pair may fill ``sp_size`` microbatches. The message names each length's ``item`` (KTO's: an
+    example) and, where it is more than one sequence, what stays ``together``."""
     longest = max(lengths, default=0)
     max_tokens = max_tokens_for(longest)
     if longest <= sp_size * max_tokens:
         return
     if sp_size > 1:
         raise ValueError(
-            f"The training dataset's longest pair has {longest} tokens, more than sp_size={sp_size} ranks hold "
+            f"The training dataset's longest {item} has {longest} tokens, more than sp_size={sp_size} ranks hold "
             f"({sp_size} x {max_tokens} tokens per microbatch). Raise sp_size or --max_tokens_per_microbatch, or drop "
-            "or shorten (--max_length) the longest pairs."
+            f"or shorten (--max_length) the longest {item}s."
         )
     raise ValueError(
-        f"The training dataset's longest pair has {longest} tokens (its chosen and rejected sequences "
-        f"together stay in one microbatch), more than one microbatch holds ({max_tokens} tokens). Set "
-        f"--max_tokens_per_microbatch to at least {longest}, or --packing_ratio to at least 1, or drop or "
-        "shorten (--max_length) the longest pairs."
+        f"The training dataset's longest {item} has {longest} tokens{f' ({together})' if together else ''}, more "
+        f"than one microbatch holds ({max_tokens} tokens). Set --max_tokens_per_microbatch to at least {longest}, or "
+        f"--packing_ratio to at least 1, or drop or shorten (--max_length) the longest {item}s."
     )
 
 

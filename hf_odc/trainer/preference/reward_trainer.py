@@ -31,7 +31,7 @@ from ..core._base_config import whole_model_kwargs
 from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import refuse_prompt_learning
 from ..core._step import StepMetrics
-from ..core.data import MinibatchDataLoader, minibatch_loader
+from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
 from .pairs import PairPacker, PairStep, check_pair_capacity
 from .reward_config import ODCRewardConfig
 
@@ -97,11 +97,23 @@ class ODCRewardTrainer(_ODCDatasetTrainer, RewardTrainer):
     # -- data -------------------------------------------------------------------------------------------------------
 
     def _check_prepared_data(self, given: Any, warn: bool) -> None:
-        """TRL tokenized the pairs and dropped those longer than ``max_length``: refuse a microbatch the longest pair
-        that is left does not fit (nothing is truncated, so nothing to warn of)."""
+        """TRL tokenized the ``given`` pairs and dropped those with a sequence longer than ``max_length`` (nothing is
+        truncated): refuse a run left with no pair, or with fewer than half of them unless ``allow_truncated_data``
+        (then warn, when ``warn``), then a microbatch the longest pair that is left does not fit."""
+        args, kept = self.args, len(self.train_dataset)
+        dropped = len(given) - kept
+        check_truncation(
+            dropped,
+            len(given),
+            f"max_length={args.max_length} drops {dropped} of the {len(given)} preference pairs: TRL's reward trainer "
+            "drops a pair whose chosen or rejected sequence is longer. Raise --max_length to keep most pairs.",
+            warn,
+            nothing_left=kept == 0,
+            allowed=args.allow_truncated_data,
+        )
         columns = (self.train_dataset[c] for c in _SEQUENCE_COLUMNS)
         lengths = [len(chosen) + len(rejected) for chosen, rejected in zip(*columns, strict=True)]
-        check_pair_capacity(lengths, self.args.max_tokens_for_pairs)
+        check_pair_capacity(lengths, args.max_tokens_for_pairs)
 
     def get_train_dataloader(self) -> MinibatchDataLoader:
         """One item per accumulation call: ``per_device_train_batch_size x world_size`` pairs of the global minibatch,
