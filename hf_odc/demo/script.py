@@ -24,7 +24,7 @@ from trl.import_utils import is_vllm_available
 
 from .._env import env
 from ..liveness import PeerFailureError
-from ..packing import DISTRIBUTIONS
+from ..packing import DISTRIBUTIONS, CapacityError
 from ..trainer.core import _checkpoint_format
 from .data import prompt_dataset
 from .inputs import check_model, check_model_config, load_dataset_input, quiet_datasets_on_other_ranks
@@ -160,13 +160,17 @@ def train_and_save(trainer) -> None:
 
     A peer that died, raised or went silent ends this process with hf_odc's one line naming it
     (``PeerFailureError: hf_odc: rank R ...``), exit status 1: the traceback would only show where this rank waited,
-    and the backend's error it chains (gloo's "Connection reset by peer") would come before the line."""
+    and the backend's error it chains (gloo's "Connection reset by peer") would come before the line. A generated
+    rollout longer than a microbatch (a :class:`~hf_odc.packing.CapacityError`, met by every rank in the same step)
+    ends it as a bad flag does: one line from the first process, exit status 2."""
     output_dir = trainer.args.output_dir
     try:
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     except PeerFailureError as error:
         sys.stderr.write(f"{type(error).__name__}: {error}\n")
         raise SystemExit(1) from None
+    except CapacityError as error:  # a generated rollout longer than a microbatch: every rank meets it at once
+        fail(str(error))
     trainer.save_model(output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Training completed; model saved to {output_dir}.")

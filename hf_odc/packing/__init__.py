@@ -27,7 +27,7 @@ from .cost import (
 from .distributions import DISTRIBUTIONS, LengthDistribution, sample_lengths
 from .online import MinibatchPlanner
 from .partition import karmarkar_karp
-from .planners import PLANNERS, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, max_tokens_for
+from .planners import PLANNERS, CapacityError, Plan, Planner, get_planner, lb_micro, lb_mini, local_sort, max_tokens_for
 from .schemes import BASELINE, SCHEMES, Scheme
 from .sequence_parallel import EXCHANGE, GroupPlan, lb_mini_groups, shard_sizes, split_costs
 
@@ -43,6 +43,7 @@ __all__ = [
     "CalibratedCost",
     "Calibration",
     "Calibrator",
+    "CapacityError",
     "CostLike",
     "CostModel",
     "GroupPlan",

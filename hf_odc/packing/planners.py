@@ -276,9 +276,15 @@ def _check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be a positive integer (the number of ranks), got {world_size!r}.")
 
 
+class CapacityError(ValueError):
+    """A sample longer than a microbatch (or a sequence-parallel group's microbatches) holds: the planner never
+    truncates. Every rank plans the same global minibatch, so every rank meets it at once: a trainer can end the run
+    with its one line instead of a traceback per process."""
+
+
 def _check_max_tokens(lengths: list[int], max_tokens: int) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer (tokens per microbatch), got {max_tokens!r}.")
+        raise CapacityError(f"max_tokens must be a positive integer (tokens per microbatch), got {max_tokens!r}.")
     too_long = [index for index, length in enumerate(lengths) if length > max_tokens]
     if too_long:
         index = too_long[0]

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cost import CostLike, evaluate_costs
 from .partition import _validated_speeds, karmarkar_karp
-from .planners import Plan, _check_world_size, _checked_lengths, _pack_share, lb_mini
+from .planners import CapacityError, Plan, _check_world_size, _checked_lengths, _pack_share, lb_mini
 
 __all__ = ["EXCHANGE", "GroupPlan", "check_group_size", "lb_mini_groups", "shard_sizes", "split_costs"]
 
@@ -126,7 +126,7 @@ def lb_mini_groups(
     too_long = [i for i, length in enumerate(lengths) if length > group_size * max_tokens]
     if too_long:
         index = too_long[0]
-        raise ValueError(
+        raise CapacityError(
             f"Sample {index} has {lengths[index]} tokens, more than sp_size={group_size} ranks x "
             f"max_tokens={max_tokens} hold; raise max_tokens or sp_size, or truncate or drop the sample(s) "
             f"({len(too_long)} exceed it)."

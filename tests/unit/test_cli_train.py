@@ -313,6 +313,7 @@ LAUNCHES = {
     "rloo": ["rloo", *GENERATING],
     "distill": ["distill", *GENERATING],
     "refused": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
+    "rollout refused": ["grpo", *GENERATING, "--max_tokens_per_microbatch", "8"],
 }
 """Each launch's arguments; ``{odc_config}``: ``examples/odc_cpu.yaml`` plus ``odc_timeout: 123``; ``{recipe}``: a
 recipe of one step on 2 processes (a launch key) with 32 pairs."""
@@ -391,4 +392,19 @@ def test_a_refusal_of_the_tokenized_data_is_one_line_with_status_2_before_any_wo
                         r"mismatched KL completion stay in one microbatch\), more than one microbatch holds \(16 "
                         r"tokens\)\..*", lines[0]), lines  # fmt: skip
     assert not (run.folder / "out").exists()
+    assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_rollout_longer_than_a_microbatch_ends_the_run_in_one_line_with_status_2(runs):
+    """The installed ``hf-odc grpo`` whose generated rollouts outgrow ``--max_tokens_per_microbatch``: what only the
+    workers can see (the rollouts' lengths) is said once, by the first process, as a bad flag is: status 2, no
+    traceback per rank, nor torchrun's report."""
+    run = runs["rollout refused"]
+    lines = [line for line in re.split(r"[\r\n]", run.err) if line.strip() and "examples/s]" not in line]
+    assert run.code == 2 and len(lines) == 1, run.err[-4000:]
+    assert re.fullmatch(r"hf-odc grpo: error: A rollout of \d+ tokens \(its prompt and completion\) is longer than a "
+                        r"microbatch holds \(max_tokens_per_microbatch=8\)\. Set --max_tokens_per_microbatch to at "
+                        r"least \d+, .*", lines[0]), lines  # fmt: skip
     assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ...packing import MinibatchPlanner
+from ...packing import CapacityError, MinibatchPlanner
 from ..core._step import PlannedStep, group_plan_fields, packed_row
 from ..core.data import shard_row, shard_window
 from ..core.vision import ImageInputs, with_images
@@ -176,6 +176,15 @@ def plan_generation_batch(
         indices = order[start : start + size]
         local_lengths = [lengths[i] for i in indices]
         max_tokens = max_tokens_for(max(local_lengths))
+        if max(local_lengths) > planner.group_size * max_tokens:
+            raise CapacityError(
+                f"A rollout of {max(local_lengths)} tokens (its prompt and completion) is longer than "
+                + (f"{planner.group_size} ranks' microbatches hold (sp_size x " if planner.group_size > 1 else "")
+                + ("" if planner.group_size > 1 else "a microbatch holds (")
+                + f"max_tokens_per_microbatch={max_tokens}). Set --max_tokens_per_microbatch to at least "
+                f"{-(-max(local_lengths) // planner.group_size)}, lower --max_completion_length, or unset "
+                "--max_tokens_per_microbatch (a microbatch then holds per_device_train_batch_size longest rollouts)."
+            )
         plan = planner.plan_groups(local_lengths, max_tokens)
         fields = group_plan_fields(plan, local_lengths)
         metrics = fields.pop("metrics")
