@@ -303,6 +303,12 @@ def router_modules(model: Any) -> list[tuple[Any, int]]:
     ]
 
 
+def is_vision_trainer(trainer: Any) -> bool:
+    """Whether TRL built ``trainer`` for a vision-language model (``_is_vlm``, which TRL's GRPO and RLOO trainers set
+    from their processing class); ``False`` for an object without it (a trainer of another kind)."""
+    return bool(getattr(trainer, "_is_vlm", False))
+
+
 def mark_distributed_loading(trainer: Any) -> None:
     """Tell the Trainer that hf_odc placed and prepared its model itself (its
     ``is_distributed_loading_by_transformers``), so that its ``prepare()`` leaves the model as it is. transformers

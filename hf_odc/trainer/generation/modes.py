@@ -218,7 +218,7 @@ class Generator:
         sharded vision-language policy runs its vision blocks before any root forward when it first generates, so
         FSDP2's lazy initialisation is run from the root first."""
         model = self.trainer.model
-        if isinstance(model, FSDPModule) and getattr(self.trainer, "_is_vlm", False):
+        if isinstance(model, FSDPModule) and _compat.is_vision_trainer(self.trainer):
             lazy_init_root(model)
         if not (isinstance(model, FSDPModule) and is_peft_model(model)):
             yield
@@ -348,7 +348,7 @@ def make_generator(trainer: Any) -> Generator:
     ``"sharded"`` and ``"lockstep"``, in which ``generate`` runs the vision tower before the FSDP root's forward
     gathers the root's own parameters (the patch embedding among them)."""
     args = trainer.args
-    vision = getattr(trainer, "_is_vlm", False)
+    vision = _compat.is_vision_trainer(trainer)
     if vision and (args.use_vllm or args.odc_generation not in (None, "gathered")):
         chosen = "use_vllm=True" if args.use_vllm else f"odc_generation={args.odc_generation!r}"
         raise ValueError(

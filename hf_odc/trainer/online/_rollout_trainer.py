@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ... import _compat
 from ...accelerate_plugin import ODCRuntime
 from ..core._base_config import whole_model_kwargs
 from ..core._base_trainer import _ODCTrainer
@@ -79,7 +80,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
         (TRL's processor as ``processing_class``) is checked (:func:`~hf_odc.trainer.core.vision.check_vision_model`)
         and its ``get_rope_index`` kept: its rollouts carry their images and 3-D positions."""
         self._rope_index = None
-        if getattr(self, "_is_vlm", False):
+        if _compat.is_vision_trainer(self):
             if not self._trains_vision:
                 raise NotImplementedError(
                     f"{type(self).__name__} trains text-only policies; pass a tokenizer as processing_class, not a "
