@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import glob
 import os
 import re
@@ -57,15 +56,8 @@ def _left_behind(before: set[str]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """Every selected test's launch (:data:`LAUNCHES`, with its parameters and a directory of its own), run
-    :data:`AT_ONCE` at a time in the order of the tests, while they go on; by test id."""
-    jobs = {}
-    for item in request.session.items:
-        if item.module is request.module and "launched" in item.fixturenames:
-            directory = tmp_path_factory.mktemp(item.originalname[:30])
-            job = LAUNCHES[item.originalname]
-            jobs[item.nodeid] = functools.partial(job, **item.callspec.params, directory=directory)
-    with Concurrently(jobs, AT_ONCE) as launches:
+    """Every selected test's launch (:data:`LAUNCHES`), :data:`AT_ONCE` at a time, while the tests go on."""
+    with Concurrently.of_tests(request, tmp_path_factory, LAUNCHES, AT_ONCE) as launches:
         yield launches
 
 

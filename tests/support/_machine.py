@@ -6,6 +6,7 @@ launches side by side where they leave the cores idle (:class:`Concurrently`).""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -74,6 +75,19 @@ class Concurrently:
         self._lock, self._closed, self._processes = Lock(), False, []
         self._executor = ThreadPoolExecutor(at_once, thread_name_prefix="launch")
         self._futures = {key: self._executor.submit(job, self) for key, job in jobs.items()}
+
+    @classmethod
+    def of_tests(cls, request, directories, jobs: dict, at_once: int = 2) -> Concurrently:
+        """For a module fixture (``request``, ``directories``: pytest's ``tmp_path_factory``): the job of each
+        selected test of the module that takes the fixture, in the tests' order, ``jobs[test name](self, directory,
+        **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``)."""
+        chosen = {}
+        for item in request.session.items:
+            if item.module is request.module and request.fixturename in item.fixturenames:
+                params = item.callspec.params if hasattr(item, "callspec") else {}
+                directory = directories.mktemp(item.originalname[:30])
+                chosen[item.nodeid] = functools.partial(jobs[item.originalname], directory=directory, **params)
+        return cls(chosen, at_once)
 
     def result(self, key):
         """What the job ``key`` returned (waiting for it), or what it raised."""
