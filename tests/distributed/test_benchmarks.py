@@ -3,30 +3,58 @@ scheme with self-consistent numbers, so that the GPU command cannot rot unnotice
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from _machine import scaled
+from _machine import Concurrently, scaled
 
 pytestmark = pytest.mark.slow  # every test starts processes
 ROOT = Path(__file__).resolve().parents[2]
+AT_ONCE = 2
+"""Tests whose benchmark runs go side by side (:class:`~_machine.Concurrently`): a run leaves the cores idle for part
+of its time (its launcher's start and teardown, a rank waiting for the other), which another's fill."""
+PROCESSES = 2 * AT_ONCE  # on the machine at once: what the timeouts scale with
+PEAK = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
 
 
-def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
-    out, png = tmp_path / "sft.json", tmp_path / "sft.png"
+@pytest.fixture(scope="module")
+def ran(request, tmp_path_factory):
+    """Every selected test's commands (:data:`COMMANDS`), :data:`AT_ONCE` tests at a time while the tests go on; by
+    test id, what :func:`_in_turn` returns."""
+    jobs = {name: functools.partial(_in_turn, commands) for name, commands in COMMANDS.items()}
+    with Concurrently.of_tests(request, tmp_path_factory, jobs, AT_ONCE) as runs:
+        yield runs
+
+
+def _in_turn(commands, background: Concurrently, directory: Path, **params) -> tuple[Path, list[SimpleNamespace]]:
+    """A test's ``commands(directory, **params)``, ``(command, environment or None, timeout before scaling)`` each,
+    in turn in ``directory``: the directory, and each one's ``returncode``, ``stdout`` and ``stderr``."""
+    done = []
+    for command, env, timeout in commands(directory, **params):
+        returncode, stdout, stderr = background.run(command, scaled(timeout, PROCESSES), cwd=directory, env=env)
+        done.append(SimpleNamespace(returncode=returncode, stdout=stdout, stderr=stderr))
+    return directory, done
+
+
+def _sft_throughput(directory: Path) -> list:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny", "--distribution", "longalign",
         "--samples-per-device", "4", "--length-scale", "0.004", "--steps", "2", "--warmup", "1",
-        "--predict-world-sizes", "8", "--json", str(out), "--plot", str(png),
+        "--predict-world-sizes", "8", "--json", str(directory / "sft.json"), "--plot", str(directory / "sft.png"),
         "--warm-attention-plans",  # (a GPU's: nothing to warm on the CPU)
     ]  # fmt: skip
-    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(240, 2))
+    return [(command, PEAK, 240)]
+
+
+def test_sft_throughput_runs_every_scheme_on_cpu(ran, request):
+    directory, (done,) = ran.result(request.node.nodeid)
+    out, png = directory / "sft.json", directory / "sft.png"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "ODC+LB-Mini" in done.stdout and png.stat().st_size > 0
     result = json.loads(out.read_text())["results"][0]
@@ -45,19 +73,23 @@ def test_sft_throughput_runs_every_scheme_on_cpu(tmp_path):
     assert calibration["samples"] > 0 and sum(calibration["cost"].values()) > 0  # tiny CPU runs: maybe fixed costs only
 
 
-def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(tmp_path):
-    """The MoE shapes (``--model tiny-moe`` here, ``qwen3-30b-a3b-8l`` on GPUs) build through the same path: a
-    Qwen3-MoE, its expert weights sharded, trained by ODC and by plain FSDP2; here with transformers' own norms
-    (``--unfused``; the other run has the fused ones)."""
-    out = tmp_path / "moe.json"
+def _sft_throughput_moe(directory: Path) -> list:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny-moe", "--num-layers", "1",
         "--distribution", "longalign", "--samples-per-device", "2", "--length-scale", "0.004", "--steps", "1",
         "--warmup", "1", "--schemes", "Collective+LB-Micro,ODC+LB-Mini", "--predict-world-sizes", "8", "--unfused",
-        "--json", str(out),
+        "--json", str(directory / "moe.json"),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    return [(command, None, 240)]
+
+
+def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(ran, request):
+    """The MoE shapes (``--model tiny-moe`` here, ``qwen3-30b-a3b-8l`` on GPUs) build through the same path: a
+    Qwen3-MoE, its expert weights sharded, trained by ODC and by plain FSDP2; here with transformers' own norms
+    (``--unfused``; the other run has the fused ones)."""
+    directory, (done,) = ran.result(request.node.nodeid)
+    out = directory / "moe.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["model_type"] == "qwen3_moe" and result["args"]["num_layers"] == 1 and result["args"]["unfused"]
@@ -66,28 +98,40 @@ def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(tmp_path):
     assert all(row["tokens_per_second"] > 0 for row in schemes.values())
 
 
-def run_vs_trl(tmp_path: Path, *options: str) -> dict:
-    """benchmarks/vs_trl.py's rows on a tiny model, 2 CPU processes each, 1 warm-up and 2 timed steps: its JSON rows,
-    each checked to have run with tokens/s and MFU (``HF_ODC_PEAK_TFLOPS`` set)."""
-    out = tmp_path / "vs_trl.json"
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--model", "tiny", "--samples-per-device", "2",
-        "--steps", "2", "--warmup", "1", "--no-checkpointing", "--json", str(out), *options,
-    ]  # fmt: skip
-    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300, 2))
+VS_TRL = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py")]
+FREE = ("--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "16", "--rows", "odc")
+"""The free-completions test's options, run and refused."""
+
+
+def _vs_trl(*options: str, refused: tuple[str, ...] = ()):
+    """benchmarks/vs_trl.py's rows on a tiny model, 2 CPU processes each, 1 warm-up and 2 timed steps (their JSON:
+    :func:`vs_trl_rows`), then, with ``refused``, the command line it refuses."""
+
+    def commands(directory: Path) -> list:
+        command = [
+            *VS_TRL, "--model", "tiny", "--samples-per-device", "2", "--steps", "2", "--warmup", "1",
+            "--no-checkpointing", "--json", str(directory / "vs_trl.json"), *options,
+        ]  # fmt: skip
+        return [(command, PEAK, 300), *([([*VS_TRL, *refused], None, 60)] if refused else [])]
+
+    return commands
+
+
+def vs_trl_rows(directory: Path, done: SimpleNamespace) -> dict:
+    """The rows :func:`_vs_trl` ran (``done``), each checked to have run with tokens/s and MFU."""
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((directory / "vs_trl.json").read_text())["rows"]
     for name, row in rows.items():
         assert "error" not in row, (name, row)
         assert row["tokens_per_second"] > 0 and row["mfu"] > 0 and len(row["step_s"]) == 2
     return rows
 
 
-def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(tmp_path):
+def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(ran, request):
     """benchmarks/vs_trl.py's three rows, each its own 2-process accelerate launch: every row trains the same
     samples in each timed step, and only the ODC row logs a bubble."""
-    rows = run_vs_trl(tmp_path, "--length-scale", "0.004")
+    directory, (done,) = ran.result(request.node.nodeid)
+    rows = vs_trl_rows(directory, done)
     assert list(rows) == ["trl-default", "trl-best", "odc"]
     for row in rows.values():
         assert row["tokens"] == rows["odc"]["tokens"]  # the same samples in each timed step
@@ -95,50 +139,51 @@ def test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu(tmp_path):
     assert rows["trl-best"]["x_trl-best"] == pytest.approx(1.0)
 
 
-def test_vs_trl_dpo_runs_stock_trl_and_odc_on_the_same_pairs_on_cpu(tmp_path):
+def test_vs_trl_dpo_runs_stock_trl_and_odc_on_the_same_pairs_on_cpu(ran, request):
     """``--trainer dpo``: stock DPOTrainer and ODCDPOTrainer train the same pairs (chosen + rejected tokens) in each
     timed step, each with its reference model's forward counted in MFU."""
-    rows = run_vs_trl(tmp_path, "--trainer", "dpo", "--length-scale", "0.004")
+    directory, (done, refused) = ran.result(request.node.nodeid)
+    rows = vs_trl_rows(directory, done)
     assert list(rows) == ["trl-default", "odc"]
     assert rows["trl-default"]["tokens"] == rows["odc"]["tokens"]
     assert rows["odc"]["bubble"] is not None and rows["trl-default"]["generation_share"] is None
-    refused = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--trainer", "dpo", "--rows", "trl-best"]
-    done = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(60, 2))
-    assert done.returncode == 2 and "--trainer dpo has no trl-best row" in done.stderr, done.stderr
+    assert refused.returncode == 2 and "--trainer dpo has no trl-best row" in refused.stderr, refused.stderr
 
 
-def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(tmp_path):
+def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(ran, request):
     """``--trainer grpo``: stock GRPOTrainer (transformers generate) and ODCGRPOTrainer generate completions of the
     same long-tailed lengths for the same prompts, so every timed step trains the same tokens, with generation's
     share of the step recorded."""
-    rows = run_vs_trl(tmp_path, "--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "32")
+    rows = vs_trl_rows(*_only(ran.result(request.node.nodeid)))
     assert list(rows) == ["trl-default", "odc"]
     assert rows["trl-default"]["tokens"] == rows["odc"]["tokens"]
     assert all(0 < row["generation_share"] < 1 for row in rows.values())
     assert rows["odc"]["bubble"] is not None and rows["trl-default"]["bubble"] is None
 
 
-def test_vs_trl_grpo_free_completions_decode_with_odcs_loop_on_cpu(tmp_path):
+def test_vs_trl_grpo_free_completions_decode_with_odcs_loop_on_cpu(ran, request):
     """``--completions free --decoding-loop``: nothing ends the completions early, ODC decodes its static copy with
     its own loop, and generation's share is recorded; the loop without free completions (a logits processor would
     send it back to ``generate``) is refused."""
-    options = ["--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "16", "--rows", "odc"]
-    rows = run_vs_trl(tmp_path, *options, "--completions", "free", "--decoding-loop")
+    directory, (done, refused) = ran.result(request.node.nodeid)
+    rows = vs_trl_rows(directory, done)
     assert 0 < rows["odc"]["generation_share"] < 1 and rows["odc"]["generation_mode"] == "static"
-    refused = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), *options, "--decoding-loop"]
-    done = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(60, 2))
-    assert done.returncode == 2 and "--decoding-loop needs --trainer grpo --completions free" in done.stderr
+    assert refused.returncode == 2 and "--decoding-loop needs --trainer grpo --completions free" in refused.stderr
 
 
-def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_path):
-    out = tmp_path / "calibrated.json"
+def _calibrated_balance(directory: Path) -> list:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "calibrated_balance.py"), "--model", "tiny", "--samples-per-device", "8",
         "--length-scale", "0.004", "--steps", "2", "--warmup", "3", "--straggler", "--neighbour-size", "256",
-        "--json", str(out),
+        "--json", str(directory / "calibrated.json"),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    return [(command, None, 240)]
+
+
+def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(ran, request):
+    directory, done = _only(ran.result(request.node.nodeid))
+    out = directory / "calibrated.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["ideal_time_s"] > 0
@@ -150,16 +195,21 @@ def test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu(tmp_p
     assert all(step["calibration"] is None for step in records["ODC+LB-Mini"])
 
 
-def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
-    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step
-    (with transformers' own norms and MLPs, ``--unfused``, the workload benchmarks' flag)."""
-    out = tmp_path / "hybrid.json"
+def _hybrid_step(directory: Path) -> list:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "hybrid_step.py"), "--model", "tiny", "--samples-per-device", "4",
-        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--unfused", "--json", str(out),
+        "--length-scale", "0.004", "--steps", "2", "--no-checkpointing", "--unfused",
+        "--json", str(directory / "hybrid.json"),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(240, 2))
+    return [(command, None, 240)]
+
+
+def test_hybrid_step_runs_its_three_schemes_on_cpu(ran, request):
+    """The GPU command of benchmarks/hybrid_step.py, shrunk: both layouts build, hybrid ODC all-reduces every step
+    (with transformers' own norms and MLPs, ``--unfused``, the workload benchmarks' flag)."""
+    directory, done = _only(ran.result(request.node.nodeid))
+    out = directory / "hybrid.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["Hybrid ODC+LB-Mini (2 hosts x 1)"]["all_reduce_s_median"] > 0
@@ -167,15 +217,19 @@ def test_hybrid_step_runs_its_three_schemes_on_cpu(tmp_path):
     assert all(row["tokens_per_second"] > 0 for row in summary.values())
 
 
-def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
-    out = tmp_path / "generation.json"
+def _grpo_generation(directory: Path) -> list:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "grpo_generation.py"), "--model-config", "tiny", "--prompts", "4",
         "--max-new-tokens", "24", "--prompt-length", "8", "--lockstep-tokens", "8", "--row-tokens", "256",
-        "--json", str(out),
+        "--json", str(directory / "generation.json"),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    return [(command, None, 240)]
+
+
+def test_grpo_generation_runs_every_mode_on_cpu(ran, request):
+    directory, done = _only(ran.result(request.node.nodeid))
+    out = directory / "generation.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert set(result["summary"]) == {"static", "gathered", "sharded", "lockstep", "tensor-parallel"}
@@ -196,15 +250,20 @@ def test_grpo_generation_runs_every_mode_on_cpu(tmp_path):
     assert all(r[mode]["fused"] for r in ranks for mode in ("static", "tensor-parallel"))
 
 
-@pytest.mark.parametrize("mode", ["model", "forward"])
-def test_packed_attention_whole_model_modes_run_on_cpu(tmp_path, mode):
-    """The whole-model and reference-pass modes on a 2-layer model (per-document SDPA: varlen is CUDA-only)."""
-    out = tmp_path / "attention.json"
+def _packed_attention(directory: Path, mode: str) -> list:
     command = [
         sys.executable, str(ROOT / "benchmarks" / "packed_attention.py"), "--mode", mode, "--tiny", "--rows",
-        "4x16,grpo", "--tokens", "64", "--warmup", "0", "--reps", "1", "--json", str(out),
+        "4x16,grpo", "--tokens", "64", "--warmup", "0", "--reps", "1",
+        "--json", str(directory / "attention.json"),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    return [(command, None, 240)]
+
+
+@pytest.mark.parametrize("mode", ["model", "forward"])
+def test_packed_attention_whole_model_modes_run_on_cpu(ran, request, mode):
+    """The whole-model and reference-pass modes on a 2-layer model (per-document SDPA: varlen is CUDA-only)."""
+    directory, done = _only(ran.result(request.node.nodeid))
+    out = directory / "attention.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows["4x16"]["lengths"] == [16] * 4 and sum(rows["grpo"]["lengths"]) == 64
@@ -212,17 +271,20 @@ def test_packed_attention_whole_model_modes_run_on_cpu(tmp_path, mode):
     assert all(list(row["ms"]) == columns and min(row["ms"].values()) > 0 for row in rows.values())
 
 
-def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(tmp_path):
-    """benchmarks/trainer_points.py's GPU command, shrunk: one 2-process launch per trainer, its three schemes in
-    turn in that process; every scheme trains the same minibatches (the same tokens and losses) with its own split."""
-    out = tmp_path / "points.json"
+def _trainer_points(directory: Path) -> list:
     command = [
         sys.executable, str(ROOT / "benchmarks" / "trainer_points.py"), "--model-config", "tiny", "--max-length",
         "64", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--extra", "",
-        "--accelerate-config", str(ROOT / "examples" / "odc_cpu.yaml"), "--json", str(out),
+        "--accelerate-config", str(ROOT / "examples" / "odc_cpu.yaml"), "--json", str(directory / "points.json"),
     ]  # fmt: skip
-    env = {**os.environ, "HF_ODC_PEAK_TFLOPS": "0.001"}  # a peak for the CPU, so that MFU is computed
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400, 2))
+    return [(command, PEAK, 400)]
+
+
+def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request):
+    """benchmarks/trainer_points.py's GPU command, shrunk: one 2-process launch per trainer, its three schemes in
+    turn in that process; every scheme trains the same minibatches (the same tokens and losses) with its own split."""
+    directory, done = _only(ran.result(request.node.nodeid))
+    out = directory / "points.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     trainers = json.loads(out.read_text())["trainers"]
     assert list(trainers) == ["reward", "kto", "rloo", "distill"]
@@ -239,3 +301,32 @@ def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(tmp_path):
         assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
         assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
     assert done.stdout.rstrip().splitlines()[-1].startswith("distill ")  # the table comes last
+
+
+def _only(ran: tuple[Path, list[SimpleNamespace]]) -> tuple[Path, SimpleNamespace]:
+    """A test's directory and its one command's outcome."""
+    directory, (done,) = ran
+    return directory, done
+
+
+COMMANDS = {
+    "test_sft_throughput_runs_every_scheme_on_cpu": _sft_throughput,
+    "test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu": _sft_throughput_moe,
+    "test_vs_trl_runs_stock_trl_and_odc_on_the_same_samples_on_cpu": _vs_trl("--length-scale", "0.004"),
+    "test_vs_trl_dpo_runs_stock_trl_and_odc_on_the_same_pairs_on_cpu": _vs_trl(
+        "--trainer", "dpo", "--length-scale", "0.004", refused=("--trainer", "dpo", "--rows", "trl-best")
+    ),
+    "test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu": _vs_trl(
+        "--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "32"
+    ),
+    "test_vs_trl_grpo_free_completions_decode_with_odcs_loop_on_cpu": _vs_trl(
+        *FREE, "--completions", "free", "--decoding-loop", refused=(*FREE, "--decoding-loop")
+    ),
+    "test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu": _calibrated_balance,
+    "test_hybrid_step_runs_its_three_schemes_on_cpu": _hybrid_step,
+    "test_grpo_generation_runs_every_mode_on_cpu": _grpo_generation,
+    "test_packed_attention_whole_model_modes_run_on_cpu": _packed_attention,
+    "test_trainer_points_run_every_trainer_under_every_scheme_on_cpu": _trainer_points,
+}
+"""Each test's commands, by test name: a function of its directory (and its parameters) that gives each command, its
+environment (None: this one's) and its timeout before scaling."""

@@ -9,16 +9,24 @@ import glob
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
-from _machine import scaled
+from _machine import Concurrently, scaled
 from _stall_sft import POINTS, STOPS
-from _trainer_launch import ROOT, SUPPORT, launch, start
+from _trainer_launch import ROOT, SUPPORT, start
 
 from hf_odc.liveness import procfs
 
-TIMEOUT = max(3, round(scaled(3, 2)))  # a healthy rank of a busy machine must not miss it
+AT_ONCE = 2
+"""Launches side by side (:class:`~_machine.Concurrently`): a case's processes spend much of it waiting (for the
+timeout, the launcher's start and teardown), which another case's fill."""
+PROCESSES = 2 * AT_ONCE  # on the machine at once: what the bounds below scale with
+# A healthy rank of a busy machine must not miss it: the load average (taken at the start) counts the other jobs; a
+# step of the tiny model takes a fraction of a second, so a launch beside it does not need more (which each stall
+# case would spend waiting).
+TIMEOUT = max(3, round(scaled(3, 2)))
 COMMON = (
     "--num_samples", "64", "--per_device_train_batch_size", "4", "--disable_tqdm", "true", "--logging_steps", "1",
     "--odc_timeout", str(TIMEOUT),
@@ -40,26 +48,59 @@ def _segments() -> set[str]:
     return set(glob.glob("/dev/shm/hf_odc_*"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("point", list(POINTS))
-def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, tmp_path):
-    """Rank 1 stalls (or dies) at ``point`` of the second step; rank 0 ends within timeout + 10 s with PeerFailureError
-    naming rank 1, and the launcher then ends the stalled rank."""
+def _left_behind(before: set[str]) -> set[str]:
+    """The ``hf_odc_*`` segments not in ``before`` that are still there a second later (a launch running beside this
+    one names its own for a few milliseconds while it sets them up)."""
+    new = _segments() - before
+    if new:
+        time.sleep(1)
+    return new & _segments()
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every selected test's launch (:data:`LAUNCHES`), :data:`AT_ONCE` at a time, while the tests go on."""
+    with Concurrently.of_tests(request, tmp_path_factory, LAUNCHES, AT_ONCE) as launches:
+        yield launches
+
+
+def _stalled(background: Concurrently, point: str, directory) -> dict:
     before = _segments()
-    stall_file = tmp_path / "stalled"
+    stall_file, log = directory / "stalled", directory / "log"
     env = {"HF_ODC_TEST_STALL": point, "HF_ODC_TEST_STALL_FILE": str(stall_file)}
     saving = ["--save_strategy", "no"]  # a checkpoint only where the stall is in one
     if point == "checkpoint-save":
         saving = ["--save_strategy", "steps", "--save_steps", "1"]
-    args = (*COMMON, "--max_steps", "3", *saving, "--output_dir", str(tmp_path))
-    code, output = launch(str(SUPPORT / "_stall_sft.py"), *args, processes=2, env=env, timeout=120)
-    ended = time.time()
-    assert code != 0, output[-3000:]
+    args = (*COMMON, "--max_steps", "3", *saving, "--output_dir", str(directory))
+    process = background.track(start(str(SUPPORT / "_stall_sft.py"), *args, log=log, env=env))
+    try:
+        code = process.wait(timeout=scaled(120, PROCESSES))
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the launch ran past its timeout:\n{log.read_text()[-3000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert code != 0 and stall_file.exists(), output[-3000:]
     pid, stalled_at = stall_file.read_text().split()
-    assert ended - float(stalled_at) < TIMEOUT + scaled(10, 2), output[-3000:]
+    # the bound is taken when the run ends: the load average of its own time
+    late = ended - float(stalled_at) - TIMEOUT - scaled(10, PROCESSES)
+    outlived = os.path.exists(f"/proc/{pid}")
+    return {"output": output, "late": late, "outlived": outlived, "left": _left_behind(before)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout(point, launched, request):
+    """Rank 1 stalls (or dies) at ``point`` of the second step; rank 0 ends within timeout + 10 s with PeerFailureError
+    naming rank 1, and the launcher then ends the stalled rank."""
+    run = launched.result(request.node.nodeid)
+    output = run["output"]  # (the launch failed, rank 1 stalled: checked by _stalled)
+    assert run["late"] < 0, output[-3000:]
     assert re.search(rf"PeerFailureError: hf_odc: {SAYS[point]}", output), output[-3000:]
-    assert not os.path.exists(f"/proc/{pid}"), "the stalled rank outlived the job"
-    assert _segments() <= before
+    assert not run["outlived"], "the stalled rank outlived the job"
+    assert not run["left"]
 
 
 # What the survivor says when rank 1 is frozen by SIGSTOP: its heartbeat stopped too ({pid}: rank 1's pid).
@@ -73,29 +114,22 @@ STOPPED_SAYS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("point", "hybrid"), [*((point, False) for point in STOPS), ("stopped-at-startup", True)], ids=lambda v: str(v)
-)
-def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, hybrid, tmp_path):
-    """Rank 1 is frozen by SIGSTOP (every thread, its heartbeat's too): inside the metrics gather, after meeting its
-    peers, where gloo's timeout names nobody; or at startup, before the process group exists, where nothing of hf_odc
-    waits and gloo would wait 30 minutes. Rank 0 names rank 1, its pid and that its process is stopped. Hybrid: 4
-    processes as 2 replicas x 2 (``--odc_shard_size 2``), rank 3 (the other replica's) stopped at startup."""
-    stall_file, log = tmp_path / "stalled", tmp_path / "log"
+def _stopped(background: Concurrently, point: str, hybrid: bool, directory) -> tuple[re.Match | None, str]:
+    stall_file, log = directory / "stalled", directory / "log"
     stalled = 3 if hybrid else 1
     env = {
         "HF_ODC_TEST_STALL": point,
         "HF_ODC_TEST_STALL_FILE": str(stall_file),
         "HF_ODC_TEST_STALL_RANK": str(stalled),
     }
-    args = (*COMMON, "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path))
+    args = (*COMMON, "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(directory))
     if hybrid:
         args = (*args, "--odc_shard_size", "2")
-    process = start(str(SUPPORT / "_stall_sft.py"), *args, log=log, env=env, processes=4 if hybrid else 2)
+    processes = 4 if hybrid else 2
+    process = background.track(start(str(SUPPORT / "_stall_sft.py"), *args, log=log, env=env, processes=processes))
     pid, said = None, None
     try:
-        deadline = time.monotonic() + scaled(240, 2)
+        deadline = time.monotonic() + scaled(240, PROCESSES + processes - 2)
         while said is None and process.poll() is None and time.monotonic() < deadline:
             if pid is None and stall_file.exists() and stall_file.read_text().strip():
                 pid = int(stall_file.read_text().split()[0])
@@ -109,22 +143,29 @@ def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, h
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # the launcher; rank 0 follows it (its parent-death signal)
         process.wait()
-    assert said is not None, log.read_text()[-4000:]
+    return said, log.read_text()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("when", ["startup", "training"])
-def test_killing_the_launcher_ends_its_workers(when, tmp_path):
-    """SIGKILL of `accelerate launch` alone (its workers untouched), as soon as both workers exist (they are still
-    importing their libraries) or once they train: the workers end too (the kernel's parent-death signal, asked for
-    when hf_odc is imported; a worker whose launcher died before that ends itself there), instead of waiting in a
-    rendezvous with a launcher that is gone, or training on, unsupervised, to the end."""
-    log = tmp_path / "log"
-    args = (*COMMON, "--max_steps", "400", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"))
-    launcher = start("sft.py", *args, log=log)
+@pytest.mark.parametrize(
+    ("point", "hybrid"), [*((point, False) for point in STOPS), ("stopped-at-startup", True)], ids=lambda v: str(v)
+)
+def test_a_stopped_rank_is_named_inside_a_collective_and_during_startup(point, hybrid, launched, request):
+    """Rank 1 is frozen by SIGSTOP (every thread, its heartbeat's too): inside the metrics gather, after meeting its
+    peers, where gloo's timeout names nobody; or at startup, before the process group exists, where nothing of hf_odc
+    waits and gloo would wait 30 minutes. Rank 0 names rank 1, its pid and that its process is stopped. Hybrid: 4
+    processes as 2 replicas x 2 (``--odc_shard_size 2``), rank 3 (the other replica's) stopped at startup."""
+    said, output = launched.result(request.node.nodeid)
+    assert said is not None, output[-4000:]
+
+
+def _launcher_killed(background: Concurrently, when: str, directory) -> None:
+    log = directory / "log"
+    args = (*COMMON, "--max_steps", "400", "--save_strategy", "no", "--output_dir", str(directory / "out"))
+    launcher = background.track(start("sft.py", *args, log=log))
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + scaled(120, 2)
+        deadline = time.monotonic() + scaled(120, PROCESSES)
         # torchrun starts each worker in a session of its own: they are the launcher's children
         while len(workers := _children(launcher.pid)) < 2 or (when == "training" and "'loss'" not in log.read_text()):
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -132,7 +173,7 @@ def test_killing_the_launcher_ends_its_workers(when, tmp_path):
         launcher.kill()
         launcher.wait()
         # At startup a worker first finishes importing its libraries; a busy machine takes longer to end a process.
-        limit = scaled(10 if when == "training" else 60, 2)
+        limit = scaled(10 if when == "training" else 60, PROCESSES)
         deadline = time.monotonic() + limit
         while alive := [pid for pid in workers if _running(pid)]:
             assert time.monotonic() < deadline, f"workers {alive} outlived their launcher by {limit:.0f} s"
@@ -141,6 +182,25 @@ def test_killing_the_launcher_ends_its_workers(when, tmp_path):
         for pid in [launcher.pid, *workers]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["startup", "training"])
+def test_killing_the_launcher_ends_its_workers(when, launched, request):
+    """SIGKILL of `accelerate launch` alone (its workers untouched), as soon as both workers exist (they are still
+    importing their libraries) or once they train: the workers end too (the kernel's parent-death signal, asked for
+    when hf_odc is imported; a worker whose launcher died before that ends itself there), instead of waiting in a
+    rendezvous with a launcher that is gone, or training on, unsupervised, to the end."""
+    launched.result(request.node.nodeid)  # the launch's own assertions fail it
+
+
+LAUNCHES = {
+    "test_a_rank_stalled_anywhere_in_a_step_is_named_within_the_timeout": _stalled,
+    "test_a_stopped_rank_is_named_inside_a_collective_and_during_startup": _stopped,
+    "test_killing_the_launcher_ends_its_workers": _launcher_killed,
+}
+"""Each test's launch, by test name: a function of the :class:`~_machine.Concurrently` running it, the test's
+parameters and its directory."""
 
 
 def _children(parent: int) -> list[int]:

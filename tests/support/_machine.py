@@ -1,14 +1,18 @@
 """How busy this machine is, so that the suite's timeouts scale with it: a timeout guards against a hang, and a run
 that shares two cores with other jobs, or starts more processes than there are cores, is slow without hanging. And how
 long the running test has left before pytest's own timeout, so that a launch helper ends its processes and fails with
-their output first (pytest's timeout, firing in the middle of a wait, would leave them running)."""
+their output first (pytest's timeout, firing in the middle of a wait, would leave them running). And how to run
+launches side by side where they leave the cores idle (:class:`Concurrently`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from threading import Lock
 
 DEADLINE = "HF_ODC_TEST_DEADLINE"
 """Set by ``tests/conftest.py`` before each test's fixtures: when (``time.time()``) pytest's timeout ends the test."""
@@ -55,3 +59,74 @@ def _kill(process: subprocess.Popen) -> None:
         return
     if process.poll() is None:
         process.wait()
+
+
+class Concurrently:
+    """Launches that leave the cores idle much of their time (waiting for a stalled rank's timeout, a launcher's
+    start-up and teardown, one rank waiting for the other) run side by side: each job, a function of this object that
+    starts its processes, waits for them and returns what it saw, runs in a thread, at most ``at_once`` at a time, in
+    the order given, while the tests go on; a test takes its own job's result with :meth:`result`, which raises what
+    the job raised. A job starts its processes through :meth:`popen` or :meth:`run` (or hands them to :meth:`track`):
+    leaving the ``with`` block (a module fixture's teardown, after a test's timeout too) kills those still running,
+    each with its session, and drops the jobs not begun. A job's timeouts are its own: :func:`within_test` would cut
+    them to whichever test is running meanwhile."""
+
+    def __init__(self, jobs: dict, at_once: int = 2):
+        self._lock, self._closed, self._processes = Lock(), False, []
+        self._executor = ThreadPoolExecutor(at_once, thread_name_prefix="launch")
+        self._futures = {key: self._executor.submit(job, self) for key, job in jobs.items()}
+
+    @classmethod
+    def of_tests(cls, request, directories, jobs: dict, at_once: int = 2) -> Concurrently:
+        """For a module fixture (``request``, ``directories``: pytest's ``tmp_path_factory``): the job of each
+        selected test of the module that takes the fixture, in the tests' order, ``jobs[test name](self, directory,
+        **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``)."""
+        chosen = {}
+        for item in request.session.items:
+            if item.module is request.module and request.fixturename in item.fixturenames:
+                params = item.callspec.params if hasattr(item, "callspec") else {}
+                directory = directories.mktemp(item.originalname[:30])
+                chosen[item.nodeid] = functools.partial(jobs[item.originalname], directory=directory, **params)
+        return cls(chosen, at_once)
+
+    def result(self, key):
+        """What the job ``key`` returned (waiting for it), or what it raised."""
+        return self._futures[key].result()
+
+    def track(self, process: subprocess.Popen) -> subprocess.Popen:
+        """Kill ``process``'s session when the block is left (``process`` started one of its own)."""
+        with self._lock:
+            self._processes.append(process)
+            if self._closed:
+                _kill(process)
+        return process
+
+    def popen(self, command: list[str], **popen) -> subprocess.Popen:
+        """``subprocess.Popen(command, **popen)`` in a session of its own, tracked."""
+        return self.track(subprocess.Popen(command, start_new_session=True, **popen))
+
+    def run(self, command: list[str], timeout: float, **popen) -> tuple[int, str, str]:
+        """:func:`run_process` for a job: its output as text, the session killed at the end or after ``timeout`` s
+        (an AssertionError with the output)."""
+        process = self.popen(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill(process)
+            out, err = process.communicate()
+            raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{out[-8000:]}{err[-8000:]}") from None
+        finally:
+            _kill(process)
+        return process.returncode, out, err
+
+    def __enter__(self) -> Concurrently:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._closed = True
+            for future in self._futures.values():
+                future.cancel()
+            for process in self._processes:
+                _kill(process)
+        self._executor.shutdown(wait=True)
