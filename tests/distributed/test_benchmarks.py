@@ -219,7 +219,7 @@ def test_hybrid_step_runs_its_three_schemes_on_cpu(ran, request):
 
 def _grpo_generation(directory: Path) -> list:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "grpo_generation.py"), "--model-config", "tiny", "--prompts", "4",
         "--max-new-tokens", "24", "--prompt-length", "8", "--lockstep-tokens", "8", "--row-tokens", "256",
         "--json", str(directory / "generation.json"),
