@@ -284,11 +284,11 @@ class CapacityError(ValueError):
 
 def _check_max_tokens(lengths: list[int], max_tokens: int) -> None:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 1:
-        raise CapacityError(f"max_tokens must be a positive integer (tokens per microbatch), got {max_tokens!r}.")
+        raise ValueError(f"max_tokens must be a positive integer (tokens per microbatch), got {max_tokens!r}.")
     too_long = [index for index, length in enumerate(lengths) if length > max_tokens]
     if too_long:
         index = too_long[0]
-        raise ValueError(
+        raise CapacityError(
             f"Sample {index} has {lengths[index]} tokens, more than max_tokens={max_tokens} "
             f"({len(too_long)} sample(s) exceed it, the longest has {max(lengths)}); raise max_tokens to at least "
             f"{max(lengths)} or truncate or drop those samples first: the planner never truncates."

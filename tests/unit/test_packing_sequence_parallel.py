@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hf_odc.packing import (
+    CapacityError,
     GroupPlan,
     MinibatchPlanner,
     TokenCost,
@@ -51,7 +52,7 @@ def test_every_document_runs_once_and_long_ones_are_spread_over_the_groups():
 
 
 def test_what_no_group_holds_is_refused():
-    with pytest.raises(ValueError, match=r"Sample 1 has 130 tokens, more than sp_size=2 ranks x max_tokens=64"):
+    with pytest.raises(CapacityError, match=r"Sample 1 has 130 tokens, more than sp_size=2 ranks x max_tokens=64"):
         lb_mini_groups([10, 130], 4, 64, group_size=2)
     with pytest.raises(ValueError, match=r"sp_size=3 must divide the number of processes \(4\)"):
         lb_mini_groups([10, 100], 4, 64, group_size=3)

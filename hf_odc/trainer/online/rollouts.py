@@ -165,7 +165,7 @@ def plan_generation_batch(
     minibatches. Each is planned by ``planner``, ``max_tokens_for(longest rollout of the minibatch)`` tokens per
     microbatch.
     """
-    lengths, tokens, generation_loss_tokens = rollouts.weights, rollouts.lengths, rollouts.count_loss_tokens()
+    lengths, text_tokens, generation_loss_tokens = rollouts.weights, rollouts.lengths, rollouts.count_loss_tokens()
     total, world_size = len(lengths), planner.world_size
     if total % (steps * world_size):
         raise ValueError(f"{total} rollouts do not split into {steps} minibatches of {world_size} ranks.")
@@ -175,15 +175,15 @@ def plan_generation_batch(
     for start in range(0, total, size):
         indices = order[start : start + size]
         local_lengths = [lengths[i] for i in indices]
-        max_tokens = max_tokens_for(max(local_lengths))
-        if max(local_lengths) > planner.group_size * max_tokens:
+        longest, group = max(local_lengths), planner.group_size
+        max_tokens = max_tokens_for(longest)
+        if longest > group * max_tokens:
+            holds = f"{group} ranks' microbatches hold (sp_size x " if group > 1 else "a microbatch holds ("
             raise CapacityError(
-                f"A rollout of {max(local_lengths)} tokens (its prompt and completion) is longer than "
-                + (f"{planner.group_size} ranks' microbatches hold (sp_size x " if planner.group_size > 1 else "")
-                + ("" if planner.group_size > 1 else "a microbatch holds (")
-                + f"max_tokens_per_microbatch={max_tokens}). Set --max_tokens_per_microbatch to at least "
-                f"{-(-max(local_lengths) // planner.group_size)}, lower --max_completion_length, or unset "
-                "--max_tokens_per_microbatch (a microbatch then holds per_device_train_batch_size longest rollouts)."
+                f"A rollout of {longest} tokens (its prompt and completion) is longer than {holds}"
+                f"max_tokens_per_microbatch={max_tokens}). Set --max_tokens_per_microbatch to at least "
+                f"{-(-longest // group)}, lower --max_completion_length, or unset --max_tokens_per_microbatch (a "
+                "microbatch then holds per_device_train_batch_size longest rollouts)."
             )
         plan = planner.plan_groups(local_lengths, max_tokens)
         fields = group_plan_fields(plan, local_lengths)
@@ -216,8 +216,8 @@ def plan_generation_batch(
                 ]
                 + [pack_rollouts(rollouts, microbatch) for microbatch in microbatches],
                 num_samples=size,
-                num_tokens=sum(tokens[i] for i in indices),
-                attended=None if rollouts.images is None else [tokens[i] for i in indices],
+                num_tokens=sum(text_tokens[i] for i in indices),
+                attended=None if rollouts.images is None else [text_tokens[i] for i in indices],
                 num_loss_tokens=rollouts.count_loss_tokens(indices),
                 predicted_bubble_rate=planner.predicted_bubble(plan, local_lengths, max_tokens),
                 metrics=metrics | {f"tokens_generated/rank_{r}": tokens for r, tokens in enumerate(generated)},
