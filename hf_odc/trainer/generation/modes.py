@@ -359,9 +359,10 @@ def make_generator(trainer: Any) -> Generator:
         return VLLMGenerator(trainer)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     device, tools = trainer.accelerator.device, _uses_tools(trainer)
-    mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, device, tools)
     if vision:
         mode = "gathered"
+    else:
+        mode = choose_generation_mode(args.odc_generation, trainer.model, trainer.odc, dtype, device, tools)
     if mode == "static":
         return StaticGenerator(trainer, dtype)
     if mode == "tensor-parallel":
