@@ -112,7 +112,9 @@ def main(script_args: VisionScriptArguments, training_args: ODCSFTConfig, model_
 
 
 def make_parser() -> GlobalBatchParser:
-    parser = GlobalBatchParser((VisionScriptArguments, ODCSFTConfig, ModelConfig))
+    parser = GlobalBatchParser(
+        (VisionScriptArguments, ODCSFTConfig, ModelConfig), built_in_models=VISION_SHAPES, model_config_files=False
+    )
     # Defaults for the no-argument CPU demo; every one of them can be overridden on the command line.
     parser.set_defaults(output_dir="odc-sft-vlm-output", max_length=256, max_steps=10, learning_rate=3e-3)
     return parser

@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import datasets
 import huggingface_hub
@@ -85,14 +85,14 @@ def check_model(name: str) -> None:
         )
 
 
-def check_model_config(path: str) -> None:
+def check_model_config(path: str, built_in: Collection[str] = tuple(MODEL_CONFIGS)) -> None:
     """``--model_config`` naming a file: a ``config.json`` (or a directory holding one) that transformers builds a
-    config from."""
+    config from; the refusal names the script's ``built_in`` models besides."""
     flag = f"--model_config {path}"
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         what = "the directory has no config.json" if os.path.isdir(path) else "no such file or directory"
-        raise ValueError(f"{flag}: {what}; name one of {', '.join(MODEL_CONFIGS)} or a config.json")
+        raise ValueError(f"{flag}: {what}; name one of {', '.join(built_in)} or a config.json")
     try:
         with open(file) as f:
             raw = json.load(f)

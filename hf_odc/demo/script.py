@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -267,12 +267,18 @@ class ExampleParser(TrlParser):
         check_dataset: Raises ``ValueError`` for a ``--dataset_name`` dataset (its training split, loaded, with rows)
             that the script cannot train on; by default any is accepted. ``None``: the script trains on its built-in
             data only, and refuses the flag.
+        built_in_models: The names ``--model_config`` takes for the script's built-in models (the text scripts':
+            :data:`~hf_odc.demo.models.MODEL_CONFIGS`).
+        model_config_files: Whether ``--model_config`` also takes a ``config.json`` path (the text scripts build any
+            causal LM's config; the vision script only its built-in shapes).
     """
 
     def __init__(
         self,
         dataclass_types: Iterable[type],
         check_dataset: Callable[[Dataset, argparse.Namespace], None] | None = _any_dataset,
+        built_in_models: Collection[str] = tuple(MODEL_CONFIGS),
+        model_config_files: bool = True,
     ):
         super().__init__(
             dataclass_types,
@@ -281,6 +287,7 @@ class ExampleParser(TrlParser):
             allow_abbrev=False,
         )
         self._check_dataset = check_dataset
+        self._built_in_models, self._model_config_files = tuple(built_in_models), model_config_files
         for action in self._actions:
             if action.dest == "parallelism_config":
                 action.type = str  # JSON, read by the ODC configs (hf_odc.accelerate_plugin.parallelism_config_from)
@@ -337,8 +344,13 @@ class ExampleParser(TrlParser):
         config = getattr(namespace, "model_config", None)
         if getattr(namespace, "model_name_or_path", None):
             check_model(namespace.model_name_or_path)
-        elif config not in (None, *MODEL_CONFIGS):
-            check_model_config(config)
+        elif config not in (None, *self._built_in_models):
+            if not self._model_config_files:
+                raise ValueError(
+                    f"--model_config {config}: name one of {', '.join(self._built_in_models)}, the built-in shapes, "
+                    "or pass --model_name_or_path"
+                )
+            check_model_config(config, self._built_in_models)
         if getattr(namespace, "use_vllm", False) and not is_vllm_available():
             raise ValueError("--use_vllm: vLLM is not installed in this environment; install it (docs/api.md, "
                              "\"vLLM on CPU, end to end\", for a CPU) or leave --use_vllm out to decode with "

@@ -23,6 +23,7 @@ from hf_odc.demo import build_tokenizer, script
 sft = load_example("sft.py")
 grpo = load_example("grpo.py")
 grpo_tools = load_example("grpo_tools.py")
+sft_vlm = load_example("sft_vlm.py")
 FAST = ("--max_steps", "2", "--num_samples", "32", "--global_batch_size", "4")
 CHAT = [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": "w3 w2 w1"}]
 
@@ -205,6 +206,21 @@ def test_grpo_refuses_a_dataset_it_would_not_read_in_one_line(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+def test_the_vision_example_takes_its_built_in_shapes_and_refuses_any_other_model_config(monkeypatch, capsys):
+    """``examples/sft_vlm.py --model_config`` names a built-in Qwen2.5-VL shape (the GPU point's ``qwen2.5-vl-3b``);
+    the text scripts' names and ``config.json`` paths are refused in one line that lists the shapes."""
+    monkeypatch.delenv("RANK", raising=False)
+    script_args, _, _ = sft_vlm.make_parser().parse_args_and_config(["--model_config", "qwen2.5-vl-3b"])
+    assert script_args.model_config == "qwen2.5-vl-3b"
+    for config in ("qwen2.5-1.5b", "/nonexistent/config.json"):
+        with pytest.raises(SystemExit) as failure:
+            sft_vlm.make_parser().parse_args_and_config(["--model_config", config])
+        (error,) = capsys.readouterr().err.splitlines()
+        assert failure.value.code == 2
+        assert error.endswith(f"--model_config {config}: name one of tiny, qwen2.5-vl-3b, the built-in shapes, or pass "
+                              "--model_name_or_path")  # fmt: skip
+
+
 def test_the_tool_calling_example_runs_trls_tool_loop_and_packs_the_tool_results(tmp_path):
     """``examples/grpo_tools.py`` with its defaults on 2 processes: every step's rollouts (8 prompts of 4 generations
     each, per process) run TRL's tool loop, the ``g``-th generation of a prompt calling the tool ``min(g, 2)`` times
