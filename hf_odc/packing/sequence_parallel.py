@@ -25,11 +25,11 @@ from .planners import CapacityError, Plan, _check_world_size, _checked_lengths, 
 
 __all__ = ["EXCHANGE", "GroupPlan", "check_group_size", "lb_mini_groups", "shard_sizes", "split_costs"]
 
-EXCHANGE = 0.25
-"""What the all-to-alls of one token cost, as a share of a token's own per-token work (:func:`split_costs`). A guess,
-not measured yet (pending a GPU measurement): four exchanges per layer and pass (query, key, value, output) of
-``hidden`` values each, against about ``24 x hidden**2`` FLOPs of the token's matmuls; pass ``exchange=`` where a
-measurement says otherwise."""
+EXCHANGE = 0.1
+"""What the all-to-alls of one token cost, as a share of a token's own per-token work (:func:`split_costs`): four
+exchanges per layer and pass (query, key, value, output) of ``hidden`` values each, against about ``24 x hidden**2``
+FLOPs of the token's matmuls. The value is ``benchmarks/ulysses_exchange.py``'s fit on 4 NVLink-connected GPUs
+(benchmarks/RESULTS.md); pass ``exchange=`` where a slower link makes it dearer."""
 
 
 @dataclass(frozen=True)
