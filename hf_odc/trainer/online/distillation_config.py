@@ -48,7 +48,7 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
 
         > Parameters of the divergence
 
-        divergence_chunk_size (`int`, *optional*, defaults to `1024`):
+        divergence_chunk_size (`int`, *optional*, defaults to `512`):
             Trained tokens whose divergence is computed at once: each chunk's float32 log-probabilities and
             temporaries (a few `divergence_chunk_size * vocabulary` values) are all the loss adds to the two models'
             logits. Smaller saves memory at large vocabularies, larger launches fewer kernels; the result is the same.
@@ -61,7 +61,7 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
     """
 
     divergence_chunk_size: int = field(
-        default=1024,
+        default=512,
         metadata={
             "help": "Trained tokens whose divergence (float32, full vocabulary) is computed at once; the result does "
             "not depend on it."

@@ -6,6 +6,7 @@ student decodes in hf_odc's generation modes, every rank gathers the step's comp
 ODC minibatch); what is distillation's, hook by hook:
 
 * ``__init__``: the teacher (frozen) is sharded by hf_odc with ODC of its own, like GRPO's reference model.
+* ``_after_scoring``: each microbatch's trained tokens' positions, on the host.
 * ``_microbatch_context``: the teacher's forward-only ODC minibatch held open around the student's.
 * ``_microbatch_loss``: the teacher's forward on the microbatch's rows (its logits at the trained tokens only, dropped
   with the microbatch), then the student's, then TRL's generalized JSD (:func:`generalized_jsd`) per trained token in
@@ -31,7 +32,7 @@ from trl import DistillationTrainer
 from ..core._step import StepMetrics
 from ._rollout_trainer import Pass, _ODCRolloutTrainer
 from .distillation_config import ODCDistillationConfig
-from .rollouts import RolloutStep
+from .rollouts import Rollouts, RolloutStep
 
 __all__ = ["ODCDistillationTrainer", "chunked_generalized_jsd", "generalized_jsd"]
 
@@ -96,6 +97,17 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
         """None: TRL's distillation scores nothing while generating (the teacher runs beside each microbatch)."""
         return []
 
+    def _after_scoring(self, rollouts: Rollouts, planned: list[RolloutStep]) -> None:
+        """Each packed microbatch's trained tokens, on the host (no device sync in the loss): ``trained_index``, their
+        positions in the row (the ``(k, C)`` padded ``token_index`` where the loss mask is not zero, flattened), and
+        ``trained_mask``, their loss-mask values."""
+        for step in planned:
+            for microbatch in step.microbatches:
+                inputs = microbatch["loss"]
+                trained = inputs["mask"] != 0
+                inputs["trained_index"] = inputs["token_index"][trained]
+                inputs["trained_mask"] = inputs["mask"][trained]
+
     # -- the loss -----------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -112,10 +124,10 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: RolloutStep) -> torch.Tensor:
         """TRL's per-token divergence between the student and the teacher on one packed microbatch, summed over its
         trained tokens and divided by the step's trained tokens over every rank. Both models project only the trained
-        positions through their heads (``logits_to_keep``), and the divergence runs in chunks of
-        ``divergence_chunk_size`` tokens (:func:`chunked_generalized_jsd`)."""
+        positions through their heads (``logits_to_keep``: :meth:`_after_scoring`'s ``trained_index``), and the
+        divergence runs in chunks of ``divergence_chunk_size`` tokens (:func:`chunked_generalized_jsd`)."""
         inputs, forward = microbatch["loss"], _forward_inputs(microbatch["model"])
-        keep = inputs["token_index"]
+        keep = inputs["trained_index"]
         teacher = self._teacher_odc
         teacher.lap()
         with torch.no_grad(), self.accelerator.autocast():
@@ -125,7 +137,7 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
         divergence, entropy = chunked_generalized_jsd(
             logits, teacher_logits, self.beta, self.temperature, self.args.divergence_chunk_size
         )
-        mask = inputs["mask"]
+        mask = inputs["trained_mask"]
         self._step_metrics.add_mean("entropy", (entropy * mask).sum(), mask.sum())
         return (divergence * mask).sum() / max(step.num_loss_tokens, 1)
 
