@@ -37,9 +37,9 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
     on that microbatch's rows, so nothing of it is kept between microbatches; both models project only the trained
     tokens through their heads, and the divergence is computed `divergence_chunk_size` tokens at a time, its backward
     recomputing each chunk. Per rank, with `T` a microbatch's trained tokens and `V` the vocabulary, the loss holds the
-    two models' logits and, in the backward, the student logits' gradient (`3 * T * V` values in the compute dtype),
-    plus one chunk's float32 temporaries (a few `divergence_chunk_size * V`), whatever the number of rows the rank
-    holds. TRL projects hidden states through both heads in tiles instead (no `[T, V]` logits).
+    two models' logits and, in the backward, the student logits' gradient (`3 * T * V` values in the dtype the
+    forwards return), plus one chunk's float32 temporaries (a few `divergence_chunk_size * V`), whatever the number of
+    rows the rank holds. TRL projects hidden states through both heads in tiles instead (no `[T, V]` logits).
 
     Parameters:
     {odc_parameters}

@@ -14,8 +14,8 @@ ODC minibatch); what is distillation's, hook by hook:
   trained tokens; the student's entropy accumulated on the device and reduced once per step.
 
 Memory per rank: no ``[tokens, vocab]`` tensor outlives a microbatch. In one, with ``T`` its trained tokens, ``V`` the
-vocabulary and ``C`` the chunk: the student's and the teacher's logits ``[T, V]`` (compute dtype), the student logits'
-gradient ``[T, V]`` in the backward, and one chunk's float32 ``[C, V]`` temporaries.
+vocabulary and ``C`` the chunk: the student's and the teacher's logits ``[T, V]`` (the forwards' dtype), the student
+logits' gradient ``[T, V]`` in the backward, and one chunk's float32 ``[C, V]`` temporaries.
 """
 
 from __future__ import annotations
