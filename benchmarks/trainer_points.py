@@ -20,8 +20,8 @@ The data (``--max-length`` is the longest sequence; ``swe-smith``-shaped lengths
 * RLOO: ``--global-batch-size`` completions per step (groups of ``--num-generations``) up to ``--max-length`` tokens,
   injected (``--rollouts synthetic``: drawn, not generated, so no time goes to generation), ``--beta 0`` (no KL
   reference: the policy update is what the schemes change);
-* distillation: ``--global-batch-size`` completions per step up to ``--max-length / 2`` tokens (the teacher's
-  full-vocabulary log-probabilities of a rank's rows are kept until the update: ``4 x tokens x vocabulary`` bytes),
+* distillation: ``--global-batch-size`` completions per step up to ``--max-length / 2`` tokens (the teacher
+  runs on each microbatch's rows beside the student, and the divergence in ``divergence_chunk_size`` token chunks),
   injected likewise, and a teacher of the same shape (other random weights), sharded, scoring forward-only;
 * sft_vlm: ``--global-batch-size`` image conversations per step (``examples/sft_vlm.py --long_tailed``: replies up to
   ``--max-length / 4`` words, long-tailed; 1 to ``--max-images`` random images each, their count long-tailed: every

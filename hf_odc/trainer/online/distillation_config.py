@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trl import DistillationConfig
 
@@ -32,16 +32,26 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
     TRL's `DistillationTrainer` is fully on-policy (every completion the student's own): the on-policy fraction `lmbda`
     is its experimental `GKDTrainer`'s, not covered here.
 
-    Memory: the divergence needs both models' full-vocabulary distributions at every trained token. hf_odc keeps the
-    teacher's log-probabilities of this rank's packed rows (trained tokens times vocabulary, float32) from its
-    forward-only minibatch to the update, and the student's microbatch computes its full logits; TRL instead projects
-    hidden states through both heads in chunks. Fine for small vocabularies and rows; budget `4 * tokens * vocab` bytes
-    per rank for the teacher's.
+    Memory: the divergence needs both models' full-vocabulary distributions at every trained token. The teacher runs
+    beside each microbatch of the student's update (its forward-only ODC minibatch held open around the student's),
+    on that microbatch's rows, so nothing of it is kept between microbatches; both models project only the trained
+    tokens through their heads, and the divergence is computed `divergence_chunk_size` tokens at a time, its backward
+    recomputing each chunk. Per rank, with `T` a microbatch's trained tokens and `V` the vocabulary, the loss holds the
+    two models' logits and, in the backward, the student logits' gradient (`3 * T * V` values in the dtype the
+    forwards return), plus one chunk's float32 temporaries (a few `divergence_chunk_size * V`), whatever the number of
+    rows the rank holds. TRL projects hidden states through both heads in tiles instead (no `[T, V]` logits).
 
     Parameters:
     {odc_parameters}
 
     {generation_parameters}
+
+        > Parameters of the divergence
+
+        divergence_chunk_size (`int`, *optional*, defaults to `512`):
+            Trained tokens whose divergence is computed at once: each chunk's float32 log-probabilities and
+            temporaries (a few `divergence_chunk_size * vocabulary` values) are all the loss adds to the two models'
+            logits. Smaller saves memory at large vocabularies, larger launches fewer kernels; the result is the same.
 
     > [!NOTE]
     > Not supported, refused at construction: a trainer without a local `teacher_model` (TRL's server-side teachers
@@ -50,7 +60,25 @@ class ODCDistillationConfig(_ODCRolloutConfig, DistillationConfig):
     > every rank loads whole models and hf_odc shards them.
     """
 
+    divergence_chunk_size: int = field(
+        default=512,
+        metadata={
+            "help": "Trained tokens whose divergence (float32, full vocabulary) is computed at once; the result does "
+            "not depend on it."
+        },
+    )
+
     def __post_init__(self):
+        if isinstance(self.divergence_chunk_size, bool) or not isinstance(self.divergence_chunk_size, int):
+            raise TypeError(
+                f"ODCDistillationConfig: divergence_chunk_size must be a whole number of tokens, got "
+                f"{self.divergence_chunk_size!r}."
+            )
+        if self.divergence_chunk_size < 1:
+            raise ValueError(
+                f"ODCDistillationConfig: divergence_chunk_size must be at least 1 token, got "
+                f"{self.divergence_chunk_size}."
+            )
         super().__post_init__()
         if self.teacher_model_init_kwargs is not None:
             self.teacher_model_init_kwargs = whole_model_kwargs(self.teacher_model_init_kwargs)
