@@ -25,7 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from hf_odc import _compat
 from hf_odc.demo import build_tokenizer
+from hf_odc.packing import Calibration
 from hf_odc.trainer.core._base_trainer import _ODCTrainer
+from hf_odc.trainer.core._checkpoint_hooks import CALIBRATION_FILE
 from hf_odc.trainer.core._moe import ExpertActivity, ExpertLoad
 from hf_odc.trainer.core._step import packed_row
 from hf_odc.trainer.core.attention import use_packed_attention
@@ -202,11 +204,16 @@ def test_odc_grpo_on_a_moe_matches_stock_trl(grpo_runs, case):
 @pytest.mark.slow
 def test_the_sft_example_trains_the_tiny_moe_on_two_processes(tmp_path):
     """``examples/sft.py --model_config tiny-moe``: a Qwen3-MoE built from a config, trained with the router's
-    load-balancing loss (its config's coefficient) on 2 processes; the saved model loads with the Auto class."""
-    run("sft.py", "--model_config", "tiny-moe", "--max_steps", "2", "--num_samples", "32", "--global_batch_size", "8",
+    load-balancing loss (its config's coefficient) on 2 processes; the saved model loads with the Auto class. The
+    default calibrated cost learns the experts' term from the counted active (layer, expert) pairs, once it fits
+    (from the third step), and saves it with the model."""
+    run("sft.py", "--model_config", "tiny-moe", "--max_steps", "4", "--num_samples", "32", "--global_batch_size", "8",
         "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)  # fmt: skip
     logs = logged_steps(tmp_path)
-    assert sorted(logs) == [1, 2]
+    assert sorted(logs) == [1, 2, 3, 4]
     assert all(math.isfinite(entry["aux_loss"]) and entry["aux_loss"] > 0 for entry in logs.values()), logs
     assert all(entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen3MoeForCausalLM"
+    assert "calibration/per_expert" not in logs[2] and logs[4]["calibration/per_expert"] >= 0
+    saved = Calibration.load(tmp_path / CALIBRATION_FILE).cost
+    assert saved.expert_slots == 2 * 4 and saved.per_expert == logs[4]["calibration/per_expert"]

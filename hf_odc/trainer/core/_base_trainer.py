@@ -433,7 +433,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         )
         calibration = self._planner.calibration
         if calibration is not None:
-            for name in FEATURES:
+            for name in FEATURES if calibration.cost.expert_slots else FEATURES[:-1]:  # per_expert: a MoE's
                 metrics[f"calibration/{name}"].append(getattr(calibration.cost, name))
             metrics["calibration/error"].append(calibration.error)
             for rank, speed in enumerate(calibration.speeds):
