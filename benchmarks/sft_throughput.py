@@ -27,6 +27,15 @@ microbatch times and prints the speedups that model predicts for the same miniba
 for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
 
+A Mixture-of-Experts shape counts every microbatch's active (layer, expert) pairs at its routers (forwards only, as
+the trainers count them), so that the calibrated scheme's cost has the expert term the trainers' has (``hf_odc.
+packing.CalibratedCost``); the summary's fit has it too. Qwen3-30B-A3B's layer, 4 of its layers, on 4 GPUs::
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --standalone --nproc_per_node 4 \
+        benchmarks/sft_throughput.py --model qwen3-30b-a3b-8l --num-layers 4 --distribution longalign \
+        --length-scale 0.25 --samples-per-device 8 --steps 6 --warmup 4 \
+        --schemes "Collective+LB-Micro,ODC+LB-Mini,ODC+LB-Mini calibrated" --predict-world-sizes 8 --json sft_moe.json
+
 ``--sp-size N`` (sequence parallelism, Ulysses, groups of ``N`` consecutive ranks): the cap becomes a rank's share,
 ``packing ratio x longest / N``, so that a group holds the longest document. The LB-Mini schemes run each document
 over the cap as a group microbatch of one group (:mod:`hf_odc.packing.sequence_parallel`, as ``ODCSFTTrainer`` does)
