@@ -38,6 +38,7 @@ from hf_odc.packing import (
     sample_lengths,
 )
 from hf_odc.trainer import PACKED_ATTENTION, save_attention_checkpoint_kwargs
+from hf_odc.trainer.core._moe import ExpertActivity
 
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -64,27 +65,42 @@ SCHEME_SYNC = {scheme.name: scheme.sync for scheme in SCHEMES} | {CALIBRATED: "m
 """Every SFT scheme the benchmarks run, by name, with how its ranks synchronise (``"minibatch"``: ODC)."""
 
 
-def scheme_planners(names, world_size: int, cost: CostModel, sp_size: int = 1) -> dict[str, MinibatchPlanner]:
+def scheme_planners(
+    names, world_size: int, cost: CostModel, sp_size: int = 1, expert_slots: int = 0
+) -> dict[str, MinibatchPlanner]:
     """A planner for each scheme of ``names`` (keys of ``SCHEME_SYNC``), in that order; :data:`CALIBRATED`'s with a
-    ``Calibrator`` to feed (:func:`calibrate`). With sequence parallelism (``sp_size`` above 1) the LB-Mini schemes
-    plan group microbatches (``group_size=sp_size``) and the others plan the ``world_size / sp_size`` groups as ranks,
-    each of their microbatches split over a group (as Accelerate's Ulysses runs every microbatch)."""
+    ``Calibrator`` to feed (:func:`calibrate`), with the expert term of a MoE model of ``expert_slots`` (layer,
+    expert) pairs (:func:`expert_counter`) as the trainers have it. With sequence parallelism (``sp_size`` above 1)
+    the LB-Mini schemes plan group microbatches (``group_size=sp_size``) and the others plan the ``world_size /
+    sp_size`` groups as ranks, each of their microbatches split over a group (as Accelerate's Ulysses runs every
+    microbatch)."""
     schemes = {scheme.name: scheme for scheme in SCHEMES}
     planners = {}
     for name in names:
         if name == CALIBRATED or schemes[name].balance == "lb-mini":
-            calibrator = Calibrator(world_size) if name == CALIBRATED else None
+            calibrator = Calibrator(world_size, expert_slots=expert_slots) if name == CALIBRATED else None
             planners[name] = MinibatchPlanner("lb-mini", world_size, "minibatch", cost, calibrator, group_size=sp_size)
         else:
             planners[name] = MinibatchPlanner(schemes[name].balance, world_size // sp_size, schemes[name].sync, cost)
     return planners
 
 
-def calibrate(planner: MinibatchPlanner, batch, seconds: list[float]) -> None:
-    """Feed a step's microbatch times, every rank's (one gather), to ``planner``'s calibration, as the trainers do."""
+def calibrate(planner: MinibatchPlanner, batch, seconds: list[float], active_experts: list[int] | None = None) -> None:
+    """Feed a step's microbatch times (and a MoE model's active (layer, expert) pairs, :func:`run_step`'s), every
+    rank's (one gather), to ``planner``'s calibration, as the trainers do."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, seconds)
-    planner.record(batch.microbatch_lengths, gathered)
+    dist.all_gather_object(gathered, (seconds, active_experts))
+    active = [experts for _, experts in gathered] if planner.calibrator.expert_slots else None
+    planner.record(batch.microbatch_lengths, [times for times, _ in gathered], active)
+
+
+def expert_counter(model) -> ExpertActivity | None:
+    """A MoE model's counter of each microbatch's active (layer, expert) pairs, which the calibrated cost's expert term
+    is fitted to (as ``ODCSFTTrainer`` counts them); ``None`` for a dense model."""
+    config = model.config
+    if not getattr(config, "num_experts_per_tok", None):
+        return None
+    return ExpertActivity(model, config.num_experts, config.num_experts_per_tok)
 
 
 def in_turn(names: list[str], step: int) -> list[str]:
@@ -138,9 +154,13 @@ def build(args, device: torch.device, shard_size: int | None = None):
     return model, optimizer, config
 
 
-def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device) -> dict:
+def run_step(
+    model, optimizer, runner, batch, world_size: int, odc: bool, device, experts: ExpertActivity | None = None
+) -> dict:
     """One optimizer step of this rank's microbatches; returns its timings and microbatch features (of its own
-    microbatches: ``shared``, the number of rows split over a sequence-parallel group, run first)."""
+    microbatches: ``shared``, the number of rows split over a sequence-parallel group, run first), with ``experts``
+    (:func:`expert_counter`) each one's active (layer, expert) pairs."""
+    counting = experts.recording if experts is not None else contextlib.nullcontext
     microbatches = batch.microbatches
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -150,7 +170,8 @@ def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
             inputs = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in microbatch.items()}
             with torch.profiler.record_function(f"microbatch {index}"):  # a span for device_time
-                out = model(**inputs, use_cache=False, fused_lm_head=True)
+                with counting():  # the forward only: not the recomputation in the backward
+                    out = model(**inputs, use_cache=False, fused_lm_head=True)
                 (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
             runner.lap()
     model.set_requires_gradient_sync(True)
@@ -159,7 +180,9 @@ def run_step(model, optimizer, runner, batch, world_size: int, odc: bool, device
     # a row split over a group (sequence parallelism: first, if any) is not one rank's work to calibrate against
     own = [mb for mb in microbatches if "sequence_shard" not in mb]
     lengths = [np.diff(mb["cu_seq_lens_q"].numpy()).tolist() for mb in own]
+    active = [int(count) for count in experts.take()] if experts is not None else []
     return {
+        "active_experts": active[len(microbatches) - len(own) :],
         "busy": runner.last.busy,
         "wait": runner.last.wait,
         "microbatch_s": runner.last.microbatches,

@@ -27,6 +27,15 @@ microbatch times and prints the speedups that model predicts for the same miniba
 for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
 
+A Mixture-of-Experts shape counts every microbatch's active (layer, expert) pairs at its routers (forwards only, as
+the trainers count them), so that the calibrated scheme's cost has the expert term the trainers' has (``hf_odc.
+packing.CalibratedCost``); the summary's fit has it too. Qwen3-30B-A3B's layer, 4 of its layers, on 4 GPUs::
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --standalone --nproc_per_node 4 \
+        benchmarks/sft_throughput.py --model qwen3-30b-a3b-8l --num-layers 4 --distribution longalign \
+        --length-scale 0.25 --samples-per-device 8 --steps 6 --warmup 4 \
+        --schemes "Collective+LB-Micro,ODC+LB-Mini,ODC+LB-Mini calibrated" --predict-world-sizes 8 --json sft_moe.json
+
 ``--sp-size N`` (sequence parallelism, Ulysses, groups of ``N`` consecutive ranks): the cap becomes a rank's share,
 ``packing ratio x longest / N``, so that a group holds the longest document. The LB-Mini schemes run each document
 over the cap as a group microbatch of one group (:mod:`hf_odc.packing.sequence_parallel`, as ``ODCSFTTrainer`` does)
@@ -63,6 +72,7 @@ from _common import (
     SCHEME_SYNC,
     build,
     calibrate,
+    expert_counter,
     in_turn,
     init_distributed,
     minibatches,
@@ -144,16 +154,28 @@ def _rank_costs(step: dict, sp_size: int, cost) -> list[list[float]]:
 
 
 def run_config(
-    args, model, optimizer, odc, collective, device, samples_per_device: int, packing_ratio: float, group: Any = None
+    args,
+    model,
+    optimizer,
+    odc,
+    collective,
+    device,
+    samples_per_device: int,
+    packing_ratio: float,
+    group: Any = None,
+    experts=None,
 ) -> dict:
-    """Every scheme on the same minibatches (``group``: this rank's sequence-parallel group, with ``--sp-size``)."""
+    """Every scheme on the same minibatches (``group``: this rank's sequence-parallel group, with ``--sp-size``;
+    ``experts``: a MoE model's expert counter, :func:`expert_counter`, which the calibrated scheme's cost learns
+    from)."""
     rank, world_size, sp_size = dist.get_rank(), dist.get_world_size(), args.sp_size
     dist_info = DISTRIBUTIONS[args.distribution]
     minibatch_size = samples_per_device * world_size
     steps = args.warmup + args.steps
     cap = int(packing_ratio * dist_info.max_length * args.length_scale / sp_size)  # a group holds sp_size caps
     cost = named_cost("attention", model.config)
-    planners = scheme_planners([name for name in NAMES if name in args.schemes], world_size, cost, sp_size)
+    slots = experts.slots if experts is not None else 0
+    planners = scheme_planners([name for name in NAMES if name in args.schemes], world_size, cost, sp_size, slots)
     collators = {name: _collator(planner, rank, cap, group, sp_size) for name, planner in planners.items()}
     records: dict[str, list[dict]] = {name: [] for name in collators}
     names = list(collators)
@@ -162,9 +184,10 @@ def run_config(
             collator = collators[name]
             uses_odc = SCHEME_SYNC[name] == "minibatch"
             batch = collator(examples)
-            result = run_step(model, optimizer, odc if uses_odc else collective, batch, world_size, uses_odc, device)
+            runner = odc if uses_odc else collective
+            result = run_step(model, optimizer, runner, batch, world_size, uses_odc, device, experts)
             if planners[name].calibrator is not None:
-                calibrate(planners[name], batch, result["microbatch_s"][result["shared"] :])
+                calibrate(planners[name], batch, result["microbatch_s"][result["shared"] :], result["active_experts"])
             if step >= args.warmup:
                 result |= _plan_record(planners[name], chunk, cap, sp_size)
                 result["lengths"] = chunk
@@ -179,6 +202,7 @@ def run_config(
         "samples_per_device": samples_per_device,
         "packing_ratio": packing_ratio,
         "max_tokens": cap,
+        "expert_slots": slots,
         "records": gathered,
     }
 
@@ -191,9 +215,10 @@ def summarize(config: dict, args, world_size: int) -> dict:
     for rank_records in per_rank:
         for steps in rank_records.values():
             for step in steps:
-                features += map(microbatch_features, step["microbatch_lengths"])
+                active = step["active_experts"] or [0] * len(step["microbatch_lengths"])
+                features += map(microbatch_features, step["microbatch_lengths"], active)
                 seconds += step["microbatch_s"][step["shared"] :]
-    calibration = Calibration.fit(features, seconds)
+    calibration = Calibration.fit(features, seconds, expert_slots=config["expert_slots"])
     calibrated = calibration.cost.amortised(config["max_tokens"])
     summary: dict[str, dict] = {}
     peak = peak_flops(args.device_name)
@@ -272,8 +297,9 @@ def print_table(results: list[dict], args, world_size: int) -> None:
         label = f"{result['samples_per_device']}/dev x{result['packing_ratio']:g}"
         calibration = result["summary"]["calibration"]
         fit = calibration["cost"]
+        experts = f", {fit['per_expert']:.3g} s/active expert" if fit["expert_slots"] else ""
         print(f"{label:>9}: " + ", ".join(cells) + f"   [fit: {fit['per_microbatch']:.3g} s/microbatch, "
-              f"{fit['linear']:.3g} s/token, {fit['quadratic']:.3g} s/token^2]")  # fmt: skip
+              f"{fit['linear']:.3g} s/token, {fit['quadratic']:.3g} s/token^2{experts}]")  # fmt: skip
 
 
 def plot(results: list[dict], path: str, world_size: int) -> None:
@@ -379,6 +405,7 @@ def main() -> None:
     model, optimizer, model_config = build(args, device)
     args.model_config = model_config.to_dict()
     odc, collective = hf_odc.enable(model), CollectiveMinibatch(device)
+    experts = expert_counter(model)
     record = {"args": vars(args), "world_size": world_size, "torch": torch.__version__,
               "model_type": model_config.model_type}  # fmt: skip
     if args.longest_document:
@@ -402,7 +429,7 @@ def main() -> None:
     results = []
     for samples in (int(s) for s in args.samples_per_device.split(",")):
         for ratio in (float(r) for r in args.packing_ratios.split(",")):
-            config = run_config(args, model, optimizer, odc, collective, device, samples, ratio, group)
+            config = run_config(args, model, optimizer, odc, collective, device, samples, ratio, group, experts)
             if dist.get_rank() == 0:
                 config["summary"] = summarize(config, args, world_size)
             results.append(config)

@@ -1,9 +1,11 @@
 """Calibrating the cost model from measured microbatch times, with a speed per rank.
 
 Every microbatch a rank runs is a sample: its features (one microbatch, its sequences, its tokens, the sum of its
-sequences' squared lengths) and its device time. The model is::
+sequences' squared lengths and, for a Mixture-of-Experts model, the (layer, expert) pairs its router activated) and
+its device time. The model is::
 
-    seconds = (per_microbatch + per_sequence * sequences + linear * tokens + quadratic * sum_sq) / speed[rank]
+    seconds = (per_microbatch + per_sequence * sequences + linear * tokens + quadratic * sum_sq
+               + per_expert * active_experts) / speed[rank]
 
 with non-negative coefficients (a :class:`~hf_odc.packing.CalibratedCost`) and speeds averaging 1. Where a FLOP
 count balances the work, this balances what the ranks measure: the fixed costs no per-token formula sees, the real
@@ -13,6 +15,11 @@ neighbour, an older card), which LB-Mini then gives less (``lb_mini(..., speeds=
 The fit minimises the squared *relative* error (long and short microbatches count alike), drops outliers (the first
 steps' compilation, a hiccup: more than ``_OUTLIER_MADS`` median absolute deviations off) and alternates between the
 coefficients and the speeds, which are each rank's predicted over measured seconds on its recent samples.
+
+A plan is made before its microbatches run, so the expert term is planned with a prediction of the active pairs from
+the microbatch's tokens, whose one parameter (``expert_scale``, see :class:`~hf_odc.packing.CalibratedCost`) is
+fitted to the same samples' measured counts (:func:`_expert_scale`). A dense model's samples have no active pairs:
+its ``per_expert`` is zero and its fit is the four-term one.
 
 Every rank fits the same gathered samples and must reach bit-identical numbers, or the ranks would plan differently
 and drop or duplicate samples. So nothing here depends on summation order or on the machine: sums are ``math.fsum``
@@ -38,19 +45,24 @@ from .cost import CalibratedCost
 
 __all__ = ["FEATURES", "Calibration", "Calibrator", "microbatch_features"]
 
-FEATURES = ("per_microbatch", "per_sequence", "linear", "quadratic")
+FEATURES = ("per_microbatch", "per_sequence", "linear", "quadratic", "per_expert")
 """The coefficients, in the order of :func:`microbatch_features`' columns."""
 
 _FORMAT = "hf_odc.calibration/1"
+_CURVE = ("expert_slots", "expert_scale")  # the expert term's prediction of active pairs, saved beside the features
 _ROUNDS = 6  # alternations of coefficients, speeds and outlier trimming
 _OUTLIER_MADS = 4.0  # a sample this many scaled median absolute deviations off the median relative error is dropped
 _NOISE_FLOOR = 0.02  # ... but never one within 2% of it
 _SINGULAR = 1e-12  # a pivot this small (relative to the diagonal) makes a subset of the coefficients unidentifiable
 
 
-def microbatch_features(lengths: Sequence[int]) -> tuple[float, float, float, float]:
-    """The features of one microbatch of sequences of ``lengths``: ``(1, sequences, tokens, sum of squares)``."""
-    return (1.0, float(len(lengths)), float(sum(lengths)), float(sum(length * length for length in lengths)))
+def microbatch_features(
+    lengths: Sequence[int], active_experts: float = 0.0
+) -> tuple[float, float, float, float, float]:
+    """The features of one microbatch of sequences of ``lengths`` whose router activated ``active_experts`` (layer,
+    expert) pairs (0: a dense model): ``(1, sequences, tokens, sum of squares, active_experts)``."""
+    return (1.0, float(len(lengths)), float(sum(lengths)), float(sum(length * length for length in lengths)),
+            float(active_experts))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,9 +91,11 @@ class Calibration:
         world_size: int = 1,
         recent: Sequence[bool] | None = None,
         speeds: Sequence[float] | None = None,
+        expert_slots: int = 0,
     ) -> Calibration:
         """Fit measured microbatches: ``features`` (rows of :func:`microbatch_features`), their ``seconds`` and the
-        ``ranks`` that ran them (default: all rank 0 of ``world_size``).
+        ``ranks`` that ran them (default: all rank 0 of ``world_size``). ``expert_slots``: a MoE model's (layer,
+        expert) pairs, the most a microbatch can activate (0: dense; see :class:`~hf_odc.packing.CalibratedCost`).
 
         Speeds are estimated from the ``recent`` samples only (default: all), so that a rank that slows down or
         recovers is followed without forgetting the coefficients; a rank with no recent sample keeps its starting
@@ -95,10 +109,14 @@ class Calibration:
                 f"Calibration.fit needs one row of {len(FEATURES)} features (microbatch_features), one time and one "
                 f"rank per microbatch; got features of shape {x.shape}, {len(t)} times and {len(r)} ranks."
             )
-        if len(t) < len(FEATURES):
-            raise ValueError(f"Calibration.fit needs at least {len(FEATURES)} measured microbatches, got {len(t)}.")
         if not (np.isfinite(x).all() and np.isfinite(t).all() and (x >= 0).all() and (t > 0).all()):
             raise ValueError("Calibration.fit needs finite, non-negative features and positive times.")
+        used = int((x > 0).any(axis=0).sum())  # a dense model's samples leave the expert column at zero
+        if len(t) < max(used, len(FEATURES) - 1):
+            raise ValueError(f"Calibration.fit needs at least {max(used, len(FEATURES) - 1)} measured microbatches, "
+                             f"got {len(t)}.")  # fmt: skip
+        if expert_slots < 0 or (x[:, -1] > expert_slots).any():
+            raise ValueError(f"No microbatch can activate more than expert_slots={expert_slots} (layer, expert) pairs.")
         if world_size < 1 or (r < 0).any() or (r >= world_size).any():
             raise ValueError(f"Every rank must be in [0, world_size={world_size}).")
         recent_rows = np.ones(len(t), dtype=bool) if recent is None else np.asarray(recent, dtype=bool)
@@ -114,19 +132,22 @@ class Calibration:
             centre = float(np.median(relative[keep]))
             spread = float(np.median(np.abs(relative[keep] - centre)))
             kept = np.abs(relative - centre) <= max(_OUTLIER_MADS * 1.4826 * spread, _NOISE_FLOOR)
-            if kept.sum() < len(FEATURES) or (kept == keep).all():
+            if kept.sum() < used or (kept == keep).all():
                 break
             keep = kept
         coefficients = _nnls(x[keep], t[keep] * rank_speeds[r[keep]])
         relative = _predict(x, coefficients) / (t * rank_speeds[r]) - 1.0
-        cost = CalibratedCost(**dict(zip(FEATURES, coefficients, strict=True)))
+        scale = _expert_scale(x[:, 2], x[:, -1], expert_slots)
+        cost = CalibratedCost(
+            **dict(zip(FEATURES, coefficients, strict=True)), expert_slots=expert_slots, expert_scale=scale
+        )
         error = float(np.median(np.abs(relative[keep])))
         return cls(cost=cost, speeds=tuple(rank_speeds.tolist()), samples=int(keep.sum()), error=error)
 
     # -- files ------------------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        cost = {name: getattr(self.cost, name) for name in FEATURES}
+        cost = {name: getattr(self.cost, name) for name in (*FEATURES, *_CURVE)}
         return {"format": _FORMAT, "cost": cost, "speeds": list(self.speeds), "samples": self.samples,
                 "error": self.error}  # fmt: skip
 
@@ -138,7 +159,12 @@ class Calibration:
                 "write to output_dir/odc_calibration.json)."
             )
         return cls(
-            cost=CalibratedCost(**{name: float(data["cost"][name]) for name in FEATURES}),
+            cost=CalibratedCost(
+                **{name: float(data["cost"][name]) for name in FEATURES if name != "per_expert"},
+                per_expert=float(data["cost"].get("per_expert", 0.0)),  # absent in files from before the MoE term
+                expert_slots=int(data["cost"].get("expert_slots", 0)),
+                expert_scale=float(data["cost"].get("expert_scale", 0.0)),
+            ),
             speeds=tuple(float(s) for s in data["speeds"]),
             samples=int(data.get("samples", 0)),
             error=float(data.get("error", 0.0)),
@@ -164,6 +190,8 @@ class Calibrator:
         world_size: the number of ranks.
         initial: the calibration to start from (e.g. :meth:`Calibration.load` of an earlier run's file); its speeds
             are kept only if it has one per rank.
+        expert_slots: a Mixture-of-Experts model's (layer, expert) pairs (0: a dense model); its steps are then
+            recorded with each microbatch's active pairs, and the cost gains the expert term.
     """
 
     def __init__(
@@ -177,6 +205,7 @@ class Calibrator:
         warmup: int = 1,
         min_steps: int = 2,
         min_samples: int = 8,
+        expert_slots: int = 0,
     ):
         if frozen and initial is None:
             raise ValueError("A frozen calibration needs an initial one to keep (e.g. Calibration.load(path)).")
@@ -187,25 +216,44 @@ class Calibrator:
         if initial is not None and len(initial.speeds) != world_size:
             initial = Calibration(initial.cost, (1.0,) * world_size, initial.samples, initial.error)
         self.calibration = initial
+        self.expert_slots = expert_slots
         self.steps_seen = 0
         # Per recorded step: (features, seconds, ranks) of its microbatches.
         self._steps: deque[tuple[list[tuple[float, ...]], list[float], list[int]]] = deque(maxlen=window)
 
-    def record(self, microbatch_lengths: Sequence[Sequence[Sequence[int]]], seconds: Sequence[Sequence[float]]) -> bool:
-        """Add one step: ``microbatch_lengths[rank][m]`` are the sequence lengths of that rank's microbatch ``m`` and
-        ``seconds[rank][m]`` its device time (every rank's, gathered). Returns whether the calibration changed."""
+    def record(
+        self,
+        microbatch_lengths: Sequence[Sequence[Sequence[int]]],
+        seconds: Sequence[Sequence[float]],
+        active_experts: Sequence[Sequence[float]] | None = None,
+    ) -> bool:
+        """Add one step: ``microbatch_lengths[rank][m]`` are the sequence lengths of that rank's microbatch ``m``,
+        ``seconds[rank][m]`` its device time and ``active_experts[rank][m]`` the (layer, expert) pairs its router
+        activated (every rank's, gathered; needed with ``expert_slots``, else none). Returns whether the calibration
+        changed."""
         if len(microbatch_lengths) != self.world_size or len(seconds) != self.world_size:
             raise ValueError(f"record needs every one of the {self.world_size} ranks' microbatches and times.")
+        if (active_experts is None) != (self.expert_slots == 0):
+            raise ValueError(
+                "record needs each microbatch's active experts for a Calibrator with expert_slots, and none without."
+            )
+        if active_experts is None:
+            active_experts = [[0.0] * len(durations) for durations in seconds]
         self.steps_seen += 1
         if self.frozen or self.steps_seen <= self.warmup:
             return False
         features, times, ranks = [], [], []
-        for rank, (lengths, durations) in enumerate(zip(microbatch_lengths, seconds, strict=True)):
-            if len(lengths) != len(durations):
-                raise ValueError(f"Rank {rank} has {len(lengths)} microbatches but {len(durations)} times.")
-            for microbatch, duration in zip(lengths, durations, strict=True):
+        for rank, (lengths, durations, active) in enumerate(
+            zip(microbatch_lengths, seconds, active_experts, strict=True)
+        ):
+            if not len(lengths) == len(durations) == len(active):
+                raise ValueError(
+                    f"Rank {rank} has {len(lengths)} microbatches but {len(durations)} times and {len(active)} expert "
+                    "counts."
+                )
+            for microbatch, duration, experts in zip(lengths, durations, active, strict=True):
                 if microbatch and duration > 0:
-                    features.append(microbatch_features(microbatch))
+                    features.append(microbatch_features(microbatch, experts))
                     times.append(float(duration))
                     ranks.append(rank)
         self._steps.append((features, times, ranks))
@@ -221,8 +269,25 @@ class Calibrator:
             world_size=self.world_size,
             recent=recent,
             speeds=self.calibration.speeds if self.calibration is not None else None,
+            expert_slots=self.expert_slots,
         )
         return True
+
+
+def _expert_scale(tokens: np.ndarray, active: np.ndarray, slots: int) -> float:
+    """The ``expert_scale`` of :meth:`CalibratedCost.active_experts` for microbatches of ``tokens`` that activated
+    ``active`` of ``slots`` (layer, expert) pairs: the median of each microbatch's own scale (the one its count
+    solves), a microbatch that activated every pair counting as one that left half a pair idle (the most its count
+    says). 0 (every microbatch activates every pair) for a dense model or where every count is full, as it is for
+    microbatches of many more tokens than experts."""
+    seen = active > 0
+    if slots == 0 or not (active[seen] < slots).any():
+        return 0.0
+    idle = np.maximum(slots - active[seen], 0.5)  # the pairs left idle, at least half a pair
+    # math.log, not numpy's: its vectorised log may round differently on another CPU, and every rank must agree
+    return float(
+        np.median([t / math.log(slots / i) for t, i in zip(tokens[seen].tolist(), idle.tolist(), strict=True)])
+    )
 
 
 def _predict(x: np.ndarray, coefficients: Sequence[float]) -> np.ndarray:
@@ -249,7 +314,7 @@ def _speeds(
 def _nnls(x: np.ndarray, y: np.ndarray) -> list[float]:
     """Non-negative least squares of ``y ~ x @ c`` in relative terms (each row weighted by ``1 / y**2``).
 
-    With four coefficients the exact answer is found by trying every subset of them (the others pinned to zero)
+    With five coefficients the exact answer is found by trying every subset of them (the others pinned to zero)
     and keeping the best feasible one. Columns are scaled to a maximum of 1 first, for conditioning.
     """
     scale = [float(np.max(x[:, j])) if len(x) else 0.0 for j in range(x.shape[1])]

@@ -8,6 +8,7 @@ from a model's shape (FLOP counting) and one fitted to measured microbatch times
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -137,32 +138,69 @@ class CalibratedCost(QuadraticCost):
     the parameter reads, gradient pushes and launches every microbatch pays whatever it holds). A sample's cost
     includes its sequence term; the microbatch term belongs to no sample, so a planner sees it spread over the tokens
     of a full microbatch (:meth:`amortised`).
+
+    A Mixture-of-Experts model adds the *expert term*: an expert's weights are read and its kernels launched once per
+    layer for each microbatch whose tokens the router sends to it, so a microbatch pays ``per_expert`` for each
+    (layer, expert) pair it activates. How many it activates is known only after its forward, so the cost predicts
+    it from the router statistics of earlier microbatches: of the ``expert_slots`` pairs (MoE layers x experts), a
+    microbatch of ``T`` tokens activates ``expert_slots * (1 - exp(-T / expert_scale))``
+    (:meth:`active_experts`; uniform top-k routing over ``E`` experts gives ``expert_scale = E / k``, routing that
+    concentrates tokens on fewer experts a larger one). The term is concave in ``T``: two microbatches of ``T / 2``
+    tokens activate more pairs than one of ``T``. With ``expert_slots=0`` (a dense model) it is off.
     """
 
     per_sequence: float = 0.0
     per_microbatch: float = 0.0
+    per_expert: float = 0.0
+    expert_slots: int = 0
+    expert_scale: float = 0.0
 
     def __post_init__(self) -> None:
         # Any one term may carry the whole cost: measured times can be flat in the length (short samples, a
         # launch-bound device), so that only the fixed costs are fitted.
-        terms = (self.linear, self.quadratic, self.per_sequence, self.per_microbatch)
+        terms = (self.linear, self.quadratic, self.per_sequence, self.per_microbatch, self.per_expert)
         if not (all(term >= 0 for term in terms) and sum(terms) > 0):
             raise ValueError(
                 f"CalibratedCost needs non-negative coefficients, not all zero; got linear={self.linear}, "
-                f"quadratic={self.quadratic}, per_sequence={self.per_sequence}, per_microbatch={self.per_microbatch}."
+                f"quadratic={self.quadratic}, per_sequence={self.per_sequence}, per_microbatch={self.per_microbatch}, "
+                f"per_expert={self.per_expert}."
+            )
+        if not (self.expert_slots >= 0 and self.expert_scale >= 0):
+            raise ValueError(
+                f"CalibratedCost needs expert_slots >= 0 and expert_scale >= 0; got expert_slots={self.expert_slots}, "
+                f"expert_scale={self.expert_scale}."
             )
 
     def __call__(self, lengths: Sequence[int]) -> list[float]:
         return [self.per_sequence + self.linear * length + self.quadratic * length * length for length in lengths]
 
+    @property
+    def has_expert_term(self) -> bool:
+        """Whether a microbatch's fixed cost depends on its tokens (a MoE model's fitted expert term)."""
+        return self.per_expert > 0 and self.expert_slots > 0
+
+    def active_experts(self, tokens: int) -> float:
+        """The expected (layer, expert) pairs a microbatch of ``tokens`` tokens activates (0 for a dense model)."""
+        if self.expert_slots == 0 or tokens <= 0:
+            return 0.0
+        if self.expert_scale == 0:  # every microbatch seen so far activated every pair
+            return float(self.expert_slots)
+        return self.expert_slots * -math.expm1(-tokens / self.expert_scale)
+
+    def microbatch(self, tokens: int) -> float:
+        """The fixed cost of a microbatch of ``tokens`` tokens: ``per_microbatch`` plus its expert term."""
+        if not self.has_expert_term:
+            return self.per_microbatch
+        return self.per_microbatch + self.per_expert * self.active_experts(tokens)
+
     def amortised(self, max_tokens: int) -> CalibratedCost:
-        """The per-sample cost a planner balances when microbatches hold up to ``max_tokens``: the microbatch term
-        spread over that many tokens. Planners fill microbatches close to the cap, so a rank's share of ``N`` tokens
-        runs about ``N / max_tokens`` of them."""
+        """The per-sample cost a planner balances when microbatches hold up to ``max_tokens``: the fixed cost of a
+        full microbatch (:meth:`microbatch`) spread over that many tokens. Planners fill microbatches close to the
+        cap, so a rank's share of ``N`` tokens runs about ``N / max_tokens`` of them."""
         if not max_tokens >= 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}.")
         return CalibratedCost(
-            linear=self.linear + self.per_microbatch / max_tokens,
+            linear=self.linear + self.microbatch(max_tokens) / max_tokens,
             quadratic=self.quadratic,
             per_sequence=self.per_sequence,
         )

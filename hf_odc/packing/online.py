@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .bubble import bubble_of_costs, bubble_rate
 from .calibration import Calibration, Calibrator
 from .cost import CostModel
-from .planners import Plan, get_planner, lb_mini
+from .planners import MicrobatchCost, Plan, get_planner, lb_mini
 from .sequence_parallel import GroupPlan, check_group_size, lb_mini_groups
 
 __all__ = ["MinibatchPlanner"]
@@ -93,14 +93,15 @@ class MinibatchPlanner:
             per_microbatch=per_microbatch,
         )  # fmt: skip
 
-    def _balanced(self, max_tokens: int) -> tuple[CostModel, tuple[float, ...] | None, float]:
+    def _balanced(self, max_tokens: int) -> tuple[CostModel, tuple[float, ...] | None, MicrobatchCost]:
         """The cost, speeds and per-microbatch cost to plan with: once calibrated, LB-Mini under ODC balances the
-        ranks' speeds and weighs their microbatch counts; otherwise the cost under the cap, equal speeds."""
+        ranks' speeds and weighs their microbatch counts (with a MoE model's expert term, each microbatch's fixed cost
+        by its tokens); otherwise the cost under the cap, equal speeds."""
         speeds = self.speeds
         if speeds is None:
             return self.cost_for(max_tokens), None, 0.0
         cost = self.calibration.cost
-        return cost, speeds, cost.per_microbatch
+        return cost, speeds, cost.microbatch if cost.has_expert_term else cost.per_microbatch
 
     def pack_alone(self, lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
         """The microbatches (indices into ``lengths``) this planner packs ``lengths`` into for one rank alone, under
@@ -114,6 +115,14 @@ class MinibatchPlanner:
             return bubble_of_costs(plan.rank_costs(lengths, cost), self.sync, self.speeds)
         return bubble_rate(plan, lengths, cost, sync=self.sync, speeds=self.speeds)
 
-    def record(self, microbatch_lengths: Sequence[Sequence[Sequence[int]]], seconds: Sequence[Sequence[float]]) -> bool:
-        """Feed one step's measured microbatches (every rank's) to the calibrator; whether the calibration changed."""
-        return self.calibrator.record(microbatch_lengths, seconds) if self.calibrator is not None else False
+    def record(
+        self,
+        microbatch_lengths: Sequence[Sequence[Sequence[int]]],
+        seconds: Sequence[Sequence[float]],
+        active_experts: Sequence[Sequence[float]] | None = None,
+    ) -> bool:
+        """Feed one step's measured microbatches (every rank's; a MoE model's with their routers' active (layer,
+        expert) pairs) to the calibrator; whether the calibration changed."""
+        if self.calibrator is None:
+            return False
+        return self.calibrator.record(microbatch_lengths, seconds, active_experts)

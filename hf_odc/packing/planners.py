@@ -25,7 +25,17 @@ from ._bin_packing import best_fit_decreasing
 from .cost import CostLike, evaluate_costs
 from .partition import karmarkar_karp
 
-__all__ = ["PLANNERS", "Plan", "Planner", "get_planner", "lb_micro", "lb_mini", "local_sort", "max_tokens_for"]
+__all__ = [
+    "PLANNERS",
+    "MicrobatchCost",
+    "Plan",
+    "Planner",
+    "get_planner",
+    "lb_micro",
+    "lb_mini",
+    "local_sort",
+    "max_tokens_for",
+]
 
 Plan = list[list[list[int]]]
 """``plan[rank][microbatch]`` is the list of sample indices that rank runs in that microbatch."""
@@ -34,6 +44,11 @@ Planner = Callable[[Sequence[int], int, int | None, CostLike], Plan]
 """Every planner's signature: ``(lengths, world_size, max_tokens, cost) -> Plan``. :func:`lb_mini` also takes the
 ranks' ``speeds`` (a keyword with a default, so it is still a ``Planner``); callers that have speeds call it by
 name."""
+
+MicrobatchCost = float | Callable[[int], float]
+"""What :func:`lb_mini` takes as the fixed cost of a microbatch: a constant, or a function of the microbatch's tokens
+(a Mixture-of-Experts model's, whose expert term grows with the experts its tokens activate:
+:meth:`~hf_odc.packing.CalibratedCost.microbatch`)."""
 
 
 def local_sort(
@@ -59,7 +74,7 @@ def lb_mini(
     max_tokens: int,
     cost: CostLike = "tokens",
     speeds: Sequence[float] | None = None,
-    per_microbatch: float = 0.0,
+    per_microbatch: MicrobatchCost = 0.0,
 ) -> Plan:
     """LB-Mini: balance the whole minibatch across ranks, each rank's share packed into microbatches.
 
@@ -86,14 +101,18 @@ def lb_mini(
     ``c / speeds[r]``) the ranks' predicted times are balanced instead of their costs, so that with ODC's one sync
     per minibatch the faster ranks take on more and all finish together; rank ``r`` gets the share made for
     ``speeds[r]``. Equal speeds give the plan of ``speeds=None``.
+
+    ``per_microbatch`` may be a function of a microbatch's tokens (:data:`MicrobatchCost`): the plans are then
+    compared with each microbatch's own fixed cost, and a full microbatch's is what the shares spread.
     """
     lengths = _checked_lengths(lengths)
     _check_world_size(world_size)
     _check_max_tokens(lengths, max_tokens)
-    if not per_microbatch >= 0:
-        raise ValueError(f"per_microbatch must be a non-negative cost, got {per_microbatch!r}.")
+    full = per_microbatch(max_tokens) if callable(per_microbatch) else per_microbatch
+    if not full >= 0:
+        raise ValueError(f"per_microbatch must be a non-negative cost, got {full!r}.")
     costs = evaluate_costs(lengths, cost)
-    spread = costs + per_microbatch * np.asarray(lengths, dtype=np.float64) / max_tokens
+    spread = costs + full * np.asarray(lengths, dtype=np.float64) / max_tokens
     shares = karmarkar_karp(spread, world_size, speeds=speeds)  # with speeds, share r is rank r's
     candidates = [[_pack_share(share, lengths, costs, max_tokens) for share in shares]]
     if len(lengths) > _PACK_FIRST_PER_RANK * world_size:  # a share of many samples packs about as tight
@@ -102,10 +121,10 @@ def lb_mini(
     for count in range(fewest, min(len(lengths), fewest + _PACK_FIRST_COUNTS) + 1):
         microbatches = _by_tokens(lengths, count, max_tokens)
         if microbatches is not None:
-            candidates.append(_deal_whole(microbatches, costs, world_size, per_microbatch, speeds))
+            candidates.append(_deal_whole(microbatches, lengths, costs, world_size, per_microbatch, speeds))
     if len(lengths) >= world_size and (in_steps := _in_steps(lengths, spread, world_size, max_tokens)) is not None:
         candidates.append(in_steps)
-    return min(candidates, key=lambda plan: _finish(plan, costs, per_microbatch, speeds))
+    return min(candidates, key=lambda plan: _finish(plan, lengths, costs, per_microbatch, speeds))
 
 
 _PACK_FIRST_COUNTS = 3  # microbatch counts above the fewest that "pack, then share" tries
@@ -171,26 +190,37 @@ def _by_tokens(lengths: list[int], count: int, max_tokens: int) -> list[list[int
 
 def _deal_whole(
     microbatches: list[list[int]],
+    lengths: list[int],
     costs: np.ndarray,
     world_size: int,
-    per_microbatch: float,
+    per_microbatch: MicrobatchCost,
     speeds: Sequence[float] | None,
 ) -> Plan:
     """Whole microbatches to ranks, balanced by Karmarkar–Karp on their costs (each with its fixed cost), each rank's
     by descending cost."""
-    loads = [float(costs[microbatch].sum()) + per_microbatch for microbatch in microbatches]
+    loads = [float(costs[mb].sum()) + _fixed(per_microbatch, [mb], lengths) for mb in microbatches]
     shares = karmarkar_karp(loads, world_size, speeds=speeds)
     return [sorted((microbatches[i] for i in share), key=lambda mb: -costs[mb].sum()) for share in shares]
 
 
-def _finish(plan: Plan, costs: np.ndarray, per_microbatch: float, speeds: Sequence[float] | None) -> float:
+def _finish(
+    plan: Plan, lengths: list[int], costs: np.ndarray, per_microbatch: MicrobatchCost, speeds: Sequence[float] | None
+) -> float:
     """When the last rank finishes ``plan`` under ODC: each rank's samples' costs plus its microbatches' fixed
     costs, over its speed."""
     rates = speeds if speeds is not None else [1.0] * len(plan)
     return max(
-        (sum(float(costs[mb].sum()) for mb in rank) + per_microbatch * len(rank)) / rate
+        (sum(float(costs[mb].sum()) for mb in rank) + _fixed(per_microbatch, rank, lengths)) / rate
         for rank, rate in zip(plan, rates, strict=True)
     )
+
+
+def _fixed(per_microbatch: MicrobatchCost, microbatches: list[list[int]], lengths: list[int]) -> float:
+    """The fixed costs of ``microbatches`` (sample indices into ``lengths``): a constant's times their number, else
+    each one's of its tokens."""
+    if not callable(per_microbatch):
+        return per_microbatch * len(microbatches)
+    return math.fsum(per_microbatch(sum(lengths[i] for i in mb)) for mb in microbatches)
 
 
 def _pack_share(share: list[int], lengths: list[int], costs: np.ndarray, max_tokens: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cost import CostLike, evaluate_costs
 from .partition import _validated_speeds, karmarkar_karp
-from .planners import CapacityError, Plan, _check_world_size, _checked_lengths, _pack_share, lb_mini
+from .planners import CapacityError, MicrobatchCost, Plan, _check_world_size, _checked_lengths, _pack_share, lb_mini
 
 __all__ = ["EXCHANGE", "GroupPlan", "check_group_size", "lb_mini_groups", "shard_sizes", "split_costs"]
 
@@ -106,7 +106,7 @@ def lb_mini_groups(
     *,
     group_size: int,
     speeds: Sequence[float] | None = None,
-    per_microbatch: float = 0.0,
+    per_microbatch: MicrobatchCost = 0.0,
     exchange: float = EXCHANGE,
 ) -> GroupPlan:
     """LB-Mini with group microbatches: documents longer than ``max_tokens`` (up to ``group_size`` times it) are
@@ -137,6 +137,8 @@ def lb_mini_groups(
         return GroupPlan(
             lb_mini(lengths, world_size, max_tokens, cost, speeds, per_microbatch), group_size, [[]] * groups
         )
+    if callable(per_microbatch):  # a group microbatch and a packed one are both about full
+        per_microbatch = per_microbatch(max_tokens)
     rates = [1.0] * world_size if speeds is None else _validated_speeds(speeds, world_size)
     split = split_costs([lengths[i] for i in long], group_size, cost, exchange) + per_microbatch
     group_rates = [min(rates[g * group_size : (g + 1) * group_size]) for g in range(groups)]

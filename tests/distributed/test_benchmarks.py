@@ -77,8 +77,9 @@ def _sft_throughput_moe(directory: Path) -> list:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "sft_throughput.py"), "--model", "tiny-moe", "--num-layers", "1",
-        "--distribution", "longalign", "--samples-per-device", "2", "--length-scale", "0.004", "--steps", "1",
-        "--warmup", "1", "--schemes", "Collective+LB-Micro,ODC+LB-Mini", "--predict-world-sizes", "8", "--unfused",
+        "--distribution", "longalign", "--samples-per-device", "2", "--length-scale", "0.004", "--steps", "2",
+        "--warmup", "1", "--schemes", "Collective+LB-Micro,ODC+LB-Mini,ODC+LB-Mini calibrated",
+        "--predict-world-sizes", "8", "--unfused",
         "--json", str(directory / "moe.json"),
     ]  # fmt: skip
     return [(command, None, 240)]
@@ -87,15 +88,21 @@ def _sft_throughput_moe(directory: Path) -> list:
 def test_sft_throughput_builds_and_trains_a_moe_shape_on_cpu(ran, request):
     """The MoE shapes (``--model tiny-moe`` here, ``qwen3-30b-a3b-8l`` on GPUs) build through the same path: a
     Qwen3-MoE, its expert weights sharded, trained by ODC and by plain FSDP2; here with transformers' own norms
-    (``--unfused``; the other run has the fused ones)."""
+    (``--unfused``; the other run has the fused ones). Every microbatch's active (layer, expert) pairs are counted
+    (the routers' top-2 of 8 experts in 1 layer), for the calibrated cost's expert term."""
     directory, (done,) = ran.result(request.node.nodeid)
     out = directory / "moe.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["model_type"] == "qwen3_moe" and result["args"]["num_layers"] == 1 and result["args"]["unfused"]
     schemes = result["results"][0]["summary"]["schemes"]
-    assert list(schemes) == ["Collective+LB-Micro", "ODC+LB-Mini"]
+    assert list(schemes) == ["Collective+LB-Micro", "ODC+LB-Mini", "ODC+LB-Mini calibrated"]
     assert all(row["tokens_per_second"] > 0 for row in schemes.values())
+    config = result["results"][0]
+    assert config["expert_slots"] == 8 and config["summary"]["calibration"]["cost"]["expert_slots"] == 8
+    steps = [step for rank in config["records"] for runs in rank.values() for step in runs]
+    assert all(len(step["active_experts"]) == len(step["microbatch_lengths"]) for step in steps)
+    assert all(2 <= active <= 8 for step in steps for active in step["active_experts"])
 
 
 VS_TRL = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py")]

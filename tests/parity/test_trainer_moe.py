@@ -11,6 +11,7 @@ per-forward loss is the minibatch's): loss, gradient norm, TRL's metrics (``aux_
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ from transformers import AutoModelForCausalLM
 
 from hf_odc import _compat
 from hf_odc.demo import build_tokenizer
-from hf_odc.trainer.core._moe import ExpertLoad
+from hf_odc.packing import Calibration
+from hf_odc.trainer.core._base_trainer import _ODCTrainer
+from hf_odc.trainer.core._checkpoint_hooks import CALIBRATION_FILE
+from hf_odc.trainer.core._moe import ExpertActivity, ExpertLoad
 from hf_odc.trainer.core._step import packed_row
 from hf_odc.trainer.core.attention import use_packed_attention
 
@@ -99,6 +103,45 @@ def test_the_loss_over_packed_unequal_microbatches_is_the_whole_batchs(family):
     assert sum(per_microbatch) / len(per_microbatch) != pytest.approx(expected.item(), rel=1e-3)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_expert_counter_counts_each_microbatchs_active_experts(family):
+    """The calibrated cost's expert feature: per recorded forward, the distinct top-k experts of every layer, summed
+    over the layers, as the router logits transformers returns give them; forwards outside :meth:`recording` (a
+    recomputation, a scoring pass) are not counted."""
+    model = moe_model(family)
+    config = model.config
+    use_packed_attention(model, True, "cpu")
+    activity = ExpertActivity(model, config.num_experts, config.num_experts_per_tok)
+    assert activity.slots == config.num_hidden_layers * config.num_experts
+    generator = torch.Generator().manual_seed(3)
+    expected = []
+    for lengths in ([1], [2, 3], [7], [1, 1], [30, 12, 5]):
+        ids = torch.randint(4, config.vocab_size, (sum(lengths),), generator=generator)
+        row = {key: value for key, value in packed_row(ids, ids, lengths).items() if key != "labels"}
+        with torch.no_grad(), activity.recording():
+            logits = model(**row, output_router_logits=True).router_logits
+        chosen = [layer.topk(config.num_experts_per_tok, dim=-1).indices.unique().numel() for layer in logits]
+        expected.append(sum(chosen))
+        with torch.no_grad():
+            model(**row)  # not recorded
+    counted = [int(count) for count in activity.take()]
+    assert counted == expected
+    assert len(set(counted)) > 1 and min(counted) < activity.slots, "a discriminating case: counts differ"
+    assert activity.take() == []
+
+
+def test_the_calibrated_cost_counts_experts_for_moe_models_only():
+    """The trainers build the expert counter (and so the cost's expert term) for a MoE model planned with the
+    calibrated cost, and for nothing else: a dense model's planning is unchanged."""
+    args = SimpleNamespace(cost_model="calibrated")
+    model = moe_model("qwen3_moe")
+    counter = _ODCTrainer._expert_counter(SimpleNamespace(model=model, args=args))
+    assert isinstance(counter, ExpertActivity) and counter.slots == 2 * 4
+    assert _ODCTrainer._expert_counter(SimpleNamespace(model=tiny_model(), args=args)) is None
+    attention = SimpleNamespace(cost_model="attention")
+    assert _ODCTrainer._expert_counter(SimpleNamespace(model=model, args=attention)) is None
+
+
 def test_a_moe_model_without_recorded_routers_is_refused():
     with pytest.raises(ValueError, match="set router_aux_loss_coef=0"):
         ExpertLoad(tiny_model(), num_experts=4, top_k=2, coef=0.1)
@@ -161,11 +204,16 @@ def test_odc_grpo_on_a_moe_matches_stock_trl(grpo_runs, case):
 @pytest.mark.slow
 def test_the_sft_example_trains_the_tiny_moe_on_two_processes(tmp_path):
     """``examples/sft.py --model_config tiny-moe``: a Qwen3-MoE built from a config, trained with the router's
-    load-balancing loss (its config's coefficient) on 2 processes; the saved model loads with the Auto class."""
-    run("sft.py", "--model_config", "tiny-moe", "--max_steps", "2", "--num_samples", "32", "--global_batch_size", "8",
+    load-balancing loss (its config's coefficient) on 2 processes; the saved model loads with the Auto class. The
+    default calibrated cost learns the experts' term from the counted active (layer, expert) pairs, once it fits
+    (from the third step), and saves it with the model."""
+    run("sft.py", "--model_config", "tiny-moe", "--max_steps", "4", "--num_samples", "32", "--global_batch_size", "8",
         "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2)  # fmt: skip
     logs = logged_steps(tmp_path)
-    assert sorted(logs) == [1, 2]
+    assert sorted(logs) == [1, 2, 3, 4]
     assert all(math.isfinite(entry["aux_loss"]) and entry["aux_loss"] > 0 for entry in logs.values()), logs
     assert all(entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "Qwen3MoeForCausalLM"
+    assert "calibration/per_expert" not in logs[2] and logs[4]["calibration/per_expert"] >= 0
+    saved = Calibration.load(tmp_path / CALIBRATION_FILE).cost
+    assert saved.expert_slots == 2 * 4 and saved.per_expert == logs[4]["calibration/per_expert"]

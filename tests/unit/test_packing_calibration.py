@@ -51,7 +51,8 @@ def _samples(speeds, n=400, noise=0.02, outliers=0.05, seed=0):
 
 
 def test_features_of_a_microbatch():
-    assert microbatch_features([3, 4]) == (1.0, 2.0, 7.0, 25.0)
+    assert microbatch_features([3, 4]) == (1.0, 2.0, 7.0, 25.0, 0.0)
+    assert microbatch_features([3, 4], active_experts=6) == (1.0, 2.0, 7.0, 25.0, 6.0)
 
 
 def test_the_fit_is_exact_on_exact_times():
@@ -126,11 +127,13 @@ def test_two_processes_plan_identically_from_the_same_samples():
 @pytest.mark.parametrize(
     ("features", "seconds", "message"),
     [
-        ([(1, 1, 1, 1)] * 3, [1.0] * 3, "at least 4 measured microbatches"),
-        ([(1, 1, 1)] * 4, [1.0] * 4, "one row of 4 features"),
-        ([(1, 1, 1, 1)] * 4, [1.0, 1.0, 0.0, 1.0], "positive times"),
-        ([(1, 1, float("nan"), 1)] * 4, [1.0] * 4, "finite, non-negative"),
-        ([(0, 0, 0, 0)] * 4, [1.0] * 4, "no usable features"),
+        ([(1, 1, 1, 1, 0)] * 3, [1.0] * 3, "at least 4 measured microbatches"),
+        ([(1, 1, 1, 1, 1)] * 4, [1.0] * 4, "at least 5 measured microbatches"),  # a MoE's: five terms
+        ([(1, 1, 1, 1)] * 4, [1.0] * 4, "one row of 5 features"),
+        ([(1, 1, 1, 1, 0)] * 4, [1.0, 1.0, 0.0, 1.0], "positive times"),
+        ([(1, 1, float("nan"), 1, 0)] * 4, [1.0] * 4, "finite, non-negative"),
+        ([(0, 0, 0, 0, 0)] * 4, [1.0] * 4, "no usable features"),
+        ([(1, 1, 1, 1, 3)] * 5, [1.0] * 5, "more than expert_slots=0"),
     ],
 )
 def test_bad_measurements_are_refused(features, seconds, message):

@@ -189,7 +189,7 @@ def load_calibration(path: str | Path) -> CalibratedCost:
             f"{path} is neither an odc_calibration.json (a JSON object) nor a JSON list of measured microbatches "
             "[sequences, tokens, sum_of_squared_lengths, seconds]."
         )
-    return Calibration.fit([(1.0, *row[:3]) for row in rows], [row[3] for row in rows]).cost
+    return Calibration.fit([(1.0, *row[:3], 0.0) for row in rows], [row[3] for row in rows]).cost  # no expert term
 
 
 _KIND_NAMES = {

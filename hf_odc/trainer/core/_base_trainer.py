@@ -31,7 +31,7 @@ from ...packing.calibration import FEATURES, Calibration, Calibrator
 from ...packing.flops import mfu, peak_flops, training_flops
 from ._checkpoint_hooks import _CheckpointHooks
 from ._console import CONSOLE_CALLBACKS
-from ._moe import ExpertLoad
+from ._moe import ExpertActivity, ExpertLoad
 from ._quiet import without_checkpointing_alias_warning
 from ._step import PlannedStep, StepMetrics
 from .attention import (
@@ -165,6 +165,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 self.model = self.model_wrapped = prepared
                 _compat.mark_distributed_loading(self)
         self.odc.enable(self.model)
+        self._expert_activity = self._expert_counter()
         self._planner = self._minibatch_planner()
         self._frozen_runtimes: list[ODCRuntime] = []
         self._step_metrics = step_metrics
@@ -202,6 +203,17 @@ class _ODCTrainer(_CheckpointHooks, ABC):
             )
         config = self.model.config.get_text_config()
         return ExpertLoad(self.model, config.num_experts, config.num_experts_per_tok, self.router_aux_loss_coef)
+
+    def _expert_counter(self) -> ExpertActivity | None:
+        """For a Mixture-of-Experts model planned with the calibrated cost, the counter of each microbatch's active
+        (layer, expert) pairs that the cost's expert term is fitted to (:class:`~hf_odc.packing.CalibratedCost`);
+        ``None`` for a dense model or another cost model."""
+        config = self.model.config.get_text_config()
+        if self.args.cost_model != "calibrated" or not getattr(config, "num_experts_per_tok", None):
+            return None
+        if not _compat.router_modules(self.model):  # a MoE whose router logits transformers does not record
+            return None
+        return ExpertActivity(self.model, config.num_experts, config.num_experts_per_tok)
 
     def _shard_frozen(self, model: nn.Module) -> tuple[nn.Module, ODCRuntime]:
         """A frozen model the trainer reads beside the trained one (a reference policy), set up like it: packed
@@ -244,7 +256,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         calibrator = None
         if args.cost_model == "calibrated":
             initial = Calibration.load(args.calibration_file) if args.calibration_file is not None else None
-            calibrator = Calibrator(world_size, initial=initial, frozen=args.freeze_calibration)
+            slots = self._expert_activity.slots if self._expert_activity is not None else 0
+            calibrator = Calibrator(world_size, initial=initial, frozen=args.freeze_calibration, expert_slots=slots)
         analytical = "attention" if args.cost_model == "calibrated" else args.cost_model
         cost = named_cost(analytical, self.model.config.get_text_config())
         sync = "minibatch" if self.odc.active else "layer"
@@ -304,13 +317,14 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         expert_load = self._expert_load
         if expert_load is not None:
             self._count_expert_load(model, step, expert_load)
+        counting = self._expert_activity.recording if self._expert_activity is not None else contextlib.nullcontext
         loss = torch.zeros((), device=self.args.device)
         last = len(step.microbatches) - 1
         with self._microbatch_context(), self.odc.minibatch():
             for index, microbatch in enumerate(step.microbatches):
                 if defer_reduction:
                     model.set_requires_gradient_sync(index == last)
-                with self.compute_loss_context_manager():
+                with self.compute_loss_context_manager(), counting():
                     if expert_load is None:
                         microbatch_loss = self._microbatch_loss(model, self._to_device(microbatch), step)
                     else:
@@ -381,13 +395,15 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         cycle = now - self._cycle_start if self._cycle_start is not None else stats.busy + stats.wait
         self._cycle_start = now
         own = torch.tensor([stats.busy, stats.wait, peak_gib, stats.all_reduce, cycle, *times], dtype=torch.float64)
-        local = torch.cat([self._step_metrics.local(), own.to(self.args.device)])
+        local = torch.cat([self._step_metrics.local(), own.to(self.args.device), self._active_experts(len(times))])
         with self.odc.bounded("the step's metrics gather"):
             gathered = self.accelerator.gather(local[None]).cpu().tolist()
         first = len(self._step_metrics)  # then busy, wait, peak, the cross-host all-reduce, the cycle, microbatches
         reduced = self._step_metrics.reduce([row[:first] for row in gathered])
         busy, wait, peak, all_reduce, cycles = ([row[first + i] for row in gathered] for i in range(5))
-        times = [row[first + 5 :] for row in gathered]
+        width = len(times)
+        times = [row[first + 5 : first + 5 + width] for row in gathered]
+        active = [row[first + 5 + width :] for row in gathered] if self._expert_activity is not None else None
         minibatch_s = max(b + w for b, w in zip(busy, wait, strict=True))
         step_s = max(max(cycles), minibatch_s)
         metrics = self._metrics["train"]
@@ -410,15 +426,37 @@ class _ODCTrainer(_CheckpointHooks, ABC):
             metrics[f"wait_s/rank_{rank}"].append(wait[rank])
             metrics[f"microbatches/rank_{rank}"].append(counts[rank])
             metrics[f"tokens/rank_{rank}"].append(step.rank_tokens(rank))
-        self._planner.record(lengths, [step.own_times(rank, times[rank]) for rank in range(len(lengths))])
+        self._planner.record(
+            lengths,
+            [step.own_times(rank, times[rank]) for rank in range(len(lengths))],
+            None if active is None else [step.own_times(rank, active[rank]) for rank in range(len(lengths))],
+        )
         calibration = self._planner.calibration
         if calibration is not None:
-            for name in FEATURES:
+            for name in FEATURES if calibration.cost.expert_slots else FEATURES[:-1]:  # per_expert: a MoE's
                 metrics[f"calibration/{name}"].append(getattr(calibration.cost, name))
             metrics["calibration/error"].append(calibration.error)
             for rank, speed in enumerate(calibration.speeds):
                 metrics[f"calibration/speed/rank_{rank}"].append(speed)
         return reduced
+
+    def _active_experts(self, width: int) -> torch.Tensor:
+        """The (layer, expert) pairs each microbatch of the minibatch just run activated (:class:`ExpertActivity`), as
+        float64 on the device, padded to ``width`` as the times are; empty for a dense model."""
+        device = self.args.device
+        if self._expert_activity is None:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        ran = len(self.odc.last.microbatches)
+        counts = self._expert_activity.take()[-ran:] if ran else []  # the minibatch's: the last ones counted
+        if len(counts) != ran:
+            raise RuntimeError(
+                f"The experts' counter saw {len(counts)} microbatch forwards for the {ran} microbatches run; the "
+                "cost's expert term needs one each. Set cost_model='attention' to plan without it."
+            )
+        active = torch.zeros(width, dtype=torch.float64, device=device)
+        if counts:
+            active[:ran] = torch.stack(counts).to(device, torch.float64)
+        return active
 
     # -- the console --------------------------------------------------------------------------------------------------
 

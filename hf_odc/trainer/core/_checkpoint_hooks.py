@@ -113,7 +113,9 @@ class _CheckpointHooks:
         saved = os.path.join(resume_from_checkpoint, CALIBRATION_FILE)
         calibrator = self._planner.calibrator
         if calibrator is not None and not calibrator.frozen and os.path.isfile(saved):
-            self._planner.calibrator = Calibrator(calibrator.world_size, initial=Calibration.load(saved))
+            self._planner.calibrator = Calibrator(
+                calibrator.world_size, initial=Calibration.load(saved), expert_slots=calibrator.expert_slots
+            )
         _checkpoint_format.load_model_state(
             model if model is not None else self.model, _state_dir(resume_from_checkpoint)
         )

@@ -35,7 +35,7 @@ from torch import nn
 
 from ... import _compat
 
-__all__ = ["ExpertLoad"]
+__all__ = ["ExpertActivity", "ExpertLoad"]
 
 
 class ExpertLoad:
@@ -110,3 +110,55 @@ class ExpertLoad:
         loss."""
         probability_sums = torch.stack([probabilities.sum(0) for probabilities in self._probabilities()]).sum(0)
         return self.coef * (self._weights.to(probability_sums.device) * probability_sums).sum()
+
+
+class ExpertActivity:
+    """How many (layer, expert) pairs each microbatch's routers activate: the feature of the calibrated cost's expert
+    term (:class:`~hf_odc.packing.CalibratedCost`), which sees what a token count cannot (a microbatch pays for every
+    expert its tokens reach, once per layer, whatever it sends each).
+
+    Forward hooks on ``model``'s routers (those transformers records as ``router_logits``) take, while
+    :meth:`recording`, each layer's top-``top_k`` experts of every token from its router logits (the order of the
+    probabilities the router picks by) and count the distinct ones, on the device: counts only, no synchronisation.
+    :meth:`take` hands over the counts of the microbatches recorded since the last call, in their order.
+    """
+
+    def __init__(self, model: nn.Module, num_experts: int, top_k: int):
+        routers = _compat.router_modules(model)
+        if not routers:
+            raise ValueError(f"{type(model).__name__} has no router whose logits transformers records.")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.slots = len(routers) * num_experts
+        """The most pairs a microbatch can activate: every expert of every MoE layer."""
+        self._layers: list[torch.Tensor] | None = None  # the recorded forward's count per layer
+        self._counts: list[torch.Tensor] = []
+        for module, index in routers:
+            module.register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def count(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            if self._layers is not None:
+                logits = output[index] if isinstance(output, tuple | list) else output
+                with torch.no_grad():
+                    chosen = logits.reshape(-1, self.num_experts).topk(self.top_k, dim=-1).indices.reshape(-1)
+                    hit = torch.zeros(self.num_experts, dtype=torch.bool, device=logits.device)
+                    self._layers.append(hit.index_fill_(0, chosen, True).sum())
+
+        return count
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Count the forward inside the block as one microbatch's (and only it: not the recomputation of activation
+        checkpointing in the backward)."""
+        self._layers = []
+        try:
+            yield
+            self._counts.append(torch.stack(self._layers).sum() if self._layers else torch.zeros((), dtype=torch.int64))
+        finally:
+            self._layers = None
+
+    def take(self) -> list[torch.Tensor]:
+        """The active pairs of each microbatch recorded since the last call (0-d tensors, on the device they were
+        counted on), in the order they ran."""
+        counts, self._counts = self._counts, []
+        return counts
