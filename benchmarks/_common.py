@@ -276,14 +276,17 @@ def init_distributed(args) -> torch.device:
 KERNEL_KINDS = (  # (kind, pattern of the kernel's name); the first that matches
     ("odc push", r"_scatter_add_kernel"),
     ("nccl", r"nccl"),
-    ("attention", r"flash|fmha|attn|cudnn|sdpa|varlen"),
-    ("gemm", r"gemm|xmma|cutlass|nvjet|cublas|matmul|splitk"),
+    ("attention", r"flash|fmha|attn|cudnn|sdpa|varlen|scaled_dot_product"),
+    ("gemm", r"gemm|xmma|cutlass|nvjet|cublas|matmul|splitk|^aten::(add|b)?mm$"),
     ("optimizer", r"multi_tensor|adam|foreach"),
+    ("copy", r"^aten::(copy_|index_add_|index_copy_)$"),  # a CPU's (a GPU's copies are the trace's own category)
+    ("elementwise", r"elementwise|reduce_kernel|norm|softmax|silu|^aten::(add|mul|sub|div|neg|exp|rsqrt|pow|mean|sum)"),
 )
 
 
 def kernel_kind(name: str) -> str:
-    """Which of :data:`KERNEL_KINDS` a device kernel's name is ("other" for the rest)."""
+    """Which of :data:`KERNEL_KINDS` a device kernel's name (or on a CPU, an operator's) is ("other" for the
+    rest)."""
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 

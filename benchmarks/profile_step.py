@@ -42,7 +42,7 @@ from hf_odc.packing import named_cost
 from hf_odc.packing.distributions import DISTRIBUTIONS
 from hf_odc.trainer import PlannedMinibatchCollator
 
-KINDS = ("gemm", "attention", "other", "odc push", "copy", "nccl", "optimizer")
+KINDS = ("gemm", "attention", "elementwise", "other", "odc push", "copy", "nccl", "optimizer")
 
 
 def main() -> None:

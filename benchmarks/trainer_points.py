@@ -56,6 +56,22 @@ up to 8 images of up to 256 tokens and 1024 patches each)::
         --max-length 4096 --global-batch-size 32 --steps 7 --warmup 2 --budget 300 \
         --schemes "FSDP2 + LB-Micro,ODC + LB-Mini" --json out/sft_vlm_point.json
 
+``--profile`` profiles one more step after the timed ones of each ODC scheme (``torch.profiler``, CPU and CUDA
+activity, no shapes; the step is not timed) on every rank, to say why ranks with equal tokens are busy for different
+times. Each rank writes a compact summary, ``profile_{trainer}_{scheme}_rank{R}.json`` in ``--logs`` (the scheme's
+name in lower case, ``_`` for anything else: ``odc_lb_mini``), and rank 0's and the busiest rank's gzipped chrome
+traces where under 5 MiB; the driver prints, per rank: the step's wall time, the engine's busy and wait, the
+minibatch's device busy and idle time (gaps between kernels from its first kernel's start to its last's end), the
+time in which kernels overlapped, its kernels and tokens, the device time by kind (``_profile.KINDS``: GEMM,
+attention, ODC's pushes, copies, NCCL, elementwise and norms, the optimizer, memsets, the rest; overlapped time
+shared, so the kinds add up to the busy time), then per microbatch its tokens, device seconds and host seconds, the
+longest device gaps with the kernels either side and the host operator the host was in meanwhile, and the host's
+biggest CUDA runtime calls and watched operators (``.item()``, cuDNN, Triton, collectives, the optimizer) inside the
+minibatch and over the step (:mod:`_profile`). On 4 GPUs::
+
+    python3 benchmarks/trainer_points.py --num-processes 4 --trainers reward --schemes "ODC + LB-Mini" --steps 4 \
+        --warmup 2 --budget 150 --profile --logs $OUT/trainer_logs --json $OUT/profile_reward.json
+
 and on 2 CPU processes (the smoke test)::
 
     python benchmarks/trainer_points.py --model-config tiny --max-length 64 --global-batch-size 8 --steps 2 \\
@@ -70,6 +86,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -84,6 +101,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import TRAINER_SCHEMES as SCHEMES  # noqa: E402
+from _profile import print_profile, step_summary  # noqa: E402
 
 BASELINE, LB_MICRO = "FSDP2 + TRL's split (local-sort)", "FSDP2 + LB-Micro"
 
@@ -126,13 +144,14 @@ TRAINERS = {
 }
 
 
-def example_flags(args: argparse.Namespace, name: str, output_dir: str) -> list[str]:
-    """The example script's command line for trainer ``name``, without the scheme's flags."""
+def example_flags(args: argparse.Namespace, name: str, output_dir: str, steps: int) -> list[str]:
+    """The example script's command line for trainer ``name``, without the scheme's flags, training ``steps`` steps
+    (the data is the same for every scheme: ``--steps``, and the profiled step's with ``--profile``)."""
     fields = {
         "length": args.max_length,
         "half_length": args.max_length // 2,
         "batch": args.global_batch_size,
-        "samples": args.global_batch_size * args.steps,
+        "samples": args.global_batch_size * (args.steps + args.profile),
         "per_device": args.global_batch_size // args.num_processes,
         "model": args.model_config,
         "generations": args.num_generations,
@@ -141,7 +160,7 @@ def example_flags(args: argparse.Namespace, name: str, output_dir: str) -> list[
     }
     return [
         "--model_config", args.model_config, *TRAINERS[name].flags.format(**fields).split(),
-        "--length_distribution", args.distribution, "--max_steps", str(args.steps), "--seed", str(args.seed),
+        "--length_distribution", args.distribution, "--max_steps", str(steps), "--seed", str(args.seed),
         "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
         "--output_dir", output_dir, *args.extra.split(),
     ]  # fmt: skip
@@ -177,19 +196,108 @@ def _wall_clock_callback() -> Any:
     return Callback()
 
 
-def train_and_release(trainer: Any, record: dict) -> None:
+def profiled(scheme: str) -> bool:
+    """Whether ``--profile`` profiles ``scheme`` (the ODC ones)."""
+    flags = SCHEMES[scheme]
+    return flags[flags.index("--odc") + 1] == "true"
+
+
+class StepProfiler:
+    """``--profile``: ``torch.profiler`` (CPU, and CUDA where there is a GPU; no shapes) over the step after
+    ``after`` (from the previous step's end to its own, both after a device synchronize) on every rank; each rank
+    summarises its trace (:func:`_profile.step_summary`) with the step's plan for it (its microbatches' tokens) and
+    the engine's timings, writes the summary to ``directory/profile_{label}_rank{R}.json``, and the summaries are
+    gathered into :attr:`ranks`. Rank 0's trace and the busiest rank's are kept (gzipped) where small enough."""
+
+    TRACE_LIMIT = 5 * 2**20
+
+    def __init__(self, trainer: Any, after: int, directory: Path, label: str):
+        import torch
+        from transformers import TrainerCallback
+
+        self.ranks: list[dict] | None = None
+        self._step: Any = None
+        plan = trainer._plan_step
+
+        def remember(window: list[Any]) -> Any:
+            self._step = plan(window)
+            return self._step
+
+        trainer._plan_step = remember  # the profiled step's plan: its microbatches' tokens
+        profile = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step in (after, after + 1) and torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                if state.global_step == after:
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    profile.profiler = torch.profiler.profile(activities=activities)
+                    profile.profiler.__enter__()
+                    profile.started = time.perf_counter()
+                elif state.global_step == after + 1 and profile.profiler is not None:
+                    wall = time.perf_counter() - profile.started
+                    profile.profiler.__exit__(None, None, None)
+                    profile.summarise(trainer, wall, directory, label)
+
+        self.profiler, self.started = None, 0.0
+        self.callback = Callback()
+
+    def summarise(self, trainer: Any, wall: float, directory: Path, label: str) -> None:
+        import gzip
+
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with tempfile.TemporaryDirectory() as temporary:
+            trace = Path(temporary) / "trace.json"
+            self.profiler.export_chrome_trace(str(trace))
+            text = trace.read_text()
+        self.profiler = None
+        summary = step_summary(json.loads(text)["traceEvents"], torch.cuda.is_available())
+        step = self._step
+        summary.update(
+            rank=rank, wall_s=wall, engine_busy_s=trainer.odc.last.busy, engine_wait_s=trainer.odc.last.wait,
+            tokens=step.rank_tokens(rank), microbatch_tokens=[sum(mb) for mb in step.microbatch_lengths[rank]],
+            shared_microbatches=len(step.microbatches) - len(step.microbatch_lengths[rank]),
+        )  # fmt: skip
+        (directory / f"profile_{label}_rank{rank}.json").write_text(json.dumps(summary, indent=1))
+        ranks = [summary]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, summary)
+        busiest = max(range(len(ranks)), key=lambda r: ranks[r]["busy_s"])
+        if rank in (0, busiest):
+            packed = gzip.compress(text.encode(), compresslevel=3)
+            if len(packed) <= self.TRACE_LIMIT:
+                (directory / f"trace_{label}_rank{rank}.json.gz").write_bytes(packed)
+        self.ranks = ranks
+
+
+def train_and_release(trainer: Any, record: dict, args: argparse.Namespace, scheme: str) -> None:
     """The examples' ``train_and_save`` for one scheme of the worker: train, put the step log and the wall-clock
-    step times in ``record``, then release ODC and the accelerator's references (the process group stays for the
+    step times in ``record`` (with ``--profile``, an ODC scheme's profiled step's log entry and every rank's
+    profile summary apart), then release ODC and the accelerator's references (the process group stays for the
     next scheme; nothing is saved)."""
     import torch
 
     clock = _wall_clock_callback()
     trainer.add_callback(clock)
+    profiler = None
+    if args.profile and profiled(scheme):
+        label = f"{args.worker}_{re.sub(r'[^a-z0-9]+', '_', scheme.lower()).strip('_')}"
+        profiler = StepProfiler(trainer, args.steps, Path(args.logs), label)
+        trainer.add_callback(profiler.callback)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # the trainer logs the peak since this: training's, not the build's
     trainer.train()
-    record["entries"] = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
-    record["wall_s"] = clock.times
+    entries = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
+    record["entries"], record["wall_s"] = entries[: args.steps], clock.times[: args.steps]
+    if profiler is not None:
+        record["profiled_entry"], record["profile"] = entries[args.steps], profiler.ranks
     record["vision_ratio"] = _vision_ratio(trainer.accelerator.unwrap_model(trainer.model))
     trainer.close_odc()
     trainer.accelerator.free_memory()
@@ -269,9 +377,12 @@ def run_worker(args: argparse.Namespace) -> None:
         # What the earlier schemes left allocated (0 when they released everything): their memory is not this one's.
         allocated = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         record: dict = {"allocated_at_start_gib": allocated}
-        example.train_and_save = lambda trainer, record=record: train_and_release(trainer, record)
+        example.train_and_save = lambda trainer, record=record, name=name: train_and_release(
+            trainer, record, args, name
+        )
         with tempfile.TemporaryDirectory() as out, built_on_device(example):
-            flags = [*example_flags(args, args.worker, out), *SCHEMES[name]]
+            steps = args.steps + (args.profile and profiled(name))
+            flags = [*example_flags(args, args.worker, out, steps), *SCHEMES[name]]
             example.main(*example.make_parser().parse_args_and_config(flags))
         gc.collect()
         if torch.cuda.is_available():
@@ -303,7 +414,7 @@ def _launch(args: argparse.Namespace, name: str, log: Path, deadline: float, out
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
         "--num_processes", str(args.num_processes), str(Path(__file__).resolve()), "--worker", name,
-        "--worker-json", str(out), "--deadline", str(deadline), *sys.argv[1:],
+        "--worker-json", str(out), "--deadline", str(deadline), *sys.argv[1:], "--logs", str(log.parent),
     ]  # fmt: skip
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONUNBUFFERED": "1"}
     error = None
@@ -363,6 +474,8 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         "wall_s": wall,
         "scheme_s": record["scheme_s"],
         "allocated_at_start_gib": record["allocated_at_start_gib"],
+        "profiled_entry": record.get("profiled_entry"),
+        "profile": record.get("profile"),
     }
 
 
@@ -433,6 +546,10 @@ def run_driver(args: argparse.Namespace) -> None:
     print(f"\n{args.model_config}, {environment and environment['device']}, {args.num_processes} processes, "
           f"{args.steps - args.warmup} timed steps of {args.steps}; total {time.time() - start:.0f} s")  # fmt: skip
     print_table(trainers)
+    for trainer, result in trainers.items():
+        for scheme, row in result["schemes"].items():
+            if row.get("profile"):
+                print_profile(f"{trainer}, {scheme}", row["profile"])
 
 
 def write_json(args: argparse.Namespace, environment: dict | None, trainers: dict, total_s: float) -> None:
@@ -440,6 +557,12 @@ def write_json(args: argparse.Namespace, environment: dict | None, trainers: dic
     config = {key: value for key, value in vars(args).items() if key not in ("worker", "worker_json", "deadline")}
     payload = {"config": config, "environment": environment, "total_s": total_s, "trainers": trainers}
     Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+PROFILE_HELP = (
+    "profile one more step after the timed ones of each ODC scheme on every rank; each rank's summary goes to "
+    "--logs, and a per-rank table is printed"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -465,6 +588,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=60, help="seconds past the budget before a launch is ended")
     parser.add_argument("--logs", default=None, help="directory for the launches' logs (default: a temporary one)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true", help=PROFILE_HELP)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)

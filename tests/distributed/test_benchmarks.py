@@ -283,13 +283,16 @@ def _trainer_points(directory: Path) -> list:
         sys.executable, str(ROOT / "benchmarks" / "trainer_points.py"), "--model-config", "tiny", "--max-length",
         "64", "--global-batch-size", "8", "--steps", "2", "--warmup", "1", "--extra", "",
         "--accelerate-config", str(ROOT / "examples" / "odc_cpu.yaml"), "--json", str(directory / "points.json"),
+        "--profile", "--logs", str(directory / "logs"),
     ]  # fmt: skip
     return [(command, PEAK, 400)]
 
 
 def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request):
     """benchmarks/trainer_points.py's GPU command, shrunk: one 2-process launch per trainer, its three schemes in
-    turn in that process; every scheme trains the same minibatches (the same tokens and losses) with its own split."""
+    turn in that process; every scheme trains the same minibatches (the same tokens and losses) with its own split.
+    With ``--profile`` (:func:`assert_profiled`), the ODC scheme's extra profiled step leaves the timed ones as
+    they were."""
     directory, done = _only(ran.result(request.node.nodeid))
     out = directory / "points.json"
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -307,7 +310,35 @@ def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request
         assert split["x_trl_split"] == pytest.approx(1.0) and micro["x_lb_micro"] == pytest.approx(1.0)
         assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
         assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
-    assert done.stdout.rstrip().splitlines()[-1].startswith("distill ")  # the table comes last
+    assert "distill  ODC + LB-Mini" in done.stdout
+    assert_profiled(trainers, directory / "logs", done.stdout)
+
+
+def assert_profiled(trainers: dict, logs: Path, stdout: str) -> None:
+    """``--profile``: one step after the timed ones of the ODC scheme, profiled on every rank, each rank's summary
+    in the JSON and in ``--logs`` (no file name with a space or a '+'); the device time by kind adds up to the busy
+    time, and the microbatches are the step's plan for the rank (as many, with its tokens)."""
+    assert not [path.name for path in logs.iterdir() if " " in path.name or "+" in path.name]
+    for name, result in trainers.items():
+        schemes = result["schemes"]
+        assert schemes["FSDP2 + LB-Micro"]["profile"] is None, name
+        odc = schemes["ODC + LB-Mini"]
+        entry, ranks = odc["profiled_entry"], odc["profile"]
+        assert [r["rank"] for r in ranks] == [0, 1], name
+        assert f"profile: {name}, ODC + LB-Mini" in stdout
+        for r in ranks:
+            rank = r["rank"]
+            assert json.loads((logs / f"profile_{name}_odc_lb_mini_rank{rank}.json").read_text()) == r
+            assert r["busy_s"] > 0 and r["wall_s"] > 0 and r["events"] > 0, (name, r)
+            assert sum(r["kinds_s"].values()) == pytest.approx(r["busy_s"], rel=1e-6), (name, r["kinds_s"])
+            assert r["idle_s"] == pytest.approx(r["span_s"] - r["busy_s"]) and r["idle_s"] >= -1e-9, name
+            counts, tokens = entry[f"microbatches/rank_{rank}"], entry[f"tokens/rank_{rank}"]
+            assert len(r["microbatches"]) == len(r["microbatch_tokens"]) == counts > 0, (name, rank)
+            assert [mb["name"] for mb in r["microbatches"]] == [f"microbatch {i}" for i in range(int(counts))]
+            assert sum(r["microbatch_tokens"]) == r["tokens"] == tokens, (name, rank)
+            assert all(mb["device_s"] > 0 and mb["events"] > 0 for mb in r["microbatches"]), (name, rank)
+            # a CPU runs one operator at a time: the microbatches' device seconds are the minibatch's busy ones
+            assert sum(mb["device_s"] for mb in r["microbatches"]) == pytest.approx(r["busy_s"]), (name, rank)
 
 
 def _only(ran: tuple[Path, list[SimpleNamespace]]) -> tuple[Path, SimpleNamespace]:
