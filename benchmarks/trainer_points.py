@@ -599,6 +599,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.schemes.split(","):
         if name not in SCHEMES:
             parser.error(f"--schemes: unknown scheme {name!r}; choose from {'; '.join(SCHEMES)}")
+    if args.profile and not any(profiled(name) for name in args.schemes.split(",")):
+        parser.error("--profile profiles the ODC schemes: add 'ODC + LB-Mini' to --schemes")
     if args.global_batch_size % args.num_processes:
         parser.error("--global-batch-size must be a multiple of --num-processes")
     if not 0 <= args.warmup < args.steps:
