@@ -106,18 +106,19 @@ class Concurrently:
         return self.track(subprocess.Popen(command, start_new_session=True, **popen))
 
     def run(self, command: list[str], timeout: float, **popen) -> tuple[int, str, str]:
-        """:func:`run_process` for a job: its output as text, the session killed at the end or after ``timeout`` s
-        (an AssertionError with the output)."""
-        process = self.popen(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+        """:func:`run_process` for a job: its output as text (``popen`` may send stderr to stdout), the session killed
+        at the end or after ``timeout`` s (an AssertionError with the output)."""
+        process = self.popen(command, text=True, **({"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} | popen))
         try:
             out, err = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill(process)
             out, err = process.communicate()
-            raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{out[-8000:]}{err[-8000:]}") from None
+            output = (out or "")[-8000:] + (err or "")[-8000:]
+            raise AssertionError(f"{' '.join(command)} ran past {timeout:g} s:\n{output}") from None
         finally:
             _kill(process)
-        return process.returncode, out, err
+        return process.returncode, out or "", err or ""
 
     def __enter__(self) -> Concurrently:
         return self

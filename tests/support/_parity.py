@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _machine import Concurrently
 from _models import tiny_qwen2_config
 from _trainer_launch import EXAMPLES, SUPPORT, launch, logged_steps, run
 from transformers import Qwen2ForCausalLM
@@ -53,8 +54,8 @@ def trained_state(trainer) -> dict | None:
 
 def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = None, **launched: Any) -> None:
     """Run ``tests/support/<script>`` as :func:`_trainer_launch.launch` runs an example (``launched``: its ``timeout``,
-    default 600 s, and ``config``, an Accelerate config in place of ``examples/odc_cpu.yaml``); fail with its output
-    unless it exits 0."""
+    default 600 s, ``config``, an Accelerate config in place of ``examples/odc_cpu.yaml``, and ``background``); fail
+    with its output unless it exits 0."""
     returncode, output = launch(
         str(SUPPORT / script), *args, processes=processes, env=env, **({"timeout": 600} | launched)
     )
@@ -145,8 +146,9 @@ def parity_runs(
 ) -> tuple[dict, dict]:
     """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
     fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
-    process and by ODC on ``processes`` (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch);
-    their saved states, by case."""
+    process and by ODC on ``processes`` (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch), the
+    two launches side by side (:class:`~_machine.Concurrently`: the reference's one process leaves a core idle, and
+    the ODC ranks wait for each other); their saved states, by case. Either failing ends the other."""
     if model is None:
         torch.manual_seed(0)
         fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
@@ -154,11 +156,18 @@ def parity_runs(
         model = model_class(tiny_qwen2_config(**(fields | config)))
     model.save_pretrained(directory / "model")
     model, names = str(directory / "model"), list(cases)
-    run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env)
     accelerate_config = directory / "odc_cpu.yaml"
     accelerate_config.write_text((EXAMPLES / "odc_cpu.yaml").read_text() + accelerate)
-    run_checked(script, "odc", model, str(directory / "odc.pt"), *names, processes=processes, env=env,
-                config=accelerate_config)  # fmt: skip
+    jobs = {
+        "trl": lambda background: run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env,
+                                              background=background),
+        "odc": lambda background: run_checked(script, "odc", model, str(directory / "odc.pt"), *names,
+                                              processes=processes, env=env, config=accelerate_config,
+                                              background=background),
+    }  # fmt: skip
+    with Concurrently(jobs) as launches:
+        launches.result("trl")
+        launches.result("odc")
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 
