@@ -12,9 +12,11 @@ Accelerate config) run on two; the others on one, where they take the same path.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from _bad_inputs import data_file, empty_saved_dataset, model_without_tokenizer, offload_config, truncated_scheduler
+from _machine import Concurrently
 from _trainer_launch import launch
 
 WORKER_FRAME = re.compile(r'File ".*(hf_odc|examples|trl|transformers|datasets|huggingface_hub)/')
@@ -46,16 +48,32 @@ CASES = [
 ]  # fmt: skip
 
 
+def _launch(
+    background: Concurrently, directory: Path, script: str, processes: int, flags, says: str
+) -> tuple[int, str]:
+    """A case's launch in its own ``directory``: the exit status and the output."""
+    flags = flags(directory) if callable(flags) else flags
+    config = offload_config(directory) if says.startswith("fsdp_offload_params") else None
+    if "--output_dir" not in flags:
+        flags = [*flags, "--output_dir", str(directory / "out")]
+    env = {"HF_HUB_OFFLINE": "1"}  # never the network, whatever the case
+    return launch(script, *flags, processes=processes, env=env, timeout=120, config=config, background=background)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every selected case's launch, two at a time while the tests go on (:class:`~_machine.Concurrently`): most
+    cases are one process that stops once its command line is parsed, which leaves the other core idle."""
+    jobs = {"test_a_bad_input_ends_the_run_in_one_line_from_the_first_process": _launch}
+    with Concurrently.of_tests(request, tmp_path_factory, jobs) as launches:
+        yield launches
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("script", "processes", "flags", "says"), [case[1:] for case in CASES],
                          ids=[case[0] for case in CASES])  # fmt: skip
-def test_a_bad_input_ends_the_run_in_one_line_from_the_first_process(tmp_path, script, processes, flags, says):
-    flags = flags(tmp_path) if callable(flags) else flags
-    config = offload_config(tmp_path) if says.startswith("fsdp_offload_params") else None
-    if "--output_dir" not in flags:
-        flags = [*flags, "--output_dir", str(tmp_path / "out")]
-    env = {"HF_HUB_OFFLINE": "1"}  # never the network, whatever the case
-    returncode, output = launch(script, *flags, processes=processes, env=env, timeout=120, config=config)
+def test_a_bad_input_ends_the_run_in_one_line_from_the_first_process(request, launched, script, processes, flags, says):
+    returncode, output = launched.result(request.node.nodeid)
     errors = [line for line in output.splitlines() if ": error: " in line]
     assert returncode != 0, output[-4000:]
     assert len(errors) == 1 and errors[0].startswith(f"{script}: error: ") and says in errors[0], output[-4000:]

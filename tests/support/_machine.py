@@ -69,10 +69,11 @@ class Concurrently:
     the job raised. A job starts its processes through :meth:`popen` or :meth:`run` (or hands them to :meth:`track`):
     leaving the ``with`` block (a module fixture's teardown, after a test's timeout too) kills those still running,
     each with its session, and drops the jobs not begun. A job's timeouts are its own: :func:`within_test` would cut
-    them to whichever test is running meanwhile."""
+    them to whichever test is running meanwhile, unless ``one_test``: every job is the running test's own, which waits
+    for them all (a fixture's launches), and :meth:`run` cuts their timeouts to it."""
 
-    def __init__(self, jobs: dict, at_once: int = 2):
-        self._lock, self._closed, self._processes = Lock(), False, []
+    def __init__(self, jobs: dict, at_once: int = 2, one_test: bool = False):
+        self._lock, self._closed, self._processes, self._one_test = Lock(), False, [], one_test
         self._executor = ThreadPoolExecutor(at_once, thread_name_prefix="launch")
         self._futures = {key: self._executor.submit(job, self) for key, job in jobs.items()}
 
@@ -107,7 +108,8 @@ class Concurrently:
 
     def run(self, command: list[str], timeout: float, **popen) -> tuple[int, str, str]:
         """:func:`run_process` for a job: its output as text (``popen`` may send stderr to stdout), the session killed
-        at the end or after ``timeout`` s (an AssertionError with the output)."""
+        at the end or after ``timeout`` s (cut to the test's with ``one_test``; an AssertionError with the output)."""
+        timeout = within_test(timeout) if self._one_test else timeout
         process = self.popen(command, text=True, **({"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} | popen))
         try:
             out, err = process.communicate(timeout=timeout)

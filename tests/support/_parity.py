@@ -165,7 +165,7 @@ def parity_runs(
                                               processes=processes, env=env, config=accelerate_config,
                                               background=background),
     }  # fmt: skip
-    with Concurrently(jobs) as launches:
+    with Concurrently(jobs, one_test=True) as launches:
         launches.result("trl")
         launches.result("odc")
     return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from _machine import Concurrently, run_process, scaled, within_test
+from _machine import Concurrently, run_process, scaled
 from _slow import require_slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,14 +45,14 @@ def launch(
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout, which
     :func:`~_machine.scaled` stretches on a busy machine); ``config``: an Accelerate config in place of
-    ``examples/odc_cpu.yaml``; ``background``: the :class:`~_machine.Concurrently` whose job this launch is (its
-    timeout still cut to the running test's, the job's test)."""
+    ``examples/odc_cpu.yaml``; ``background``: the :class:`~_machine.Concurrently` whose job this launch is (the
+    timeout as its :meth:`~_machine.Concurrently.run` takes it)."""
     require_slow(f"the script {Path(script).name}")
     command, timeout = _command(script, args, processes, config), scaled(timeout, processes)
     if background is None:
         returncode, output, _ = run_process(command, timeout, stdout=subprocess.PIPE, **_popen_options(env))
     else:
-        returncode, output, _ = background.run(command, within_test(timeout), **_popen_options(env))
+        returncode, output, _ = background.run(command, timeout, **_popen_options(env))
     return returncode, output
 
 
