@@ -205,7 +205,6 @@ def test_grpo_refuses_a_dataset_it_would_not_read_in_one_line(tmp_path, monkeypa
     assert failure.value.code == 2 and error.endswith(says)
 
 
-@pytest.mark.slow
 def test_the_vision_example_takes_its_built_in_shapes_and_refuses_any_other_model_config(monkeypatch, capsys):
     """``examples/sft_vlm.py --model_config`` names a built-in Qwen2.5-VL shape (the GPU point's ``qwen2.5-vl-3b``);
     the text scripts' names and ``config.json`` paths are refused in one line that lists the shapes."""
@@ -221,6 +220,7 @@ def test_the_vision_example_takes_its_built_in_shapes_and_refuses_any_other_mode
                               "--model_name_or_path")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_tool_calling_example_runs_trls_tool_loop_and_packs_the_tool_results(tmp_path):
     """``examples/grpo_tools.py`` with its defaults on 2 processes: every step's rollouts (8 prompts of 4 generations
     each, per process) run TRL's tool loop, the ``g``-th generation of a prompt calling the tool ``min(g, 2)`` times
