@@ -223,12 +223,14 @@ def warm_sdpa_plans(
     longest: int,
     device: torch.device,
     dtype: torch.dtype,
-    shortest: int = ALONE_FROM,
+    shortest: int = 1,
     documents: Iterable[int] | None = None,
 ) -> list[int]:
     """Attend once, forward and backward, at every length :func:`sdpa_length` rounds a document of ``shortest`` to
     ``longest`` tokens to (``documents``: only those of these documents' lengths), as :func:`packed_causal_attention`
-    attends a document alone (padded, grouped-query, scaled by ``head_dim ** -0.5``); returns those lengths.
+    attends a document alone (padded, grouped-query, scaled by ``head_dim ** -0.5``); returns those lengths. The
+    default ``shortest`` is 1, not :data:`ALONE_FROM`: ``"auto"`` attends a short document alone too where no other
+    short document is beside it in its row.
 
     Why: cuDNN plans each new length on the host the first time it meets it, on each rank. A run of a few steps (a
     benchmark) meets most of its lengths for the first time, and a plan that moves documents to other ranks meets more

@@ -22,6 +22,17 @@ def test_a_microbatch_fits_a_pair_of_two_longest_sequences(tmp_path):
     assert config(tmp_path, max_tokens_per_microbatch=999).max_tokens_for_pairs(7) == 999
 
 
+def test_short_pairs_fill_a_microbatch_to_the_floor(tmp_path):
+    """``min_tokens_per_microbatch`` raises the capacity that ``max_length`` or ``packing_ratio`` gives, never lowers
+    it, and yields to an explicit ``max_tokens_per_microbatch``."""
+    assert config(tmp_path, max_length=100, min_tokens_per_microbatch=4096).max_tokens_for_pairs(7) == 4096
+    by_ratio = config(tmp_path, max_length=100, packing_ratio=2.0, min_tokens_per_microbatch=64)
+    assert by_ratio.max_tokens_for_pairs(7) == 400
+    assert config(tmp_path, max_length=None, min_tokens_per_microbatch=0).max_tokens_for_pairs(77) == 77
+    floored = config(tmp_path, max_tokens_per_microbatch=999, min_tokens_per_microbatch=4096)
+    assert floored.max_tokens_for_pairs(7) == 999
+
+
 def _tiny_model(tokenizer):
     return Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id))
 

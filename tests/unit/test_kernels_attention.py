@@ -120,6 +120,17 @@ def test_warming_for_documents_attends_only_their_rounded_lengths(monkeypatch):
     assert lengths == seen == [128, 192, 320] == sorted({sdpa_length(n) for n in documents if n >= 64})
 
 
+def test_warming_by_default_covers_a_short_document_attended_alone(monkeypatch):
+    """By default every document's length is warmed, the shortest too: ``"auto"`` attends a short document alone
+    where no other short one is beside it (a short reply between two long sequences), and a length met first inside a
+    minibatch is planned there while the other ranks wait."""
+    monkeypatch.setattr(kernels, "_PADDED_ON", ("cpu",))
+    row = [3000, 100, 3000]
+    assert [piece.lengths for piece in kernels.attention_pieces(row)] == [(3000,), (100,), (3000,)]
+    lengths = kernels.warm_sdpa_plans(4, 2, 8, 3000, torch.device("cpu"), torch.float32, documents=row)
+    assert lengths == [sdpa_length(100), sdpa_length(3000)]
+
+
 def test_sdpa_lengths_are_few_and_close():
     """Up to 64K tokens: under 200 lengths in all, each less than 64 tokens or 1/32 above the document's."""
     rounded = [sdpa_length(n) for n in range(1, 65537)]

@@ -58,3 +58,22 @@ def test_a_pair_longer_than_a_microbatch_is_refused_at_construction(tmp_path):
     args = ODCRewardConfig(str(tmp_path), report_to="none", max_tokens_per_microbatch=4)
     with pytest.raises(ValueError, match=r"longest pair has 5 tokens .* \(4 tokens\)\. Set --max_tokens_per_micro"):
         ODCRewardTrainer(reward_model(), args, train_dataset=pairs, processing_class=build_tokenizer())
+
+
+def test_short_pairs_share_a_microbatch_up_to_the_floor(tmp_path):
+    """Pairs far shorter than ``2 * max_length`` fill a microbatch up to ``min_tokens_per_microbatch``, which the
+    trainer resolves to no floor on the CPU when unset (on a GPU, from the model's shape and the device's memory)."""
+    pairs = Dataset.from_dict({"chosen_ids": [[5, 6, 7, 8]] * 8, "rejected_ids": [[9, 10]] * 8})
+
+    def planned(**kwargs):
+        args = ODCRewardConfig(
+            str(tmp_path), report_to="none", max_length=8, per_device_train_batch_size=8, seed=0, **kwargs
+        )
+        trainer = ODCRewardTrainer(reward_model(), args, train_dataset=pairs, processing_class=build_tokenizer())
+        window = [next(iter(trainer.get_train_dataloader()))]
+        return trainer.args.min_tokens_per_microbatch, trainer._plan_step(window).microbatches
+
+    floor, by_max_length = planned()
+    assert floor == 0 and len(by_max_length) > 1
+    floor, by_floor = planned(min_tokens_per_microbatch=1000)
+    assert floor == 1000 and len(by_floor) == 1

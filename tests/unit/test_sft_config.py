@@ -63,6 +63,9 @@ def test_a_rollout_microbatch_holds_one_stock_trl_forward_pass_by_default(tmp_pa
     assert make().max_tokens_for(100) == 800
     assert make(packing_ratio=1.0).max_tokens_for(100) == 100
     assert make(max_tokens_per_microbatch=777).max_tokens_for(100) == 777
+    assert make(min_tokens_per_microbatch=5000).max_tokens_for(100) == 5000  # short rollouts fill the floor
+    assert make(packing_ratio=1.0, min_tokens_per_microbatch=64).max_tokens_for(100) == 100
+    assert make(max_tokens_per_microbatch=777, min_tokens_per_microbatch=5000).max_tokens_for(100) == 777
 
 
 @pytest.mark.parametrize(

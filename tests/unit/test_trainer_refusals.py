@@ -47,6 +47,7 @@ INVALID_CONFIGS = [
         ({"max_tokens_per_microbatch": 10, "packing_ratio": 1.0}, "not both"),
         ({"max_tokens_per_microbatch": 0}, ">= 1"),
         ({"packing_ratio": 0.0}, "> 0"),
+        ({"min_tokens_per_microbatch": -1}, "min_tokens_per_microbatch must be >= 0"),
         ({"max_length": None}, "max_tokens_per_microbatch when max_length is None"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
         ({"packing": True}, "packs each microbatch itself"),

@@ -57,6 +57,16 @@ _ODC_PARAMETERS = """
             `"lb-micro"` without.
         max_tokens_per_microbatch (`int`, *optional*):
             Token capacity of one packed microbatch. Mutually exclusive with `packing_ratio`.
+        min_tokens_per_microbatch (`int`, *optional*):
+            Least token capacity of one packed microbatch of DPO, reward modelling, KTO and the rollout trainers (GRPO,
+            RLOO, distillation), whose samples are short: their capacity from `packing_ratio` is raised to this. The
+            host's work for a microbatch (each layer's parameter reads, hooks and kernel launches) hardly grows with
+            its tokens, so a few short rows per microbatch leave the GPU waiting on the host, and a rank's time then
+            follows its number of microbatches, not its tokens. `None` (the default): on a GPU, the tokens whose kept
+            activations (with activation checkpointing each layer's input and saved attention output, without it
+            about what a layer's forward keeps) fill an eighth of the device's memory; on the CPU, no floor. `0`: no
+            floor. Ignored when `max_tokens_per_microbatch` is set, and by SFT, whose microbatches hold `max_length`
+            tokens.
         packing_ratio (`float`, *optional*):
             Token capacity of one packed microbatch as a multiple of the longest sample it must fit (SFT:
             `max_length`; GRPO: the minibatch's longest rollout; DPO and reward modelling: a pair, `2 * max_length`;
@@ -223,6 +233,13 @@ class _ODCConfig:
         default=None,
         metadata={"help": "Token capacity of one packed microbatch. Exclusive with packing_ratio."},
     )
+    min_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Least capacity of a microbatch of short samples (DPO, reward, KTO, GRPO, RLOO, distillation). "
+            "Unset: on a GPU, the tokens whose kept activations fill an eighth of its memory; 0: none."
+        },
+    )
     packing_ratio: float | None = field(
         default=None,
         metadata={"help": "Microbatch capacity as a multiple of max_length (default 1.0 when no token cap is set)."},
@@ -332,6 +349,10 @@ class _ODCConfig:
             raise ValueError("Set max_tokens_per_microbatch or packing_ratio, not both.")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}.")
+        if self.min_tokens_per_microbatch is not None and self.min_tokens_per_microbatch < 0:
+            raise ValueError(
+                f"min_tokens_per_microbatch must be >= 0 (0: no floor), got {self.min_tokens_per_microbatch}."
+            )
         if self.packing_ratio is not None and not self.packing_ratio > 0:
             raise ValueError(f"packing_ratio must be > 0, got {self.packing_ratio}.")
         if self.per_device_train_batch_size < 1:
@@ -399,6 +420,14 @@ class _ODCConfig:
     def max_tokens_for_pairs(self, longest_pair: int) -> int:
         """Tokens one packed microbatch of two-sequence items (DPO's and reward modelling's pairs, KTO's examples with
         their mismatched sequences) may hold, given the minibatch's longest item (both sequences): `max_tokens_for`
-        the longest item `max_length` allows (`2 * max_length`), else for ``longest_pair``."""
+        the longest item `max_length` allows (`2 * max_length`), else for ``longest_pair``; at least
+        `min_tokens_per_microbatch`."""
         max_length = getattr(self, "max_length", None)
-        return self.max_tokens_for(2 * max_length if max_length is not None else longest_pair)
+        return self.at_least_min_tokens(self.max_tokens_for(2 * max_length if max_length is not None else longest_pair))
+
+    def at_least_min_tokens(self, tokens: int) -> int:
+        """A microbatch capacity of short samples, ``tokens``, raised to ``min_tokens_per_microbatch`` unless
+        ``max_tokens_per_microbatch`` fixes it (an unset floor, which the trainer resolves at setup, is none)."""
+        if self.max_tokens_per_microbatch is not None:
+            return tokens
+        return max(tokens, self.min_tokens_per_microbatch or 0)

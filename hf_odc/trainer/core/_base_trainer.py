@@ -139,6 +139,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         (:mod:`hf_odc._compat`)."""
         _compat.check_trainer(self)
         args = self.args
+        if args.min_tokens_per_microbatch is None:
+            args.min_tokens_per_microbatch = self._busy_microbatch_tokens()
         use_packed_attention(self.model, args.packed_attention, args.device)
         check_sequence_parallel(self.model, args.sp_size)
         if args.checkpoint_attention == "save":
@@ -178,6 +180,28 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         self._cycle_start: float | None = None  # where the step being run began on the host (_log_step)
         device = self.args.device
         self._peak_flops = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
+    def _busy_microbatch_tokens(self) -> int:
+        """``min_tokens_per_microbatch``'s default: on a GPU, the tokens whose kept activations fill an eighth of the
+        smallest rank's device memory (every rank must plan alike); 0 on the CPU, where the host is the device.
+
+        Kept per token and layer: with activation checkpointing, the layer's input and its saved attention output
+        (two hidden-size vectors); without, an estimate of what a decoder layer's forward keeps (six hidden-size and
+        three MLP-width vectors). The recomputed layer's working set and the chunked logits come on top, which the
+        remaining seven eighths leave room for."""
+        args = self.args
+        if args.device.type != "cuda":
+            return 0
+        config = self.model.config.get_text_config()
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        if getattr(args, "activation_checkpointing", args.gradient_checkpointing):
+            kept = 2 * hidden
+        else:
+            kept = 6 * hidden + 3 * (getattr(config, "intermediate_size", None) or 4 * hidden)
+        value_bytes = 2 if args.bf16 or args.fp16 else 4
+        memory = torch.tensor([torch.cuda.get_device_properties(args.device).total_memory], device=args.device)
+        smallest = int(self.accelerator.gather(memory).min())
+        return smallest // 8 // (layers * kept * value_bytes)
 
     def _install_fused_kernels(self, model: nn.Module) -> None:
         """``fused_kernels``: the fused RMSNorm and MLP forwards on ``model``, before it is sharded, in a CUDA run (the

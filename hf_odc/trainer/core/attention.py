@@ -271,7 +271,11 @@ def warm_attention_plans(model: nn.Module, documents: Iterable[int], device: tor
     """Build cuDNN's plans for ``documents``' lengths before training (``warm_attention_plans``): on a GPU, for a
     model whose attention is :data:`PACKED_ATTENTION`, attend once, forward and backward, at each length that one of
     ``documents`` (token counts) is attended at alone (:func:`hf_odc.kernels.attention.warm_sdpa_plans`, with the
-    model's head counts). Returns the number of lengths warmed (0 where nothing is)."""
+    model's head counts). Returns the number of lengths warmed (0 where nothing is).
+
+    Every document's length is warmed, the shortest too: a row attends a short document alone where no other short
+    document is beside it (a pair's short reply between two long sequences), and a length met for the first time
+    inside a minibatch keeps the other ranks waiting while this one plans it."""
     if torch.device(device).type != "cuda" or attention_implementation(model) != PACKED_ATTENTION:
         return 0
     documents = list(documents)

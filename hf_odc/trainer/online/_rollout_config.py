@@ -94,11 +94,12 @@ class _ODCRolloutConfig(_ODCConfig):
 
     def max_tokens_for(self, longest_sample: int) -> int:
         """Tokens one packed microbatch of rollouts may hold: with neither ``max_tokens_per_microbatch`` nor
-        ``packing_ratio`` set, ``per_device_train_batch_size`` longest rollouts of the minibatch. That is what one of
-        stock TRL's forward passes holds (its padded batch of ``per_device_train_batch_size`` rollouts), so the update
-        holds no more activations than TRL's, while each microbatch, which reads every parameter shard once, carries
-        as many rollouts as that allows: rollouts are short beside an SFT sample, and one rollout per microbatch would
-        spend the update on parameter reads."""
+        ``packing_ratio`` set, ``per_device_train_batch_size`` longest rollouts of the minibatch, what one of stock
+        TRL's padded forward passes holds; rollouts are short beside an SFT sample, and one rollout per microbatch
+        would spend the update on parameter reads. Unless ``max_tokens_per_microbatch`` is set, at least
+        ``min_tokens_per_microbatch``, so that the device, not the host, sets the microbatch's pace."""
         if self.max_tokens_per_microbatch is None and self.packing_ratio is None:
-            return longest_sample * self.per_device_train_batch_size
-        return super().max_tokens_for(longest_sample)
+            tokens = longest_sample * self.per_device_train_batch_size
+        else:
+            tokens = super().max_tokens_for(longest_sample)
+        return self.at_least_min_tokens(tokens)
