@@ -2,7 +2,7 @@
 
 A decoding step multiplies each weight by one token per sequence, a few dozen rows, so it is bound by reading the
 weights, not by arithmetic; cuBLAS runs such skinny products well under the device's memory bandwidth. Here one
-Triton kernel (:mod:`hf_odc.kernels._triton_decode_linear`) streams each weight tile once against all the rows, which
+Triton kernel (:mod:`hf_odc.kernels._triton_decoding`) streams each weight tile once against all the rows, which
 it keeps on chip, summing in fp32; where the output is too narrow to give every streaming multiprocessor a tile, the
 input dimension is split too and the parts summed in a fixed order. Its tiling comes from :data:`DECODE_LINEAR_CONFIGS`
 by the weight's shape.
@@ -90,11 +90,11 @@ def _runs_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @torch.library.custom_op("hf_odc::decode_linear", mutates_args=())
 def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from . import _triton_decode_linear
+    from . import _triton_decoding
 
     config = decode_linear_config(*weight.shape)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _triton_decode_linear.decode_linear_forward(
+    out = _triton_decoding.decode_linear_forward(
         rows,
         weight.contiguous(),
         None if bias is None else bias.contiguous(),

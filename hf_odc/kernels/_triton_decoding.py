@@ -1,4 +1,4 @@
-"""Triton kernels behind :mod:`hf_odc.kernels.decode_linear`: ``x @ weight.T + bias`` for a few rows of ``x``.
+"""Triton kernels behind :mod:`hf_odc.kernels.decoding`: ``x @ weight.T + bias`` for a few rows of ``x``.
 
 Each program owns ``BLOCK_N`` rows of the weight (output columns) and one of ``SPLIT_K`` consecutive parts of the
 input dimension; it streams its weight tile once, in ``BLOCK_K`` slices, against all the rows of ``x`` (at most
