@@ -11,53 +11,20 @@ process; their ``cuda`` cases run the compiled kernel on a GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from _interpreter import kernel_devices, run_interpreted
 
 from hf_odc.kernels import decoding as module
 from hf_odc.kernels.decoding import DECODE_LINEAR_CONFIGS, MAX_DECODE_ROWS, decode_linear, decode_linear_config
 
-ROOT = Path(__file__).resolve().parents[2]
-
-KERNEL_DEVICES = [
-    pytest.param(
-        "cpu",
-        id="interpreted",
-        marks=pytest.mark.skipif(
-            not module._INTERPRET, reason="runs with TRITON_INTERPRET=1, in test_kernels_under_the_triton_interpreter"
-        ),
-    ),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available() or module._INTERPRET, reason="needs a CUDA GPU"),
-        ],
-    ),
-]
-"""Where the Triton kernel runs: CPU tensors under the interpreter, CUDA ones on a GPU."""
+KERNEL_DEVICES = kernel_devices(module._INTERPRET)
+"""Where the Triton kernels run: CPU tensors under the interpreter, CUDA ones on a GPU."""
 
 
 def test_kernels_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    if module._INTERPRET:
-        pytest.skip("already interpreted")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    run_interpreted(__file__, module._INTERPRET)
 
 
 def _operands(rows: int, out_features: int, in_features: int, bias: bool, dtype: torch.dtype, device: str):

@@ -519,22 +519,14 @@ class TensorParallelDecoder(StaticDecoder):
     forward is not compiled).
 
     Args:
-        model, runtime, dtype, fuse, decode_linear: as :class:`_DecodingCopy`'s.
-        loop: as :class:`StaticDecoder`'s.
+        model, runtime, dtype: as :class:`_DecodingCopy`'s.
+        options: ``loop``, ``fuse``, ``decode_linear``, as :class:`StaticDecoder`'s.
     """
 
     _COMPILE = False  # the row-parallel projections' all-reduces and the head's all-gather run in forward hooks
 
-    def __init__(
-        self,
-        model: nn.Module,
-        runtime: ODCRuntime,
-        dtype: torch.dtype,
-        loop: bool = False,
-        fuse: bool = True,
-        decode_linear: bool = False,
-    ):
-        super().__init__(model, runtime, dtype, loop, fuse, decode_linear)
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, **options: bool):
+        super().__init__(model, runtime, dtype, **options)
         self.group = shard_group(model)
         self.size = 1 if self.group is None else dist.get_world_size(self.group)
         self.rank = 0 if self.group is None else dist.get_rank(self.group)
