@@ -359,6 +359,43 @@ def test_odc_decode_linear_reaches_the_copy_of_the_static_mode():
         generator.end()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_compiled_loop_records_the_decode_linear_kernel_in_its_graphs(monkeypatch):
+    """A bf16 copy on a GPU with ``decode_linear=True``: its logits are the plain copy's (bf16 tolerance), and the
+    compiled loop (its forward by inductor, each step in a CUDA graph) decodes with the kernel what ``generate``
+    decodes on the same copy (the first token exactly, the rest up to bf16 rounding)."""
+    from hf_odc.kernels import _triton_decoding
+
+    policy = tiny_model().cuda().eval()
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.mul_(10 if parameter.ndim == 2 else 1)
+    plain, patched = (
+        StaticDecoder(policy, ODCRuntime(), torch.bfloat16, loop=True, decode_linear=on) for on in (False, True)
+    )
+    plain.refresh(), patched.refresh()
+    prompts = {name: tensor.cuda() for name, tensor in _prompts(4, 9, seed=3).items()}
+    launched = []
+    forward = _triton_decoding.decode_linear_forward
+    monkeypatch.setattr(_triton_decoding, "decode_linear_forward", lambda *a: launched.append(1) or forward(*a))
+    with torch.no_grad():
+        expected = plain.model(**prompts).logits.float()
+        assert not launched
+        got = patched.model(**prompts).logits.float()
+    assert len(launched) == 4 * 2 + 1
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=1)
+    by_generate = _generate(patched, monkeypatch, False, **prompts, **options)
+    launched.clear()
+    by_loop = _generate(patched, monkeypatch, True, **prompts, **options)
+    assert launched and patched._loop._graphs  # traced into the compiled forward, recorded in the loop's graphs
+    # The compiled forward and transformers' may round bf16 differently: the first token, and nearly all, agree.
+    assert by_loop.shape == by_generate.shape and torch.equal(by_loop[:, :10], by_generate[:, :10])
+    assert (by_loop == by_generate).float().mean() > 0.9
+    patched.close(), plain.close()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_every_fused_family_computes_the_policys_logits(family):
     """Each family of ``FUSED_ATTENTION_CLASSES`` (and its dense MLP where it has one) fused: the policy's logits."""

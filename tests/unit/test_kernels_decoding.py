@@ -74,7 +74,8 @@ def test_every_split_of_the_input_dimension_sums_to_f_linear(device, split_k, bi
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_compile_traces_the_operator_as_one_call(device):
     """``torch.compile`` (``fullgraph``) traces :func:`decode_linear` into one call of ``hf_odc::decode_linear``, its
-    output's shape from the fake implementation, and the compiled function gives the kernel's values."""
+    output's shape from the fake implementation, and the compiled function gives the kernel's values; so does
+    inductor's (as the decoding loop compiles its forward), with and without a bias."""
     graphs = []
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -88,6 +89,9 @@ def test_compile_traces_the_operator_as_one_call(device):
     targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
     assert targets.count(torch.ops.hf_odc.decode_linear.default) == 1 and F.linear not in targets
     assert torch.equal(out, decode_linear(x.view(2, 8, 80), weight, b) * 2)
+    for bias in (b, None):
+        inductor = torch.compile(lambda x, bias=bias: decode_linear(x, weight, bias).float().relu(), fullgraph=True)
+        assert torch.equal(inductor(x), decode_linear(x, weight, bias).float().relu())
 
 
 def _spy(monkeypatch) -> list[str]:
