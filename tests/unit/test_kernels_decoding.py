@@ -167,5 +167,6 @@ def test_every_config_compiles_for_hopper_with_its_loads_pipelined(rows):
         options = {"num_warps": config.num_warps, "num_stages": stages}
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = kernel.asm["ptx"]
-        assert ("wgmma" in ptx or "mma.sync" in ptx) and "cp.async" in ptx, config
+        tensor_cores, pipelined = "wgmma" in ptx or "mma.sync" in ptx, "cp.async" in ptx
+        assert tensor_cores and pipelined, f"{config} at {rows} rows: {tensor_cores=}, {pipelined=}"
         assert kernel.metadata.shared <= 227 * 1024, config
