@@ -131,7 +131,7 @@ def _candidates(n: int, k: int, rows: int, sms: int, table: DecodeLinearConfig) 
     and warps; nearest the table's first."""
     found = []
     for block_n, block_k, split_k, num_warps in itertools.product(
-        (32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (4, 8)
+        (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (4, 8)
     ):
         programs = math.ceil(n / block_n) * split_k
         if not sms / 3 <= programs <= 16 * sms or split_k * block_k > k:

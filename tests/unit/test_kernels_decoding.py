@@ -146,12 +146,13 @@ def test_every_config_compiles_for_hopper_with_its_loads_pipelined(rows):
     """Each row of :data:`DECODE_LINEAR_CONFIGS`, as the launcher cuts its stages, compiled for sm_90 (the weight's
     row length a multiple of 16, as Triton specialises it at launch): tensor-core products (wgmma from 64 rows on, mma
     below), asynchronous
-    copies in flight (the pipelined loads), and shared memory within Hopper's 227 KiB."""
+    copies in flight (the pipelined loads), and shared memory within Hopper's 227 KiB; the kernel summing the parts
+    compiles too."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf_odc.kernels._triton_decoding import _SHARED_MEMORY_BUDGET, _decode_linear_kernel
+    from hf_odc.kernels._triton_decoding import _SHARED_MEMORY_BUDGET, _decode_linear_kernel, _sum_parts_kernel
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32"}
     signature = {**pointers, "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
@@ -170,3 +171,10 @@ def test_every_config_compiles_for_hopper_with_its_loads_pipelined(rows):
         tensor_cores, pipelined = "wgmma" in ptx or "mma.sync" in ptx, "cp.async" in ptx
         assert tensor_cores and pipelined, f"{config} at {rows} rows: {tensor_cores=}, {pipelined=}"
         assert kernel.metadata.shared <= 227 * 1024, config
+    summing = ASTSource(
+        _sum_parts_kernel,
+        {"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "numel": "i32", "N": "i32"}
+        | dict.fromkeys(("SPLIT_K", "HAS_BIAS", "BLOCK"), "constexpr"),
+        constexprs={"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024},
+    )
+    assert "cubin" in triton.compile(summing, target=GPUTarget("cuda", 90, 32)).asm
