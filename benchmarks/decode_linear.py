@@ -9,7 +9,7 @@ and replayed (as the decoding loop runs them). Reported per shape and row count:
 bandwidth (weight, input and output bytes over the time), and F.linear's time over the kernel's; the kernel's largest
 difference from F.linear (fp32 reference) is checked. ``--sweep`` also times, at 64 rows in CUDA graphs, the tilings
 around the table's for each shape (nearest first), and prints the best, within ``--sweep-budget`` seconds shared
-evenly by the shapes. Without ``--sweep`` a run takes well under a minute.
+evenly by the shapes (30 s by default, so that a run with it stays near a minute; more tries more tilings).
 
     python benchmarks/decode_linear.py --json decode_linear.json
     python benchmarks/decode_linear.py --rows 64 --sweep --json decode_linear_sweep.json
