@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per timing (each on another weight copy)")
     parser.add_argument("--sweep", action="store_true", help="also time the tilings around the table's, at 64 rows")
     parser.add_argument(
-        "--sweep-budget", type=float, default=100.0, help="seconds the sweep may take, shared by the shapes"
+        "--sweep-budget", type=float, default=30.0, help="seconds the sweep may take, shared by the shapes"
     )
     parser.add_argument("--json", default=None, help="write the rows (and the sweep) here")
     args = parser.parse_args()
