@@ -13,10 +13,8 @@ transformers' SDPA instead of hf_odc's grouped decoding attention, for compariso
 decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
 with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does
 ``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. The copies fuse each
-layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B) and, with
-``--decode-linear``, run their linear layers by hf_odc's kernel for a step's few rows; the JSON records which
-(``fused``, ``decode_linear``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP
-rows and LM head rows).
+layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which
+(``fused``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows).
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -182,12 +180,6 @@ def main() -> None:
         help="the decoding copies (static, tensor-parallel) keep each layer's q/k/v and gate/up projections apart "
         "instead of fusing them (their default), for an A/B",
     )
-    parser.add_argument(
-        "--decode-linear",
-        action="store_true",
-        help="the decoding copies' linear layers run hf_odc's Triton kernel for a step's few rows "
-        "(odc_decode_linear, hf_odc.kernels.decoding) instead of cuBLAS, for an A/B",
-    )
     parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -217,11 +209,7 @@ def main() -> None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             if decoder is not None:
                 decoder.close()
-            copy = {
-                "loop": args.static_decoding == "loop",
-                "fuse": not args.unfused_decoding,
-                "decode_linear": args.decode_linear,
-            }
+            copy = {"loop": args.static_decoding == "loop", "fuse": not args.unfused_decoding}
             if mode == "static":
                 decoder = StaticDecoder(model, runtime, dtype, **copy)
             else:
@@ -231,7 +219,6 @@ def main() -> None:
                 group_lengths = [n for r in ranks for n in all_lengths[r * args.prompts : (r + 1) * args.prompts]]
             first["first_refresh_s"] = timed(device, decoder.refresh)
             first["fused"] = decoder.fuse
-            first["decode_linear"] = decoder.decode_linear
             local = decoder.model.config  # tensor-parallel: this rank's part of the heads and MLP rows
             first["local"] = {"heads": local.num_attention_heads, "kv_heads": local.num_key_value_heads,
                               "mlp_rows": local.intermediate_size,
@@ -275,8 +262,7 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n{len(per_rank)} rank(s), {args.model_config}, {args.prompts} completions/rank, up to "
         f"{args.max_new_tokens} new tokens; static decodes with {args.static_attention} attention by "
-        f"{args.static_decoding}, the copies' projections {'unfused' if args.unfused_decoding else 'fused'}"
-        f"{' by the decode_linear kernel' if args.decode_linear else ''}; "
+        f"{args.static_decoding}, the copies' projections {'unfused' if args.unfused_decoding else 'fused'}; "
         "policy update "
         f"{update_s and round(update_s, 2)} s"
     )

@@ -21,7 +21,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_odc import _compat
 from hf_odc.accelerate_plugin import ODCRuntime
-from hf_odc.kernels import decoding
 from hf_odc.trainer.generation import _static_decoding, decoders, modes
 from hf_odc.trainer.generation._static_decoding import processed_scores
 from hf_odc.trainer.generation.decoders import DECODING_ATTENTION, StaticDecoder, grouped_decoding_attention
@@ -229,7 +228,7 @@ def test_grouped_decoding_attention_compiles_as_one_graph():
 # -- hf_odc's decoding loop (hf_odc.trainer.generation._static_decoding) ----------------------------------------------
 
 
-def _copy(attention: str = "eager", fuse: bool = True, decode_linear: bool = False) -> StaticDecoder:
+def _copy(attention: str = "eager", fuse: bool = True) -> StaticDecoder:
     """A static decoder (its projections fused, or not) of a tiny policy whose weight matrices are scaled up: the tiny
     model as initialised repeats one token per row, this one varies them (so that EOS ids can end rows at different
     steps)."""
@@ -238,7 +237,7 @@ def _copy(attention: str = "eager", fuse: bool = True, decode_linear: bool = Fal
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter.mul_(10 if parameter.ndim == 2 else 1)
-    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True, fuse=fuse, decode_linear=decode_linear)
+    decoder = StaticDecoder(policy, ODCRuntime(), torch.float32, loop=True, fuse=fuse)
     decoder.refresh()
     return decoder
 
@@ -320,80 +319,6 @@ def test_the_fused_copy_decodes_what_the_unfused_one_does_with_fewer_projections
     expected = _generate(unfused, monkeypatch, loop, **prompts, **options)
     assert torch.equal(_generate(fused, monkeypatch, loop, **prompts, **options), expected)
     assert len(set(expected[:, 9:].flatten().tolist())) > 4  # tokens that vary
-
-
-@pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])
-def test_with_decode_linear_every_projection_of_the_copy_runs_it_and_decodes_the_same_tokens(monkeypatch, loop):
-    """``decode_linear=True`` (``odc_decode_linear``): each of the copy's linear layers (fused q/k/v, ``o_proj``, fused
-    gate/up, ``down_proj``, the head) calls :func:`~hf_odc.kernels.decoding.decode_linear`, whose fallback (an fp32
-    copy on CPU: ``F.linear``) decodes the tokens of the copy without it; the policy's own layers are left alone."""
-    plain, patched = _copy("sdpa"), _copy("sdpa", decode_linear=True)
-    calls = []
-    entry = decoding.decode_linear
-    monkeypatch.setattr(decoding, "decode_linear", lambda x, *args: calls.append(x.shape[:-1]) or entry(x, *args))
-    prompts = _prompts(4, 9, seed=3)
-    with torch.no_grad():
-        plain.model(**prompts)
-        assert calls == []
-        patched.model(**prompts)
-        patched._policy(**prompts)
-    assert calls == [(4, 9)] * (4 * 2 + 1)  # 2 layers of 4 projections, and the head
-    options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1)
-    expected = _generate(plain, monkeypatch, loop, **prompts, **options)
-    calls.clear()
-    assert torch.equal(_generate(patched, monkeypatch, loop, **prompts, **options), expected)
-    assert (4, 1) in calls  # the decoding steps' rows
-    assert len(set(expected[:, 9:].flatten().tolist())) > 4  # tokens that vary
-
-
-def test_odc_decode_linear_reaches_the_copy_of_the_static_mode():
-    for chosen in (True, False):
-        trainer = _trainer("static")
-        trainer.args.odc_decoding_loop, trainer.args.odc_decode_linear = None, chosen
-        trainer.model_wrapped = None
-        generator = make_generator(trainer)
-        with generator.generation_batch():
-            copy = trainer.model_wrapped
-            assert generator.decoder.decode_linear is chosen
-            assert ("forward" in vars(copy.lm_head)) is chosen
-        generator.end()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_compiled_loop_records_the_decode_linear_kernel_in_its_graphs(monkeypatch):
-    """A bf16 copy on a GPU with ``decode_linear=True``: its logits are the plain copy's (bf16 tolerance), and the
-    compiled loop (its forward by inductor, each step in a CUDA graph) decodes with the kernel what ``generate``
-    decodes on the same copy (the first token exactly, the rest up to bf16 rounding)."""
-    from hf_odc.kernels import _triton_decoding
-
-    policy = tiny_model().cuda().eval()
-    with torch.no_grad():
-        for parameter in policy.parameters():
-            parameter.mul_(10 if parameter.ndim == 2 else 1)
-    plain, patched = (
-        StaticDecoder(policy, ODCRuntime(), torch.bfloat16, loop=True, decode_linear=on) for on in (False, True)
-    )
-    plain.refresh(), patched.refresh()
-    prompts = {name: tensor.cuda() for name, tensor in _prompts(4, 9, seed=3).items()}
-    launched = []
-    forward = _triton_decoding.decode_linear_forward
-    monkeypatch.setattr(_triton_decoding, "decode_linear_forward", lambda *a: launched.append(1) or forward(*a))
-    with torch.no_grad():
-        expected = plain.model(**prompts).logits.float()
-        assert not launched
-        got = patched.model(**prompts).logits.float()
-    assert len(launched) == 4 * 2 + 1
-    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
-    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=1)
-    by_generate = _generate(patched, monkeypatch, False, **prompts, **options)
-    launched.clear()
-    by_loop = _generate(patched, monkeypatch, True, **prompts, **options)
-    assert launched and patched._loop._graphs  # traced into the compiled forward, recorded in the loop's graphs
-    # The compiled forward and transformers' may round bf16 differently: the first token, and nearly all, agree.
-    assert by_loop.shape == by_generate.shape and torch.equal(by_loop[:, :10], by_generate[:, :10])
-    assert (by_loop == by_generate).float().mean() > 0.9
-    patched.close(), plain.close()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])

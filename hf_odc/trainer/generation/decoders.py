@@ -33,7 +33,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ... import _compat
 from ...accelerate_plugin import ODCRuntime
-from ...kernels.decoding import install_decode_linear
 from ...kernels.fused import SILU_MLP_CLASSES
 from ..core.attention import PACKED_ATTENTION, _base_model
 from . import _static_decoding
@@ -122,16 +121,10 @@ class _DecodingCopy:
         runtime: the policy's :class:`~hf_odc.accelerate_plugin.ODCRuntime`.
         dtype: the copy's dtype, the policy's compute dtype.
         fuse: fuse the projections of every layer that allows it (see the module docstring).
-        decode_linear: every linear layer of the copy (fused or not, the LM head's included) runs
-            :func:`~hf_odc.kernels.decoding.decode_linear` (``odc_decode_linear``): a Triton kernel for the
-            decoding steps' few rows in bf16/fp16 on a GPU, ``torch.nn.functional.linear`` for anything else.
     """
 
-    def __init__(
-        self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, fuse: bool = True, decode_linear: bool = False
-    ):
+    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, fuse: bool = True):
         self._policy, self._runtime, self._dtype, self.fuse = model, runtime, dtype, fuse
-        self.decode_linear = decode_linear
         self._model: PreTrainedModel | None = None
         self._places: dict[str, _Place] = {}  # by the policy's weight names
         self._tied: dict[str, tuple[str, ...]] = {}  # the names the policy's config gives one weight, by each
@@ -216,8 +209,6 @@ class _DecodingCopy:
         self._tied = {name: tuple(tied) for tied in names if len(tied) > 1 for name in tied}
         self._places = {name: _Place(*_owner(model, name)) for tied in names for name in tied}
         self._restructure(model)
-        if self.decode_linear:
-            install_decode_linear(model)
         shared = _names_by_parameter(model)
         device = next(self._policy.parameters()).device
         model.to_empty(device=device).eval().requires_grad_(False)
@@ -312,7 +303,7 @@ class StaticDecoder(_DecodingCopy):
     longer one or another batch size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
 
     Args:
-        model, runtime, dtype, fuse, decode_linear: as :class:`_DecodingCopy`'s.
+        model, runtime, dtype, fuse: as :class:`_DecodingCopy`'s.
         loop: decode with hf_odc's loop where it decodes what ``generate`` would (``odc_decoding_loop``), else always
             with transformers' ``generate``.
     """
@@ -322,15 +313,9 @@ class StaticDecoder(_DecodingCopy):
     """Whether the copy's forward is compiled on a GPU (by the loop, or by transformers' ``generate``)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        runtime: ODCRuntime,
-        dtype: torch.dtype,
-        loop: bool = False,
-        fuse: bool = True,
-        decode_linear: bool = False,
+        self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False, fuse: bool = True
     ):
-        super().__init__(model, runtime, dtype, fuse, decode_linear)
+        super().__init__(model, runtime, dtype, fuse)
         self._use_loop = loop
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
@@ -519,14 +504,16 @@ class TensorParallelDecoder(StaticDecoder):
     forward is not compiled).
 
     Args:
-        model, runtime, dtype: as :class:`_DecodingCopy`'s.
-        options: ``loop``, ``fuse``, ``decode_linear``, as :class:`StaticDecoder`'s.
+        model, runtime, dtype, fuse: as :class:`_DecodingCopy`'s.
+        loop: as :class:`StaticDecoder`'s.
     """
 
     _COMPILE = False  # the row-parallel projections' all-reduces and the head's all-gather run in forward hooks
 
-    def __init__(self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, **options: bool):
-        super().__init__(model, runtime, dtype, **options)
+    def __init__(
+        self, model: nn.Module, runtime: ODCRuntime, dtype: torch.dtype, loop: bool = False, fuse: bool = True
+    ):
+        super().__init__(model, runtime, dtype, loop, fuse)
         self.group = shard_group(model)
         self.size = 1 if self.group is None else dist.get_world_size(self.group)
         self.rank = 0 if self.group is None else dist.get_rank(self.group)

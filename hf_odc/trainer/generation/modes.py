@@ -271,7 +271,7 @@ class _CopyGenerator(Generator):
 
     Args:
         trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop (unset:
-            :attr:`loop_by_default`), its ``odc_decode_linear`` the decoder's ``decode_linear``.
+            :attr:`loop_by_default`).
         dtype: the copy's dtype, the policy's compute dtype.
     """
 
@@ -288,13 +288,7 @@ class _CopyGenerator(Generator):
         if self.decoder is None:
             loop = self.trainer.args.odc_decoding_loop
             loop = self.loop_by_default if loop is None else loop
-            self.decoder = self.decoder_class(
-                self.trainer.model,
-                self.trainer.odc,
-                self.dtype,
-                loop=loop,
-                decode_linear=self.trainer.args.odc_decode_linear,
-            )
+            self.decoder = self.decoder_class(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
         self.decoder.refresh()
         with _compat.generating_on(self.trainer, self.decoder.model):
             yield

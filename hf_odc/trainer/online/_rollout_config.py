@@ -35,12 +35,6 @@ _GENERATION_PARAMETERS = """
             collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
             `generate` for `"static"` (the loop is faster per step there, but its first batch compiles its forward
             and records a CUDA graph per cache width: it pays over long runs, not short ones).
-        odc_decode_linear (`bool`, *optional*, defaults to `False`):
-            With `odc_generation="static"` or `"tensor-parallel"`: every linear layer of the decoding copy (the fused
-            q/k/v and gate/up, `o_proj`, `down_proj`, the LM head) runs hf_odc's Triton kernel for a decoding step's
-            few rows (`hf_odc.kernels.decoding`: each weight tile streamed once against every row, fp32 sums) in
-            place of cuBLAS, where the step has at most 128 rows in bf16 or fp16 on a GPU; the prompts' prefill, fp32
-            and CPU runs keep `torch.nn.functional.linear`. Only the copy's projections: training never runs it.
 """
 
 
@@ -74,14 +68,6 @@ class _ODCRolloutConfig(_ODCConfig):
             "help": "With odc_generation='static' or 'tensor-parallel': decode with hf_odc's own loop (CUDA graphs, "
             "no host sync per token) where it decodes what generate would. Unset: the loop for tensor-parallel, "
             "generate for static."
-        },
-    )
-
-    odc_decode_linear: bool = field(
-        default=False,
-        metadata={
-            "help": "With odc_generation='static' or 'tensor-parallel': the decoding copy's linear layers run hf_odc's "
-            "Triton kernel for a decoding step's few rows (at most 128, bf16/fp16, on a GPU) in place of cuBLAS."
         },
     )
 
