@@ -6,6 +6,7 @@ import time
 
 import torch
 from _models import VOCAB, tiny_model
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import hf_odc
@@ -17,9 +18,10 @@ def sleeping_rank(rank: int, world_size: int, odc: bool) -> list[tuple[float, fl
     """Three minibatches of one microbatch each, rank 1 sleeping ``SLEEP_S`` in each; returns (busy, wait) of the
     last two (the first one warms up)."""
     model = tiny_model()
+    mesh = init_device_mesh("cpu", (world_size,))  # a CPU test on any machine: FSDP2 would pick a GPU where one exists
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     runner = hf_odc.enable(model) if odc else hf_odc.CollectiveMinibatch(torch.device("cpu"))
     stats = []
     for step in range(3):
