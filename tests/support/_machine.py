@@ -78,13 +78,16 @@ class Concurrently:
         self._futures = {key: self._executor.submit(job, self) for key, job in jobs.items()}
 
     @classmethod
-    def of_tests(cls, request, directories, jobs: dict, at_once: int = 2) -> Concurrently:
+    def of_tests(cls, request, directories, jobs: dict, at_once: int = 2, shared: dict | None = None) -> Concurrently:
         """For a module fixture (``request``, ``directories``: pytest's ``tmp_path_factory``): the job of each
         selected test of the module that takes the fixture, in the tests' order, ``jobs[test name](self, directory,
-        **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``)."""
-        chosen = {}
+        **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``).
+        ``shared``: jobs that several tests read (a reference run), ``shared[key](self, directory)``, by ``key``,
+        started before the tests' (so that a test's job may wait for one with :meth:`result`)."""
+        chosen = {key: functools.partial(job, directory=directories.mktemp(key)) for key, job in (shared or {}).items()}
         for item in request.session.items:
-            if item.module is request.module and request.fixturename in item.fixturenames:
+            takes = item.module is request.module and request.fixturename in item.fixturenames
+            if takes and (shared is None or item.originalname in jobs):  # with shared jobs, a test may have none
                 params = item.callspec.params if hasattr(item, "callspec") else {}
                 directory = directories.mktemp(item.originalname[:30])
                 chosen[item.nodeid] = functools.partial(jobs[item.originalname], directory=directory, **params)
