@@ -8,6 +8,7 @@ the other), which another's fill."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def _lb_mini(background: Concurrently, directory: Path) -> tuple[Path, dict]:
 def launches(request, tmp_path_factory):
     """The shared runs (``"reference"``, ``"lb_mini"``) and every selected test's own (:data:`LAUNCHES`),
     :data:`AT_ONCE` at a time while the tests go on; each test takes its own by its id."""
-    shared = {"reference": _reference, "lb_mini": _lb_mini}
+    shared = {key: functools.partial(job, directory=tmp_path_factory.mktemp(key))
+              for key, job in {"reference": _reference, "lb_mini": _lb_mini}.items()}  # fmt: skip
     with Concurrently.of_tests(request, tmp_path_factory, LAUNCHES, AT_ONCE, shared=shared) as runs:
         yield runs
 

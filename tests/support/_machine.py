@@ -82,9 +82,9 @@ class Concurrently:
         """For a module fixture (``request``, ``directories``: pytest's ``tmp_path_factory``): the job of each
         selected test of the module that takes the fixture, in the tests' order, ``jobs[test name](self, directory,
         **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``).
-        ``shared``: jobs that several tests read (a reference run), ``shared[key](self, directory)``, by ``key``,
-        started before the tests' (so that a test's job may wait for one with :meth:`result`)."""
-        chosen = {key: functools.partial(job, directory=directories.mktemp(key)) for key, job in (shared or {}).items()}
+        ``shared``: jobs that several tests read (a reference run), ``shared[key](self)``, by ``key``, started
+        before the tests' (so that a test's job may wait for one with :meth:`result`)."""
+        chosen = dict(shared or {})
         for item in request.session.items:
             takes = item.module is request.module and request.fixturename in item.fixturenames
             if takes and (shared is None or item.originalname in jobs):  # with shared jobs, a test may have none
