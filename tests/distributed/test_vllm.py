@@ -27,7 +27,6 @@ saw, which the tests below read:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -42,7 +41,6 @@ import torch
 from _grpo_parity import VLLM_CASES
 from _grpo_tools import VLLM_CASES as VLLM_TOOL_CASES
 from _grpo_tools import check_probes, check_tool_training
-from _machine import Concurrently
 from _parity import assert_same_training
 from _slow import require_slow
 
@@ -52,9 +50,6 @@ WORKERS = str(SUPPORT / "_vllm_workers.py")
 VLLM_PYTHON = os.environ.get("HF_ODC_VLLM_PYTHON")
 TIMEOUT_S = 600  # per launch: engine starts and 2 CPU processes on a loaded 2-core machine
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
-AT_ONCE = 2
-"""Runs side by side (:class:`~_machine.Concurrently`): an engine's and a launcher's start-up, and a one-process
-reference, leave the cores idle for part of their time, which another run's fill."""
 pytestmark = [
     pytest.mark.slow,  # every test starts processes
     pytest.mark.timeout(3 * TIMEOUT_S),  # a fixture may launch twice
@@ -75,16 +70,12 @@ def _env() -> dict[str, str]:
     }
 
 
-def _run(command: list[str], output: Path, background: Concurrently | None = None) -> None:
-    """Run ``command`` in its own session (a timeout kills every process it started), its output in ``output``;
-    ``background``: the :class:`~_machine.Concurrently` whose job this run is (which kills it when it ends)."""
+def _run(command: list[str], output: Path) -> None:
+    """Run ``command`` in its own session (a timeout kills every process it started), its output in ``output``."""
     require_slow(command[0])
     with open(output, "w") as log:
-        options = dict(cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        if background is None:
-            process = subprocess.Popen(command, start_new_session=True, **options)
-        else:
-            process = background.popen(command, **options)
+        process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
         try:
             returncode = process.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -100,71 +91,22 @@ def _accelerate(*args: str) -> list[str]:
     return [accelerate, "launch", "--config_file", str(ROOT / "examples" / "odc_cpu.yaml"), *args]
 
 
-def _launch(mode: str, *args: str, directory: Path, background: Concurrently | None = None) -> list[dict]:
+def _launch(mode: str, *args: str, directory: Path) -> list[dict]:
     """``_vllm_workers.py mode`` on 2 CPU processes; each rank's record."""
-    _run(_accelerate(WORKERS, mode, *args), directory / f"{mode}.log", background)
+    _run(_accelerate(WORKERS, mode, *args), directory / f"{mode}.log")
     return [json.loads((directory / mode / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
-def launches(request, tmp_path_factory):
-    """Every run of this module but the server's, :data:`AT_ONCE` at a time while the tests go on, those that the
-    selected tests need: the model (``"model"``, its folder), then the colocated run, the importance-sampling parity
-    runs, the tool-calling ones (their own model first) and the example, by the name of the fixture that reads them."""
-    needed = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
-    directory, tools = tmp_path_factory.mktemp("vllm"), tmp_path_factory.mktemp("vllm-tools")
-    example = tmp_path_factory.mktemp("vllm-example")
-    jobs = {
-        "model": lambda background: _model(background, directory),
-        "tools model": lambda background: _model(background, tools, "tools"),
-        "colocated": lambda background: _launch("colocate", str(directory / "model"), str(directory / "colocate"),
-                                                directory=background.result("model"), background=background),
-        **_parity_jobs("corrected", "_grpo_parity.py", list(VLLM_CASES), lambda background: background.result("model")),
-        **_parity_jobs("tool_runs", "_grpo_tools.py", list(VLLM_TOOL_CASES),
-                       lambda background: background.result("tools model")),
-        "example_output": lambda background: _example(background, example),
-    }  # fmt: skip
-    uses = {"model": ("colocated", "corrected", "served"), "tools model": ("tool_runs",)}
-    jobs = {name: job for name, job in jobs.items() if set(uses.get(name, (name.split(" ")[0],))) & needed}
-    with Concurrently(jobs, AT_ONCE) as runs:
-        yield runs
-
-
-def _model(background: Concurrently, directory: Path, *kind: str) -> Path:
-    """The tiny model (with ``kind``'s tokenizer, see the worker) saved in ``directory / "model"``; ``directory``."""
-    _run([VLLM_PYTHON, WORKERS, "model", str(directory / "model"), *kind], directory / "model.log", background)
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("vllm")
+    _run([VLLM_PYTHON, WORKERS, "model", str(directory / "model")], directory / "model.log")
     return directory
 
 
-def _parity_jobs(name: str, script: str, cases: list[str], folder) -> dict:
-    """The jobs ``"<name> trl"`` and ``"<name> odc"``: ``tests/support/<script>``'s ``cases`` trained by stock TRL on
-    one process and by ODC on 2, on the model in ``folder(background) / "model"`` (once it is saved), each saving its
-    states in that folder (``<name>-trl.pt``, ``<name>-odc.pt``)."""
-
-    def job(kind: str, background: Concurrently) -> None:
-        directory = folder(background)
-        model, out, script_path = str(directory / "model"), str(directory / f"{name}-{kind}.pt"), str(SUPPORT / script)
-        arguments = [script_path, kind, model, out, *cases]
-        command = [VLLM_PYTHON, *arguments] if kind == "trl" else _accelerate(*arguments)
-        _run(command, directory / f"{name}-{kind}.log", background)
-
-    return {f"{name} {kind}": functools.partial(job, kind) for kind in ("trl", "odc")}
-
-
-def _parity_states(launches: Concurrently, name: str, folder: Path) -> tuple[dict, dict]:
-    """Stock TRL's and ODC's states of :func:`_parity_jobs` ``name``, once both ran."""
-    launches.result(f"{name} trl"), launches.result(f"{name} odc")
-    return torch.load(folder / f"{name}-trl.pt"), torch.load(folder / f"{name}-odc.pt")
-
-
 @pytest.fixture(scope="module")
-def model_dir(launches) -> Path:
-    return launches.result("model")
-
-
-@pytest.fixture(scope="module")
-def colocated(launches) -> list[dict]:
-    return launches.result("colocated")
+def colocated(model_dir) -> list[dict]:
+    return _launch("colocate", str(model_dir / "model"), str(model_dir / "colocate"), directory=model_dir)
 
 
 def _free_port() -> int:
@@ -251,8 +193,11 @@ def test_colocated_engine_takes_the_configured_memory_share(colocated):
 
 
 @pytest.fixture(scope="module")
-def corrected(launches, model_dir) -> tuple[dict, dict]:
-    return _parity_states(launches, "corrected", model_dir)
+def corrected(model_dir) -> tuple[dict, dict]:
+    script, model, names = str(SUPPORT / "_grpo_parity.py"), str(model_dir / "model"), list(VLLM_CASES)
+    _run([VLLM_PYTHON, script, "trl", model, str(model_dir / "trl.pt"), *names], model_dir / "parity-trl.log")
+    _run(_accelerate(script, "odc", model, str(model_dir / "odc.pt"), *names), model_dir / "parity-odc.log")
+    return torch.load(model_dir / "trl.pt"), torch.load(model_dir / "odc.pt")
 
 
 @pytest.mark.parametrize("case", list(VLLM_CASES))
@@ -266,8 +211,14 @@ def test_importance_sampling_correction_matches_stock_trl_on_one_process(correct
 
 
 @pytest.fixture(scope="module")
-def tool_runs(launches) -> tuple[dict, dict]:
-    return _parity_states(launches, "tool_runs", launches.result("tools model"))
+def tool_runs(tmp_path_factory) -> tuple[dict, dict]:
+    directory = tmp_path_factory.mktemp("vllm-tools")
+    model, out, names = str(directory / "model"), str(directory / "run"), list(VLLM_TOOL_CASES)
+    _run([VLLM_PYTHON, WORKERS, "model", model, "tools"], directory / "model.log")
+    script = str(SUPPORT / "_grpo_tools.py")
+    _run([VLLM_PYTHON, script, "trl", model, f"{out}-trl.pt", *names], directory / "tools-trl.log")
+    _run(_accelerate(script, "odc", model, f"{out}-odc.pt", *names), directory / "tools-odc.log")
+    return torch.load(f"{out}-trl.pt"), torch.load(f"{out}-odc.pt")
 
 
 @pytest.mark.parametrize("case", list(VLLM_TOOL_CASES))
@@ -285,20 +236,16 @@ def test_tool_result_tokens_under_vllm_get_no_gradient(tool_runs, case):
 EXAMPLE_STEPS = 2
 
 
-def _example(background: Concurrently, directory: Path) -> str:
-    """``examples/grpo.py`` with a colocated engine, run in ``directory``: its output."""
+@pytest.fixture(scope="module")
+def example_output(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("vllm-example")
     command = _accelerate(
         str(ROOT / "examples" / "grpo.py"), "--use_vllm", "true", "--vllm_mode", "colocate",
         "--max_steps", str(EXAMPLE_STEPS), "--num_prompts", "16", "--max_completion_length", "16",
         "--output_dir", str(directory / "out"),
     )  # fmt: skip
-    _run(command, directory / "example.log", background)
+    _run(command, directory / "example.log")
     return (directory / "example.log").read_text()
-
-
-@pytest.fixture(scope="module")
-def example_output(launches) -> str:
-    return launches.result("example_output")
 
 
 def test_grpo_example_trains_with_vllm_on_its_built_in_model_and_ends_cleanly(example_output):
