@@ -7,8 +7,11 @@ minibatch gives the two ranks different numbers of microbatches in some of these
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _grpo_parity import CASES, PER_SLICE, QUIET, TIMINGS
+from _machine import Concurrently
 from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
 from _trainer_launch import logged_steps, run
 
@@ -17,7 +20,26 @@ from hf_odc.trainer import PACKED_ATTENTION
 pytestmark = pytest.mark.slow  # every test starts processes
 
 
-runs = parity_fixture("_grpo_parity.py", CASES, env=QUIET)
+def _skewed(background: Concurrently, directory: Path) -> tuple[str, Path]:
+    output = run("grpo.py", "--rollouts", "skewed", "--max_steps", "3", "--max_completion_length", "96",
+                 "--max_tokens_per_microbatch", "192", "--cost_model", "tokens", "--beta", "0.05",
+                 "--steps_per_generation", "2", "--disable_tqdm", "true", "--output_dir", str(directory), processes=2,
+                 env=QUIET, background=background, timeout=360)  # fmt: skip
+    return output, directory
+
+
+def _example(background: Concurrently, directory: Path, peft: bool) -> tuple[dict, Path]:
+    flags = ["--use_peft", "--beta", "0.04"] if peft else []
+    logs = example_steps("grpo.py", directory, *flags, steps=1 if peft else 2, env=QUIET, background=background)
+    return logs, directory
+
+
+LAUNCHES = {
+    "test_skewed_rollouts_are_rebalanced_without_a_hang": _skewed,
+    "test_the_default_example_generates_and_trains_on_two_processes": _example,
+}
+"""The other tests' launches, queued with the parity launches."""
+runs = parity_fixture("_grpo_parity.py", CASES, examples=LAUNCHES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -40,13 +62,10 @@ def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
     assert_unequal_microbatches(runs[1].values())
 
 
-def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
+def test_skewed_rollouts_are_rebalanced_without_a_hang(runs, request):
     """Every completion drawn on rank 0 is long, rank 1's short: TRL's split would leave rank 1 idle most of the
     step; the plan evens the ranks' tokens out (its predicted bubble before and after is printed)."""
-    output = run("grpo.py", "--rollouts", "skewed", "--max_steps", "3", "--max_completion_length", "96",
-                 "--max_tokens_per_microbatch", "192", "--cost_model", "tokens", "--beta", "0.05",
-                 "--steps_per_generation", "2", "--disable_tqdm", "true", "--output_dir", str(tmp_path), processes=2,
-                 env=QUIET)  # fmt: skip
+    output, tmp_path = runs.example(request)
     # the reference model (beta > 0) loads with the model_init_kwargs hf_odc sets: TRL's "ignored" would be false
     assert "model_init_kwargs" not in output, output[-3000:]
     logs = logged_steps(tmp_path)
@@ -60,12 +79,11 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(tmp_path):
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_the_default_example_generates_and_trains_on_two_processes(tmp_path, peft):
+def test_the_default_example_generates_and_trains_on_two_processes(runs, request, peft):
     """No argument but the output (and ``--use_peft --beta 0.04``): transformers generation (each rank decoding
     alone, the default; a LoRA policy's generate enters below the FSDP root), then ODC updates (a LoRA policy's KL
     reference: the same model, adapter disabled); a LoRA run saves its adapter."""
-    flags = ["--use_peft", "--beta", "0.04"] if peft else []
-    logs = example_steps("grpo.py", tmp_path, *flags, steps=1 if peft else 2, env=QUIET)
+    logs, tmp_path = runs.example(request)
     assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert (tmp_path / "adapter_config.json").is_file() == peft
     assert (tmp_path / "model.safetensors").is_file() != peft

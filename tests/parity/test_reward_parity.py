@@ -7,7 +7,7 @@ argument, on two processes."""
 from __future__ import annotations
 
 import pytest
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, example_job, parity_fixture
 from _reward_parity import CASES
 from transformers import Qwen2ForSequenceClassification
 
@@ -18,7 +18,11 @@ TIMINGS = ("step_time",)
 PER_SLICE = ("min_reward", "max_reward")  # with accumulation TRL averages each slice's extreme (ODCRewardConfig)
 
 
-runs = parity_fixture("_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET, num_labels=1)
+EXAMPLE = {"test_the_default_example_trains_on_two_processes": example_job("reward.py")}
+"""The example test's launch, queued with the parity launches."""
+runs = parity_fixture(
+    "_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET, num_labels=1, examples=EXAMPLE
+)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -29,8 +33,8 @@ def test_odc_reward_matches_stock_trl_on_one_process(runs, case):
     assert_unequal_microbatches([ours])
 
 
-def test_the_default_example_trains_on_two_processes(tmp_path):
+def test_the_default_example_trains_on_two_processes(runs, request):
     """No argument but the output: the built-in pairs and a tiny reward model built from a config; ODC + LB-Mini."""
-    logs = example_steps("reward.py", tmp_path)
+    logs, _ = runs.example(request)
     assert all(entry["busy_s/rank_1"] > 0 for entry in logs.values())
     assert logs[2]["margin"] != logs[1]["margin"]

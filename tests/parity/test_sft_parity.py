@@ -1,12 +1,19 @@
 """End to end, as a user runs it: ``accelerate launch --config_file examples/odc_cpu.yaml examples/sft.py`` on 2 CPU
 processes must train exactly like one process on the same global minibatches (loss and gradient norm, rtol 1e-4),
-with ODC + LB-Mini, and with LB-Micro with and without ODC; it must save and resume to an identical continuation."""
+with ODC + LB-Mini, and with LB-Micro with and without ODC; it must save and resume to an identical continuation.
+
+The launches run two at a time (:class:`~_machine.Concurrently`) while the tests go on: each starts as a 1- or
+2-process launch that leaves the cores idle for part of its time (its launcher's start and teardown, a rank waiting for
+the other), which another's fill."""
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import pytest
+from _machine import Concurrently
 from _trainer_launch import SFT_FLAGS, SFT_STEPS, SUPPORT, assert_same_steps, logged_steps, run
 from safetensors.torch import load_file
 
@@ -20,11 +27,18 @@ LORA = (
 )  # fmt: skip
 
 
-def train(output_dir, *args: str, processes: int, env: dict | None = None) -> dict[int, dict]:
-    """Run examples/sft.py; the global minibatch is 16 samples either way."""
+AT_ONCE = 2
+"""Launches side by side; their timeouts scale with the processes they start together."""
+
+
+def train(
+    background: Concurrently, output_dir, *args: str, processes: int, env: dict | None = None, script: str = "sft.py"
+) -> dict[int, dict]:
+    """Run examples/sft.py (or ``script``) as a job of ``background``; the global minibatch is 16 samples either
+    way."""
     batch = str(16 // processes)
-    run("sft.py", *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
-        processes=processes, env=env)  # fmt: skip
+    run(script, *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
+        processes=processes, env=env, background=background, timeout=180 * AT_ONCE)  # fmt: skip
     return logged_steps(output_dir)
 
 
@@ -43,21 +57,38 @@ def assert_step_metrics(entry: dict) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("single")
-    return directory, train(directory, processes=1)
+def _reference(background: Concurrently, directory: Path) -> tuple[Path, dict]:
+    """One process, the reference of every comparison."""
+    return directory, train(background, directory, processes=1)
 
 
-@pytest.fixture(scope="module")
-def lb_mini(tmp_path_factory):
+def _lb_mini(background: Concurrently, directory: Path) -> tuple[Path, dict]:
     """ODC + LB-Mini on 2 processes, with checkpoints every 2 steps for the resume test. Token costs: on these
     lengths they give the ranks different numbers of microbatches at some step, which this test must exercise."""
-    directory = tmp_path_factory.mktemp("lb_mini")
     return directory, train(
-        directory, "--save_strategy", "steps", "--save_steps", "2", "--cost_model", "tokens", processes=2,
+        background, directory, "--save_strategy", "steps", "--save_steps", "2", "--cost_model", "tokens", processes=2,
         env={"HF_ODC_PEAK_TFLOPS": str(PEAK_TFLOPS)},  # a peak for the CPU, so that MFU is logged
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The shared runs (``"reference"``, ``"lb_mini"``) and every selected test's own (:data:`LAUNCHES`),
+    :data:`AT_ONCE` at a time while the tests go on; each test takes its own by its id."""
+    shared = {key: functools.partial(job, directory=tmp_path_factory.mktemp(key))
+              for key, job in {"reference": _reference, "lb_mini": _lb_mini}.items()}  # fmt: skip
+    with Concurrently.of_tests(request, tmp_path_factory, LAUNCHES, AT_ONCE, shared=shared) as runs:
+        yield runs
+
+
+@pytest.fixture
+def reference(launches):
+    return launches.result("reference")
+
+
+@pytest.fixture
+def lb_mini(launches):
+    return launches.result("lb_mini")
 
 
 def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
@@ -80,9 +111,13 @@ def test_odc_lb_mini_matches_a_single_process(reference, lb_mini):
         assert (tensor - theirs[name]).norm() <= 1e-4 * theirs[name].norm(), name
 
 
+def _lb_micro(background: Concurrently, directory: Path, odc: str) -> dict:
+    return train(background, directory, "--balance", "lb-micro", "--odc", odc, processes=2)
+
+
 @pytest.mark.parametrize("odc", ["true", "false"], ids=["odc", "fsdp2"])
-def test_lb_micro_matches_a_single_process(reference, tmp_path, odc):
-    logs = train(tmp_path, "--balance", "lb-micro", "--odc", odc, processes=2)
+def test_lb_micro_matches_a_single_process(reference, launches, request, odc):
+    logs = launches.result(request.node.nodeid)
     assert_same_steps(logs, reference[1])
     assert all(entry["microbatches/rank_0"] == entry["microbatches/rank_1"] for entry in logs.values())
     for entry in logs.values():  # device-timed metrics in both modes, the same definitions (docs/api.md)
@@ -92,32 +127,45 @@ def test_lb_micro_matches_a_single_process(reference, tmp_path, odc):
             )
 
 
-def test_resume_continues_identically(lb_mini, tmp_path):
-    directory, logs = lb_mini
-    resumed = train(
-        tmp_path, "--resume_from_checkpoint", str(directory / "checkpoint-2"), "--cost_model", "tokens", processes=2
-    )
-    assert_same_steps(resumed, logs, steps=range(3, SFT_STEPS + 1), rel=1e-5)
+def _resume(background: Concurrently, directory: Path) -> dict:
+    """From ``lb_mini``'s checkpoint of step 2 (waiting for that launch, begun before this one)."""
+    checkpoint = background.result("lb_mini")[0] / "checkpoint-2"
+    return train(background, directory, "--resume_from_checkpoint", str(checkpoint), "--cost_model", "tokens",
+                 processes=2)  # fmt: skip
 
 
-def test_lora_with_gradient_checkpointing_and_assistant_only_loss(tmp_path):
-    single = train(tmp_path / "single", *LORA, processes=1)
-    assert_same_steps(train(tmp_path / "odc", *LORA, processes=2), single)
-    assert (tmp_path / "odc" / "adapter_model.safetensors").exists()
+def test_resume_continues_identically(lb_mini, launches, request):
+    resumed = launches.result(request.node.nodeid)
+    assert_same_steps(resumed, lb_mini[1], steps=range(3, SFT_STEPS + 1), rel=1e-5)
 
 
-def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(reference, tmp_path):
+def _lora(background: Concurrently, directory: Path) -> tuple[dict, dict, Path]:
+    """One process, then two: their logged steps and the two-process run's directory."""
+    single = train(background, directory / "single", *LORA, processes=1)
+    return single, train(background, directory / "odc", *LORA, processes=2), directory / "odc"
+
+
+def test_lora_with_gradient_checkpointing_and_assistant_only_loss(launches, request):
+    single, odc, directory = launches.result(request.node.nodeid)
+    assert_same_steps(odc, single)
+    assert (directory / "adapter_model.safetensors").exists()
+
+
+def _straggler(background: Concurrently, directory: Path) -> tuple[dict, Path]:
+    env = {"HF_ODC_TEST_SLOW_RANK": "1", "HF_ODC_TEST_SLOWDOWN": "6"}
+    logs = train(background, directory, "--cost_model", "calibrated", processes=2, env=env,
+                 script=str(SUPPORT / "_straggler_sft.py"))  # fmt: skip
+    return logs, directory
+
+
+def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(reference, launches, request):
     """``cost_model="calibrated"`` with rank 1 slowed to about a third of rank 0's speed: the first steps split the
     minibatch evenly (the attention cost), the calibration's first fit follows step 3 (step 1 is warm-up), and from
     step 4 rank 1 gets proportionally fewer tokens. Every rank must plan the same from the same gathered times, which
     the loss and gradient norms of a single process prove. (That the minibatch then finishes sooner is a measurement of
     CPU times, which other jobs on the machine disturb: ``benchmarks/calibrated_balance.py --straggler`` measures it,
     on GPUs, in benchmarks/RESULTS.md.)"""
-    batch = str(16 // 2)
-    run(str(SUPPORT / "_straggler_sft.py"), *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir",
-        str(tmp_path), "--cost_model", "calibrated", processes=2,
-        env={"HF_ODC_TEST_SLOW_RANK": "1", "HF_ODC_TEST_SLOWDOWN": "6"})  # fmt: skip
-    ours = logged_steps(tmp_path)
+    ours, directory = launches.result(request.node.nodeid)
     assert_same_steps(ours, reference[1])
 
     def share(step: int) -> float:
@@ -126,14 +174,28 @@ def test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged(re
     assert all(0.4 < share(step) < 0.6 for step in (1, 2, 3)), [share(step) for step in (1, 2, 3)]
     assert "calibration/speed/rank_1" not in ours[2] and ours[3]["calibration/speed/rank_1"] < 0.8
     assert all(share(step) < 0.4 for step in (4, 5)), [share(step) for step in (4, 5)]
-    saved = Calibration.load(tmp_path / "odc_calibration.json")
+    saved = Calibration.load(directory / "odc_calibration.json")
     assert saved.speeds[1] == pytest.approx(ours[SFT_STEPS]["calibration/speed/rank_1"])  # the last step's fit
     assert saved.cost.quadratic == pytest.approx(ours[SFT_STEPS]["calibration/quadratic"])
 
 
-def test_hybrid_odc_on_two_replicas_matches_a_single_process(reference, tmp_path):
+def _hybrid(background: Concurrently, directory: Path) -> dict:
+    return train(background, directory, "--odc_shard_size", "2", "--cost_model", "tokens", processes=4)
+
+
+def test_hybrid_odc_on_two_replicas_matches_a_single_process(reference, launches, request):
     """4 processes with `--odc_shard_size 2`: two shard groups of 2 (hybrid ODC, HSDP's layout: what a job over two
     hosts gets by itself), LB-Mini over all 4 ranks, one all-reduce across replicas per step."""
-    logs = train(tmp_path, "--odc_shard_size", "2", "--cost_model", "tokens", processes=4)
+    logs = launches.result(request.node.nodeid)
     assert_same_steps(logs, reference[1])
     assert all(entry["all_reduce_s"] > 0 for entry in logs.values())  # the cross-replica step ran every minibatch
+
+
+LAUNCHES = {
+    "test_lb_micro_matches_a_single_process": _lb_micro,
+    "test_resume_continues_identically": _resume,
+    "test_lora_with_gradient_checkpointing_and_assistant_only_loss": _lora,
+    "test_a_slow_rank_gets_less_work_once_calibrated_and_training_is_unchanged": _straggler,
+    "test_hybrid_odc_on_two_replicas_matches_a_single_process": _hybrid,
+}
+"""Each test's launches, by test name: a job of :class:`~_machine.Concurrently` (its directory, its parameters)."""

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from threading import Lock
+from threading import Event, Lock
 
 DEADLINE = "HF_ODC_TEST_DEADLINE"
 """Set by ``tests/conftest.py`` before each test's fixtures: when (``time.time()``) pytest's timeout ends the test."""
@@ -66,25 +66,32 @@ class Concurrently:
     start-up and teardown, one rank waiting for the other) run side by side: each job, a function of this object that
     starts its processes, waits for them and returns what it saw, runs in a thread, at most ``at_once`` at a time, in
     the order given, while the tests go on; a test takes its own job's result with :meth:`result`, which raises what
-    the job raised. A job starts its processes through :meth:`popen` or :meth:`run` (or hands them to :meth:`track`):
-    leaving the ``with`` block (a module fixture's teardown, after a test's timeout too) kills those still running,
-    each with its session, and drops the jobs not begun. A job's timeouts are its own: :func:`within_test` would cut
+    the job raised, and a job may wait for an earlier one's (begun before it: none waits for one not begun). A job
+    starts its processes through :meth:`popen` or :meth:`run` (or hands them to :meth:`track`): leaving the ``with``
+    block (a module fixture's teardown, after a test's timeout too) kills those still running, each with its session,
+    and drops the jobs not begun. A job's timeouts are its own: :func:`within_test` would cut
     them to whichever test is running meanwhile, unless ``one_test``: every job is the running test's own, which waits
     for them all (a fixture's launches), and :meth:`run` cuts their timeouts to it."""
 
     def __init__(self, jobs: dict, at_once: int = 2, one_test: bool = False):
         self._lock, self._closed, self._processes, self._one_test = Lock(), False, [], one_test
         self._executor = ThreadPoolExecutor(at_once, thread_name_prefix="launch")
-        self._futures = {key: self._executor.submit(job, self) for key, job in jobs.items()}
+        self._futures, self._submitted = {}, Event()  # a job may wait for an earlier one's result while these start
+        for key, job in jobs.items():
+            self._futures[key] = self._executor.submit(job, self)
+        self._submitted.set()
 
     @classmethod
-    def of_tests(cls, request, directories, jobs: dict, at_once: int = 2) -> Concurrently:
+    def of_tests(cls, request, directories, jobs: dict, at_once: int = 2, shared: dict | None = None) -> Concurrently:
         """For a module fixture (``request``, ``directories``: pytest's ``tmp_path_factory``): the job of each
         selected test of the module that takes the fixture, in the tests' order, ``jobs[test name](self, directory,
-        **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``)."""
-        chosen = {}
+        **the test's parameters)`` with a directory of its own, by test id (the test's ``request.node.nodeid``).
+        ``shared``: jobs that several tests read (a reference run), ``shared[key](self)``, by ``key``, started
+        before the tests' (so that a test's job may wait for one with :meth:`result`)."""
+        chosen = dict(shared or {})
         for item in request.session.items:
-            if item.module is request.module and request.fixturename in item.fixturenames:
+            takes = item.module is request.module and request.fixturename in item.fixturenames
+            if takes and (shared is None or item.originalname in jobs):  # with shared jobs, a test may have none
                 params = item.callspec.params if hasattr(item, "callspec") else {}
                 directory = directories.mktemp(item.originalname[:30])
                 chosen[item.nodeid] = functools.partial(jobs[item.originalname], directory=directory, **params)
@@ -92,6 +99,7 @@ class Concurrently:
 
     def result(self, key):
         """What the job ``key`` returned (waiting for it), or what it raised."""
+        self._submitted.wait()
         return self._futures[key].result()
 
     def track(self, process: subprocess.Popen) -> subprocess.Popen:

@@ -132,7 +132,17 @@ def train_with(
     return trained_state(trainer)
 
 
-def parity_runs(
+def parity_runs(directory: Path, script: str, cases: Iterable[str], **launch: Any) -> tuple[dict, dict]:
+    """A parity test's launches (:func:`parity_jobs`: ``launch``, its keywords), the two side by side
+    (:class:`~_machine.Concurrently`: the reference's one process leaves a core idle, and the ODC ranks wait for each
+    other); their saved states, by case. Either failing ends the other."""
+    with Concurrently(parity_jobs(directory, script, cases, **launch), one_test=True) as launches:
+        launches.result("trl")
+        launches.result("odc")
+    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
+
+
+def parity_jobs(
     directory: Path,
     script: str,
     cases: Iterable[str],
@@ -143,12 +153,12 @@ def parity_runs(
     accelerate: str = "",
     processes: int = 2,
     **config: Any,
-) -> tuple[dict, dict]:
-    """A parity test's launches: ``model`` (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its
-    fields) saved in ``directory``, the ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one
-    process and by ODC on ``processes`` (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch), the
-    two launches side by side (:class:`~_machine.Concurrently`: the reference's one process leaves a core idle, and
-    the ODC ranks wait for each other); their saved states, by case. Either failing ends the other."""
+) -> dict[str, Callable[[Concurrently], None]]:
+    """A parity test's two launches, as :class:`~_machine.Concurrently` jobs ``"trl"`` and ``"odc"``: ``model``
+    (default: a tiny ``model_class`` Qwen2, seed 0, ``config`` setting its fields) saved in ``directory`` now, the
+    ``cases`` of ``tests/support/<script>`` trained on it by stock TRL on one process and by ODC on ``processes``
+    (``accelerate``: yaml added to ``examples/odc_cpu.yaml`` for that launch), each saving its states in
+    ``directory`` (``trl.pt``, ``odc.pt``)."""
     if model is None:
         torch.manual_seed(0)
         fields = dict(vocab_size=507, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
@@ -158,26 +168,47 @@ def parity_runs(
     model, names = str(directory / "model"), list(cases)
     accelerate_config = directory / "odc_cpu.yaml"
     accelerate_config.write_text((EXAMPLES / "odc_cpu.yaml").read_text() + accelerate)
-    jobs = {
+    return {
         "trl": lambda background: run_checked(script, "trl", model, str(directory / "trl.pt"), *names, env=env,
                                               background=background),
         "odc": lambda background: run_checked(script, "odc", model, str(directory / "odc.pt"), *names,
                                               processes=processes, env=env, config=accelerate_config,
                                               background=background),
     }  # fmt: skip
-    with Concurrently(jobs, one_test=True) as launches:
-        launches.result("trl")
-        launches.result("odc")
-    return torch.load(directory / "trl.pt"), torch.load(directory / "odc.pt")
 
 
-def parity_fixture(script: str, cases: Iterable[str], **launch: Any) -> Callable:
+class ParityRuns:
+    """A module's ``runs`` (:func:`parity_fixture`): ``runs[0]`` and ``runs[1]``, stock TRL's and ODC's saved states
+    by case (once both launches ended; what a launch raised otherwise); ``runs.example(request)``, what the running
+    test's own launch returned."""
+
+    def __init__(self, launches: Concurrently, directory: Path):
+        self._launches, self._directory, self._states = launches, directory, None
+
+    def __getitem__(self, index: int) -> dict:
+        if self._states is None:
+            self._launches.result("trl")
+            self._launches.result("odc")
+            self._states = torch.load(self._directory / "trl.pt"), torch.load(self._directory / "odc.pt")
+        return self._states[index]
+
+    def example(self, request) -> Any:
+        return self._launches.result(request.node.nodeid)
+
+
+def parity_fixture(script: str, cases: Iterable[str], examples: dict | None = None, **launch: Any) -> Callable:
     """A test module's ``runs`` fixture (``runs = parity_fixture(...)``), module-scoped so that one launch of each side
-    serves all its tests: :func:`parity_runs` of ``cases`` (``launch``: its keywords)."""
+    serves all its tests: :func:`parity_jobs` of ``cases`` (``launch``: its keywords), a :class:`ParityRuns`.
+    ``examples``: the launches of the module's other tests that take ``runs``, by test name (a job of
+    :meth:`~_machine.Concurrently.of_tests`, :func:`example_job`), queued behind the two in the same pool, two at a
+    time, while the tests go on: the reference's one process ends first, and an example fills its core."""
 
     @pytest.fixture(scope="module", name="runs")
-    def runs(tmp_path_factory) -> tuple[dict, dict]:
-        return parity_runs(tmp_path_factory.mktemp(Path(script).stem.strip("_")), script, cases, **launch)
+    def runs(request, tmp_path_factory) -> ParityRuns:
+        directory = tmp_path_factory.mktemp(Path(script).stem.strip("_"))
+        shared = parity_jobs(directory, script, cases, **launch)
+        with Concurrently.of_tests(request, tmp_path_factory, examples or {}, shared=shared) as launches:
+            yield ParityRuns(launches, directory)
 
     return runs
 
@@ -207,14 +238,31 @@ def assert_unequal_microbatches(results: Iterable[dict]) -> None:
     assert any(entry["microbatches/rank_0"] != entry["microbatches/rank_1"] for entry in entries)
 
 
-def example_steps(script: str, output_dir: Path, *flags: str, steps: int = 2, env: dict | None = None) -> dict:
-    """``examples/<script>`` run on two processes for ``steps`` steps with ``flags`` (no progress bar): its logged
-    steps, by step, once they are checked to be all of them."""
+def example_steps(
+    script: str,
+    output_dir: Path,
+    *flags: str,
+    steps: int = 2,
+    env: dict | None = None,
+    background: Concurrently | None = None,
+) -> dict:
+    """``examples/<script>`` run on two processes for ``steps`` steps with ``flags`` (no progress bar; ``background``:
+    as a job of it): its logged steps, by step, once they are checked to be all of them."""
     run(script, *flags, "--max_steps", str(steps), "--disable_tqdm", "true", "--output_dir", str(output_dir),
-        processes=2, env=env)  # fmt: skip
+        processes=2, env=env, background=background, timeout=180 if background is None else 360)  # fmt: skip
     logs = logged_steps(output_dir)
     assert sorted(logs) == list(range(1, steps + 1))
     return logs
+
+
+def example_job(script: str, *flags: str, **options: Any) -> Callable:
+    """A job of :func:`parity_fixture`'s ``examples``: :func:`example_steps` of ``script`` with ``flags`` and
+    ``options`` in the test's directory; the logged steps and that directory."""
+
+    def job(background: Concurrently, directory: Path) -> tuple[dict, Path]:
+        return example_steps(script, directory, *flags, background=background, **options), directory
+
+    return job
 
 
 def finish() -> None:

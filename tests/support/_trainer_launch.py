@@ -25,10 +25,17 @@ EXAMPLES = ROOT / "examples"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def run(script: str, *args: str, processes: int = 1, env: dict | None = None, timeout: float = 180.0) -> str:
+def run(
+    script: str,
+    *args: str,
+    processes: int = 1,
+    env: dict | None = None,
+    timeout: float = 180.0,
+    background: Concurrently | None = None,
+) -> str:
     """Run ``examples/<script>`` on one process (``python``) or ``processes`` CPU processes (``accelerate launch``
-    with ``examples/odc_cpu.yaml``); return its output, or fail with it."""
-    returncode, output = launch(script, *args, processes=processes, env=env, timeout=timeout)
+    with ``examples/odc_cpu.yaml``); return its output, or fail with it. ``background``: as :func:`launch` takes it."""
+    returncode, output = launch(script, *args, processes=processes, env=env, timeout=timeout, background=background)
     if returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{output[-8000:]}")
     return output

@@ -9,13 +9,14 @@ on the parser alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from _machine import scaled
+from _machine import Concurrently, scaled
 from _trainer_launch import load_example, logged_steps, run
 
 from hf_odc.demo import build_tokenizer, script
@@ -50,18 +51,35 @@ print(json.dumps({
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Two steps on one process with ``--save_steps 1`` and no ``--save_strategy``: the directory and the output."""
-    directory = tmp_path_factory.mktemp("sft")
-    return directory, run("sft.py", *FAST, "--save_steps", "1", "--output_dir", str(directory))
+def runs(tmp_path_factory):
+    """The two one-process runs (:func:`trained`, :func:`adapter`), side by side (:class:`~_machine.Concurrently`):
+    each leaves a core idle."""
+    directories = {"trained": tmp_path_factory.mktemp("sft"), "adapter": tmp_path_factory.mktemp("lora")}
+    flags = {
+        "trained": ("--save_steps", "1"),
+        "adapter": ("--max_steps", "1", "--use_peft", "--disable_tqdm", "true"),
+    }
+
+    def job(name: str, background: Concurrently) -> tuple:
+        directory = directories[name]
+        output = run("sft.py", *FAST, *flags[name], "--output_dir", str(directory), background=background,
+                     timeout=2 * 180)  # fmt: skip
+        return directory, output
+
+    with Concurrently({name: functools.partial(job, name) for name in flags}) as launches:
+        yield launches
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
+def trained(runs):
+    """Two steps on one process with ``--save_steps 1`` and no ``--save_strategy``: the directory and the output."""
+    return runs.result("trained")
+
+
+@pytest.fixture(scope="module")
+def adapter(runs):
     """One LoRA step on one process, without tqdm (transformers' other console printer): the directory and output."""
-    directory = tmp_path_factory.mktemp("lora")
-    return directory, run("sft.py", *FAST, "--max_steps", "1", "--use_peft", "--output_dir", str(directory),
-                          "--disable_tqdm", "true")  # fmt: skip
+    return runs.result("adapter")
 
 
 @pytest.fixture(scope="module")
