@@ -80,7 +80,7 @@ _ODC_PARAMETERS = """
             (`hf_odc.packing.Calibrator`: fixed costs per microbatch and per sequence, per token and per squared
             token, and for a Mixture-of-Experts model per (layer, expert) pair a microbatch's tokens activate, counted
             at its routers); with ODC and `balance="lb-mini"`, each rank also gets work in proportion to its measured
-            speed, kept only as far from the other ranks' as its measurements' spread shows.
+            speed.
             The fit is logged (`calibration/*`) and saved with the model as `odc_calibration.json`, which
             `hf-odc plan --calibration` reads. Plans then depend on measured times, so two runs may group samples
             differently (same gradients up to floating-point summation order); `"attention"` (FLOPs of the trained
