@@ -14,8 +14,7 @@ neighbour, an older card), which LB-Mini then gives less (``lb_mini(..., speeds=
 
 The fit minimises the squared *relative* error (long and short microbatches count alike), drops outliers (the first
 steps' compilation, a hiccup: more than ``_OUTLIER_MADS`` median absolute deviations off) and alternates between the
-coefficients and the speeds, which are each rank's predicted over measured seconds on its recent samples, kept only
-as far from 1 as those samples' own spread shows.
+coefficients and the speeds, which are each rank's predicted over measured seconds on its recent samples.
 
 A plan is made before its microbatches run, so the expert term is planned with a prediction of the active pairs from
 the microbatch's tokens, whose one parameter (``expert_scale``, see :class:`~hf_odc.packing.CalibratedCost`) is
@@ -302,34 +301,14 @@ def _predict(x: np.ndarray, coefficients: Sequence[float]) -> np.ndarray:
 def _speeds(
     predicted: np.ndarray, seconds: np.ndarray, ranks: np.ndarray, rows: np.ndarray, previous: np.ndarray
 ) -> np.ndarray:
-    """Per rank, its predicted over its measured seconds on ``rows`` (the previous speed where it has none), kept only
-    as far from every rank's pooled ratio as its own samples show (:func:`_beyond_noise`), normalised to average 1."""
+    """Per rank, its predicted over its measured seconds on ``rows`` (the previous speed where it has none),
+    normalised to average 1."""
     speeds = previous.copy()
-    pooled = _exact_sum(predicted[rows]) / _exact_sum(seconds[rows]) if rows.any() else 1.0
     for rank in range(len(previous)):
         mine = rows & (ranks == rank)
         if mine.any():
-            speed = _exact_sum(predicted[mine]) / _exact_sum(seconds[mine])
-            speeds[rank] = pooled * _beyond_noise(speed / pooled, predicted[mine] / seconds[mine] / pooled)
+            speeds[rank] = _exact_sum(predicted[mine]) / _exact_sum(seconds[mine])
     return speeds * (len(speeds) / _exact_sum(speeds))
-
-
-def _beyond_noise(ratio: float, samples: np.ndarray) -> float:
-    """A rank's speed relative to all ranks', ``ratio``, shrunk toward 1 by its own noise:
-    ``1 + (ratio - 1) * max(0, 1 - (2 * se / (ratio - 1)) ** 2)``, ``se`` the standard error of the mean of its
-    microbatches' own ratios, ``samples`` (unknown, so fully shrunk, from a single one).
-
-    Why: on identical devices the ranks' speeds differ by noise only, and a rank that runs one or two short
-    microbatches a step (the short-row trainers) gives a handful of samples whose noise, taken for a speed, moves
-    that much work off a rank that is not slower, so the plan is unbalanced by as much. A rank slower by well beyond
-    its noise (a throttled or older GPU) keeps its speed almost whole."""
-    gap = ratio - 1.0
-    n = len(samples)
-    if gap == 0.0 or n < 2:
-        return 1.0
-    mean = _exact_sum(samples) / n
-    se = math.sqrt(_exact_sum((samples - mean) ** 2) / (n - 1) / n)
-    return 1.0 + gap * max(0.0, 1.0 - (2.0 * se / gap) ** 2)
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> list[float]:

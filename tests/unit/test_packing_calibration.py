@@ -80,19 +80,6 @@ def test_the_fit_recovers_costs_and_speeds_through_noise_and_outliers(speeds):
     assert fitted.error < 0.03
 
 
-@pytest.mark.parametrize("seed", [0, 3])
-def test_equal_ranks_with_few_noisy_microbatches_keep_equal_speeds(seed):
-    """Four microbatches a rank with 10% noise, as a short-row trainer gives a few steps in: the ranks' raw ratios
-    differ by 2-8% with these seeds, and a plan that believed them would move that much work off a rank that is not
-    slower; within their noise, the speeds stay 1."""
-    features, seconds, ranks = _samples([1.0, 1.0], n=8, noise=0.1, outliers=0.0, seed=seed)
-    fitted = Calibration.fit(features, seconds, ranks, world_size=2)
-    assert fitted.speeds == pytest.approx((1.0, 1.0), abs=0.005)
-    slow_features, slow_seconds, slow_ranks = _samples([1.0, 0.5], n=40, noise=0.1, outliers=0.0, seed=seed)
-    slow = Calibration.fit(slow_features, slow_seconds, slow_ranks, world_size=2)
-    assert slow.speeds == pytest.approx((4 / 3, 2 / 3), rel=0.02), "a rank slower beyond its noise keeps its speed"
-
-
 def test_a_fit_without_outlier_rejection_would_be_off():
     """The outliers of the test above matter: fitted on the inliers' times scaled by a least-squares through them,
     the per-microbatch cost would be far off (this guards the test, not the code)."""
@@ -220,9 +207,8 @@ def test_the_calibrator_waits_skips_warmup_follows_speeds_and_can_be_frozen():
     assert planner.calibration.cost.linear == pytest.approx(TRUE.linear, rel=1e-6)
     for seed in range(3, 6):  # rank 1 slows down to half speed: the last two steps decide the speeds
         planner.record(_planned_step(planner, seed), _step(_planned_step(planner, seed), [1.0, 0.5]))
-    # Not exact: the window still holds the steps at equal speeds, which the coefficients fit with today's speeds, so
-    # a rank's ratios spread a little, and its speed is shrunk by as much (a rank slower beyond its noise).
-    assert planner.speeds == pytest.approx((4 / 3, 2 / 3), rel=3e-3)
+    # Not exact: the window still holds the steps at equal speeds, which the coefficients fit with today's speeds.
+    assert planner.speeds == pytest.approx((4 / 3, 2 / 3), rel=2e-3)
     frozen = Calibrator(2, initial=planner.calibration, frozen=True)
     assert not frozen.record(_planned_step(planner, 7), _step(_planned_step(planner, 7), [1.0, 1.0]))
     assert frozen.calibration == planner.calibration

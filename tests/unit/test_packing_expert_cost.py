@@ -137,20 +137,20 @@ def test_bad_expert_counts_are_refused():
         CalibratedCost(linear=1.0, quadratic=0.0, expert_slots=-1)
 
 
-# A dense model's calibrated planning, as the four-term code plans it (before the expert term, with each rank's speed
-# kept only beyond its noise): the same measured steps give the same coefficients, speeds and plans, bit for bit.
+# A dense model's calibrated planning, as the four-term code planned it (commit 1e61c3d, before the expert term): the
+# same measured steps give the same coefficients, speeds and plans, bit for bit.
 _DENSE_COEFFICIENTS = {
-    "linear": 1.9490006834536136e-05,
-    "quadratic": 3.766147278126316e-10,
+    "linear": 2.040819716028913e-05,
+    "quadratic": 3.4797303429046884e-10,
     "per_sequence": 0.0,
-    "per_microbatch": 0.034764477900808936,
+    "per_microbatch": 0.02757374984161627,
 }
-_DENSE_SPEEDS = (0.8046546513024033, 1.06273116121891, 1.0702631160081264, 1.0623510714705606)
+_DENSE_SPEEDS = (0.8051960951072522, 1.0627324568967378, 1.0698964712519947, 1.0621749767440152)
 _DENSE_LAST_PLAN = [
-    [[20, 22], [10], [6], [2]],
-    [[15], [0], [14], [21], [4], [9]],
-    [[1], [23], [8], [3], [13], [5], [19]],
-    [[7], [16, 18], [11], [12], [17]],
+    [[15], [11], [1], [5]],
+    [[18, 22], [6], [14], [21], [2], [4]],
+    [[16, 19], [10], [0], [8], [9], [3]],
+    [[7], [13, 20], [23], [12], [17]],
 ]
 
 
