@@ -377,8 +377,7 @@ class _ODCConfig:
                     setattr(self, new, getattr(self, old))
         with accelerate_without_parallelism(self):  # taken over: TRL's GRPOConfig would refuse sp_size > 1
             super().__post_init__()
-        checkpointing = getattr(self, "activation_checkpointing", self.gradient_checkpointing)
-        if self.checkpoint_attention == "save" and checkpointing:
+        if self.checkpoint_attention == "save" and self.checkpoints_activations:
             # what the trainer will pass, checked now (TrainingArguments has parsed the kwargs from JSON)
             save_attention_checkpoint_kwargs(
                 getattr(self, "activation_checkpointing_kwargs", self.gradient_checkpointing_kwargs)
@@ -400,6 +399,12 @@ class _ODCConfig:
             )
         if not self.packed_attention:
             raise ValueError(f"{setting} runs in hf_odc's 'odc_packed' attention; leave packed_attention=True.")
+
+    @property
+    def checkpoints_activations(self) -> bool:
+        """Whether activation checkpointing is on, under either of its names (transformers 5.23 renamed
+        ``gradient_checkpointing`` to ``activation_checkpointing``; before, only the first exists)."""
+        return bool(getattr(self, "activation_checkpointing", self.gradient_checkpointing))
 
     @property
     def sp_size(self) -> int:

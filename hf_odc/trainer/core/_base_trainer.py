@@ -194,7 +194,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
             return 0
         config = self.model.config.get_text_config()
         hidden, layers = config.hidden_size, config.num_hidden_layers
-        if getattr(args, "activation_checkpointing", args.gradient_checkpointing):
+        if args.checkpoints_activations:
             kept = 2 * hidden
         else:
             kept = 6 * hidden + 3 * (getattr(config, "intermediate_size", None) or 4 * hidden)
