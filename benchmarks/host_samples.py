@@ -25,12 +25,13 @@ from pathlib import Path
 
 
 def _frame(text: str) -> str:
-    """``name (file:line)``, the file's path cut to its package (``.../site-packages/torch/x.py``: ``torch/x.py``)."""
+    """``name (file:line)``, the file's path cut to its package (``.../site-packages/torch/x.py``: ``torch/x.py``;
+    ``.../hf_odc/engine/odc.py``: ``hf_odc/engine/odc.py``)."""
     name, _, where = text.partition(" (")
-    for marker in ("site-packages/", "hf_odc/", "/work/"):
-        if marker in where:
-            where = where[where.index(marker) + len(marker) :] if marker != "hf_odc/" else where[where.index(marker) :]
-            break
+    if "site-packages/" in where:
+        where = where.partition("site-packages/")[2]
+    elif "hf_odc/" in where:
+        where = where[where.index("hf_odc/") :]
     return f"{name} ({where}" if where else name
 
 
