@@ -4,10 +4,11 @@ dataset (random pixels, a mixed number of images per sample, none included). Not
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from datasets import Dataset, Features, Image, Sequence, Value
-from PIL import Image as PILImage
 from transformers import (
     CLIPImageProcessorPil,
     LlavaConfig,
@@ -24,6 +25,9 @@ from transformers import (
 from .._compat import set_attn_implementation
 from .data import longtail_lengths
 from .tokenizer import build_tokenizer
+
+if TYPE_CHECKING:  # Pillow is imported where images are made: the text demos need no imaging library
+    from PIL import Image as PILImage
 
 __all__ = [
     "LLAVA_IMAGE_TOKEN",
@@ -209,6 +213,8 @@ def _random_images(
         count = min(int(rng.zipf(2.0)), max_images)
     else:
         count = 0 if index % 3 == 2 else int(rng.integers(1, max_images + 1))
+    from PIL import Image as PILImage
+
     sizes = rng.integers(max(8, max_side // 4), max_side + 1, size=(count, 2))
     return [PILImage.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for h, w in sizes]
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 from _machine import Concurrently, scaled
-from _trainer_launch import load_example, logged_steps, run
+from _trainer_launch import EXAMPLES, load_example, logged_steps, run
 
 from hf_odc.demo import build_tokenizer, script
 
@@ -236,6 +236,15 @@ def test_the_vision_example_takes_its_built_in_shapes_and_refuses_any_other_mode
         assert failure.value.code == 2
         assert error.endswith(f"--model_config {config}: name one of tiny, qwen2.5-vl-3b, the built-in shapes, or pass "
                               "--model_name_or_path")  # fmt: skip
+
+
+def test_the_text_examples_import_without_pillow():
+    """The README's first command installs hf_odc's dependencies only, and Pillow is none of them (the dev extras
+    bring it through matplotlib): the demos import it only where they make images, so ``hf-odc sft`` runs without it."""
+    blocked = "import sys; sys.modules['PIL'] = None; import runpy, hf_odc.demo; "
+    load = f"runpy.run_path({str(EXAMPLES / 'sft.py')!r}, run_name='not_main')"
+    done = subprocess.run([sys.executable, "-c", blocked + load], capture_output=True, text=True, timeout=scaled(120))
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.slow
