@@ -9,10 +9,10 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
   computed here, on the sharded models (:class:`~hf_odc.trainer.preference.reference._ReferencePasses`).
 * ``get_train_dataloader``: one item per accumulation call, ``per_device_train_batch_size x world_size`` examples,
   the same on every rank (:func:`hf_odc.trainer.core.data.minibatch_loader`).
-* ``_plan_step``: the step's examples planned whole, each with its mismatched sequence (one item of their summed
-  length); unless precomputed, the reference's log-probabilities of both sequences in one forward-only ODC minibatch;
-  with the KL estimate, the policy's of the mismatched sequences in another, whose sums per accumulation call are
-  gathered once from every rank (the step's one gather of its own); then the training rows: the examples' own
+* ``_plan_step``: each of the step's passes planned on the tokens it runs (:func:`_plan_passes`): unless
+  precomputed, the reference's log-probabilities of each example's sequence and its mismatched one in one forward-only
+  ODC minibatch; with the KL estimate, the policy's of the mismatched sequences in another; what the ranks scored
+  gathered once (the step's one gather of its own); then the training rows, balanced on the examples' own
   sequences, packed (:func:`~hf_odc.trainer.preference.pairs.pack_pairs`, one document per example).
 * ``_microbatch_loss``: each example's completion log-probabilities summed, TRL's per-example loss against the
   reference's and its call's KL estimate, weighted, summed and divided by the minibatch's examples; TRL's metrics
@@ -22,14 +22,14 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import datasets
 import torch
 from torch import nn
 from trl import KTOTrainer
 
-from ...packing import Plan
+from ...packing import MinibatchPlanner, Plan
 from ..core._base_config import whole_model_kwargs
 from ..core._dataset_trainer import _ODCDatasetTrainer
 from ..core._reference import check_peft_reference, shard_reference
@@ -60,6 +60,40 @@ class KTOStep(PlannedStep):
     """
 
     labels_seen: tuple[bool, bool] = (False, False)
+
+
+class _KTOPlans(NamedTuple):
+    """A step's examples planned per pass (:func:`_plan_passes`).
+
+    Attributes:
+        documents: each example's documents (its own sequence and, with the KL estimate, its mismatched one).
+        lengths: each example's own sequence's tokens, what its training microbatch runs.
+        capacity: the microbatch capacity of every pass.
+        training: the training minibatch's plan, balanced on ``lengths``.
+        reference: the reference's forward-only pass's plan, balanced on each example's documents together.
+        kl: the policy's forward-only pass over the mismatched sequences, balanced on theirs (``None``: no KL).
+    """
+
+    documents: list[tuple[Document, ...]]
+    lengths: list[int]
+    capacity: int
+    training: Plan
+    reference: Plan
+    kl: Plan | None
+
+
+def _plan_passes(planner: MinibatchPlanner, documents: list[tuple[Document, ...]], capacity: int) -> _KTOPlans:
+    """Each of a KTO step's passes planned on the tokens it runs. The passes meet apart (each is an ODC minibatch,
+    and the KL estimate is gathered before training), so one plan of the examples' documents together, as the
+    reference pass runs them, would leave the training minibatch, which runs only the own sequences and costs the
+    most, unbalanced by as much as the mismatched sequences differ."""
+    lengths = [len(item[0][0]) for item in documents]
+    training = planner.plan(lengths, capacity)
+    if len(documents[0]) == 1:
+        return _KTOPlans(documents, lengths, capacity, training, training, None)
+    reference = planner.plan([sum(len(ids) for ids, _ in item) for item in documents], capacity)
+    kl = planner.plan([len(item[1][0]) for item in documents], capacity)
+    return _KTOPlans(documents, lengths, capacity, training, reference, kl)
 
 
 class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
@@ -140,13 +174,11 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         own, mismatched = pair_documents(sequences, self.args.max_length, "keep_start")
         return (own, mismatched) if self.args.calculate_kl else (own,)
 
-    def _plan(self, examples: list[dict[str, Any]]) -> tuple[list[tuple[Document, ...]], list[int], Plan, int]:
-        """Every rank's plan of ``examples``, each one item with its mismatched sequence: their documents, the
-        items' lengths, the plan and its microbatch capacity."""
+    def _plans(self, examples: list[dict[str, Any]]) -> _KTOPlans:
+        """Every rank's plans of ``examples``' passes (:func:`_plan_passes`), with the examples' documents."""
         documents = [self._documents(example) for example in examples]
-        lengths = [sum(len(ids) for ids, _ in item) for item in documents]
-        max_tokens = self.args.max_tokens_for_pairs(max(lengths))
-        return documents, lengths, self._planner.plan(lengths, max_tokens), max_tokens
+        capacity = self.args.max_tokens_for_pairs(max(sum(len(ids) for ids, _ in item) for item in documents))
+        return _plan_passes(self._planner, documents, capacity)
 
     # -- the reference (hf_odc.trainer.preference.reference._ReferencePasses) ---------------------------------------
 
@@ -156,76 +188,78 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         return ("prompt_ids", "completion_ids"), ("ref_logps",)
 
     def _reference_microbatches(self, examples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        documents, _, plan, _ = self._plan(examples)
-        own = [list(microbatch) for microbatch in plan[self.accelerator.process_index]]
-        return [pack_pairs([documents[i] for i in microbatch]) for microbatch in own], own
+        plans = self._plans(examples)
+        own = [list(microbatch) for microbatch in plans.reference[self.accelerator.process_index]]
+        return [pack_pairs([plans.documents[i] for i in microbatch]) for microbatch in own], own
 
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
     def _plan_step(self, window: list[dict[str, Any]]) -> KTOStep:
-        """The step's global minibatch (every accumulation call's examples, the same on every rank), planned: this
-        rank's training microbatches, each example with its reference log-probability and its call's KL estimate."""
-        args, rank, metrics = self.args, self.accelerator.process_index, self._metrics["train"]
+        """The step's global minibatch (every accumulation call's examples, the same on every rank), planned: the
+        log-probabilities its loss reads (:meth:`_scores`), then this rank's training microbatches, each example
+        with its reference log-probability and its call's KL estimate."""
+        args, rank = self.args, self.accelerator.process_index
         examples = [example for item in window for example in item["examples"]]
         calls = torch.tensor([call for call, item in enumerate(window) for _ in item["examples"]])
-        documents, lengths, plan, max_tokens = self._plan(examples)
-        own = [list(microbatch) for microbatch in plan[rank]]
-        _, reference_columns = self._reference_columns()
-        references = None
-        if args.precompute_ref_log_probs:
-            references = [[float(examples[i][c]) for c in reference_columns] for i in range(len(examples))]
-        scored = [
-            pack_pairs([documents[i] for i in mb], None if references is None else [references[i] for i in mb])
-            for mb in own
-        ]
-        if not args.precompute_ref_log_probs:
-            metrics["reference_s"].append(self._score_reference(scored))
+        plans = self._plans(examples)
+        documents = plans.documents
+        scores = self._scores(examples, plans)
         estimates = torch.zeros(len(window))
         if args.calculate_kl:
-            estimates = self._kl_estimates(documents, own, scored, calls, [len(item["examples"]) for item in window])
-        metrics["kl"].append(estimates.mean().item())
+            # TRL's estimate of each accumulation call: the mean over its examples of the policy's minus the
+            # reference's summed log-probabilities of their mismatched sequences, clamped at 0.
+            differences = (scores[:, 2].float() - scores[:, 1].float()).double()
+            sums = torch.zeros(len(window), dtype=torch.float64).index_add_(0, calls, differences)
+            counts = torch.tensor([len(item["examples"]) for item in window], dtype=torch.float64)
+            estimates = (sums / counts).clamp(min=0).float()
+        self._metrics["train"]["kl"].append(estimates.mean().item())
         microbatches = []
-        for microbatch, scores in zip(own, scored, strict=True):
+        for microbatch in plans.training[rank]:
             packed = pack_pairs([documents[i][:1] for i in microbatch])
-            packed["pairs"]["ref_logps"] = scores["pairs"]["ref_logps"][:, 0]
+            packed["pairs"]["ref_logps"] = scores[list(microbatch), 0].float()
             packed["pairs"]["label"] = torch.tensor([bool(examples[i]["label"]) for i in microbatch])
-            packed["pairs"]["kl"] = estimates[calls[microbatch]]
+            packed["pairs"]["kl"] = estimates[calls[list(microbatch)]]
             microbatches.append(packed)
-        own_lengths = [len(item[0][0]) for item in documents]
+        own_lengths = plans.lengths
         labels = {bool(example["label"]) for example in examples}
         return KTOStep(
             microbatches=microbatches,
-            microbatch_lengths=[[[own_lengths[i] for i in mb] for mb in rank_plan] for rank_plan in plan],
+            microbatch_lengths=[[[own_lengths[i] for i in mb] for mb in rank_plan] for rank_plan in plans.training],
             num_samples=len(examples),
             num_tokens=sum(own_lengths),
             num_loss_tokens=sum(sum(item[0][1][1:]) for item in documents),
-            predicted_bubble_rate=self._planner.predicted_bubble(plan, lengths, max_tokens),
+            predicted_bubble_rate=self._planner.predicted_bubble(plans.training, own_lengths, plans.capacity),
             attended=[len(ids) for item in documents for ids, _ in item],
             labels_seen=(True in labels, False in labels),
         )
 
-    def _kl_estimates(
-        self,
-        documents: list[tuple[Document, ...]],
-        own: list[list[int]],
-        scored: list[dict[str, Any]],
-        calls: torch.Tensor,
-        counts: list[int],
-    ) -> torch.Tensor:
-        """TRL's KL estimate of each accumulation call: the mean over its examples of the policy's minus the
-        reference's summed log-probabilities of their mismatched sequences, clamped at 0. The policy's come from one
-        forward-only minibatch on this rank's mismatched sequences; the per-call sums are gathered once."""
-        rows = [pack_pairs([documents[i][1:] for i in microbatch]) for microbatch in own]
-        self._metrics["train"]["kl_s"].append(
-            self._forward_only(self.model, self.odc, rows, item_sums_into("policy_logps"))
-        )
-        sums = torch.zeros(len(counts), dtype=torch.float64, device=self.args.device)
-        for microbatch, row, scores in zip(own, rows, scored, strict=True):
-            difference = row["pairs"]["policy_logps"][:, 0] - scores["pairs"]["ref_logps"][:, 1].to(sums.device)
-            sums.index_add_(0, calls[microbatch].to(sums.device), difference.double())
-        with self.odc.bounded("the KL estimate's gather"):
-            sums = self.accelerator.gather(sums[None]).sum(0).cpu()
-        return (sums / torch.tensor(counts, dtype=torch.float64)).clamp(min=0).float()
+    def _scores(self, examples: list[dict[str, Any]], plans: _KTOPlans) -> torch.Tensor:
+        """Per example (rows), the summed completion log-probabilities its loss and its call's KL estimate read: the
+        reference's of its own sequence and, with the KL estimate, of its mismatched one, then the policy's of the
+        mismatched one. Each pass is one forward-only ODC minibatch on its own plan, so each example is scored on
+        one rank, and what the ranks scored is gathered once; precomputed reference columns are read instead."""
+        args, rank, metrics = self.args, self.accelerator.process_index, self._metrics["train"]
+        documents = plans.documents
+        scored = torch.zeros(len(examples), 3 if args.calculate_kl else 1, dtype=torch.float64)
+        if not args.precompute_ref_log_probs:
+            rows = [pack_pairs([documents[i] for i in microbatch]) for microbatch in plans.reference[rank]]
+            metrics["reference_s"].append(self._score_reference(rows))
+            for microbatch, row in zip(plans.reference[rank], rows, strict=True):
+                logps = row["pairs"]["ref_logps"]
+                scored[list(microbatch), : logps.shape[1]] = logps.double().cpu()
+        if args.calculate_kl:
+            rows = [pack_pairs([documents[i][1:] for i in microbatch]) for microbatch in plans.kl[rank]]
+            metrics["kl_s"].append(self._forward_only(self.model, self.odc, rows, item_sums_into("policy_logps")))
+            for microbatch, row in zip(plans.kl[rank], rows, strict=True):
+                scored[list(microbatch), 2] = row["pairs"]["policy_logps"][:, 0].double().cpu()
+        if not args.precompute_ref_log_probs or args.calculate_kl:
+            with self.odc.bounded("the reference's and the KL estimate's log-probabilities' gather"):
+                # Exactly one rank scored each entry (zeros elsewhere), so the sum over ranks is exact.
+                scored = self.accelerator.gather(scored[None].to(args.device)).sum(0).cpu()
+        if args.precompute_ref_log_probs:
+            _, columns = self._reference_columns()
+            scored[:, : len(columns)] = torch.tensor([[float(e[c]) for c in columns] for e in examples]).double()
+        return scored
 
     def _microbatch_loss(self, model: nn.Module, microbatch: dict[str, Any], step: KTOStep) -> torch.Tensor:
         """TRL's KTO loss of the microbatch's examples, normalised for the whole minibatch; TRL's
