@@ -213,7 +213,12 @@ def _random_images(
         count = min(int(rng.zipf(2.0)), max_images)
     else:
         count = 0 if index % 3 == 2 else int(rng.integers(1, max_images + 1))
-    from PIL import Image as PILImage
+    try:
+        from PIL import Image as PILImage
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "The vision-language demos make their images with Pillow: pip install 'hf_odc[vision]'."
+        ) from error
 
     sizes = rng.integers(max(8, max_side // 4), max_side + 1, size=(count, 2))
     return [PILImage.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)) for h, w in sizes]

@@ -247,6 +247,14 @@ def test_the_text_examples_import_without_pillow():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_the_vision_demos_name_the_extra_without_pillow():
+    """Without Pillow, making a vision-language demo's images says which extra to install."""
+    blocked = "import sys; sys.modules['PIL'] = None; import numpy; from hf_odc.demo import vision; "
+    make = "vision._random_images(numpy.random.default_rng(0), 0, 2)"
+    done = subprocess.run([sys.executable, "-c", blocked + make], capture_output=True, text=True, timeout=scaled(120))
+    assert done.returncode != 0 and "pip install 'hf_odc[vision]'" in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_the_tool_calling_example_runs_trls_tool_loop_and_packs_the_tool_results(tmp_path):
     """``examples/grpo_tools.py`` with its defaults on 2 processes: every step's rollouts (8 prompts of 4 generations
