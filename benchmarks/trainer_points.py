@@ -471,6 +471,11 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         "microbatches_per_rank": [mean(f"microbatches/rank_{r}") for r in range(world_size)],
         "loss": [e["loss"] for e in record["entries"]],
         "step_s": [e["step_s"] for e in entries],
+        # Per timed step, one value per rank: whether a rank is slower at equal work, and what the plan gave it.
+        "per_rank": {
+            key: [[e.get(f"{key}/rank_{r}") for r in range(world_size)] for e in entries]
+            for key in ("busy_s", "tokens", "microbatches", "calibration/speed")
+        },
         "wall_s": wall,
         "scheme_s": record["scheme_s"],
         "allocated_at_start_gib": record["allocated_at_start_gib"],

@@ -307,6 +307,10 @@ def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request
             assert row["steps"] == 1 and row["tokens_per_second"] > 0 and row["mfu"] > 0, (name, row)
             assert row["tokens_per_step"] == split["tokens_per_step"], name
             assert row["loss"] == pytest.approx(split["loss"], rel=1e-3, abs=1e-6), name
+            per_rank = row["per_rank"]  # each timed step's values per rank: the step's tokens, split as planned
+            assert [sum(tokens) for tokens in per_rank["tokens"]] == [row["tokens_per_step"]], name
+            assert per_rank["microbatches"] == [row["microbatches_per_rank"]], name
+            assert all(busy > 0 for busy in per_rank["busy_s"][0]), name
         assert split["x_trl_split"] == pytest.approx(1.0) and micro["x_lb_micro"] == pytest.approx(1.0)
         assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
         assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
