@@ -53,7 +53,6 @@ __all__ = [
     "default_store",
     "generating_on",
     "generation_setup",
-    "tokenized_prompts",
     "library_logger",
     "mark_distributed_loading",
     "mark_fsdp_managed",
@@ -66,6 +65,7 @@ __all__ = [
     "set_attn_implementation",
     "set_group_timeout",
     "symmetric_memory",
+    "tokenized_prompts",
 ]
 
 

@@ -88,11 +88,12 @@ def overlapped(tmp_path_factory):
     args = _config(
         tmp_path_factory.mktemp("overlap"), odc_generation="static", max_rollout_staleness=1, max_steps=STEPS,
         max_completion_length=6, learning_rate=LEARNING_RATE, lr_scheduler_type="constant", optim="sgd",
-        max_grad_norm=1e9, loss_type="grpo", gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        seed=SEED, disable_tqdm=True,
+        max_grad_norm=1e9, loss_type="grpo", gradient_checkpointing=False, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, seed=SEED, disable_tqdm=True,
     )  # fmt: skip
-    trainer = _Recording(model=_model(tokenizer), reward_funcs=_content_reward, args=args,
-                         train_dataset=prompt_dataset(32, 6, "swe-smith", seed=0), processing_class=tokenizer)  # fmt: skip
+    dataset = prompt_dataset(32, 6, "swe-smith", seed=0)
+    trainer = _Recording(model=_model(tokenizer), reward_funcs=_content_reward, args=args, train_dataset=dataset,
+                         processing_class=tokenizer)  # fmt: skip
     trainer.train()
     trainer.weights.append({name: value.detach().clone() for name, value in trainer.model.state_dict().items()})
     yield trainer
@@ -127,7 +128,8 @@ def test_each_batch_after_the_first_is_decoded_by_the_weights_one_batch_old(over
         decoded = [ids.tolist() for ids in batch.completion_ids]
         assert decoded == _decoded_by(trainer, trainer.weights[index - 1], prompts, seed)
         assert decoded != _decoded_by(trainer, trainer.weights[index], prompts, seed)  # the current weights differ
-        for prompt, completion, behaviour in zip(batch.prompt_ids, batch.completion_ids, batch.sampling_logps):
+        scored = zip(batch.prompt_ids, batch.completion_ids, batch.sampling_logps, strict=True)
+        for prompt, completion, behaviour in scored:
             expected = _log_probs(trainer.weights[index - 1], tokenizer, prompt, completion)
             torch.testing.assert_close(behaviour, expected, rtol=1e-5, atol=1e-5)
 

@@ -54,8 +54,8 @@ _GENERATION_PARAMETERS = """
 
 
 def check_rollout_staleness(staleness: int, mode: str | None, use_vllm: bool) -> None:
-    """Raise ``ValueError``, naming what to set, where ``max_rollout_staleness`` is not 0 or 1, or is 1 with a generation
-    mode that cannot decode in the background while the update runs."""
+    """Raise ``ValueError``, naming what to set, where ``max_rollout_staleness`` is not 0 or 1, or is 1 with a
+    generation mode that cannot decode in the background while the update runs."""
     if staleness not in (0, 1):
         raise ValueError(
             f"max_rollout_staleness must be 0 (synchronous) or 1 (the next generation batch decoded while this one "

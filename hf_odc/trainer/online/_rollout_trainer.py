@@ -260,7 +260,7 @@ class _ODCRolloutTrainer(_ODCTrainer):
         )
         args = self._single_turn_arguments(prompt_ids, images, multimodal_fields)
         context, temperature = self._generator.ahead(), self.args.temperature
-        parent, seed = super(_ODCRolloutTrainer, self), self.args.seed + self._generation_index
+        parent, seed = super(), self.args.seed + self._generation_index
 
         def decode() -> tuple[Any, list[torch.Tensor]]:
             torch.manual_seed(seed)  # a reproducible run where the update draws no random numbers meanwhile
