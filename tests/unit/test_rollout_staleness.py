@@ -181,7 +181,7 @@ def broken(*args, **kwargs):
 
 _rollout_trainer.behaviour_log_probs = broken
 tokenizer = build_tokenizer()
-args = _config({out!r}, odc_generation="static", max_rollout_staleness=1, max_steps=3, max_completion_length=6,
+args = _config({out!r}, odc_generation="static", max_rollout_staleness=1, max_steps=2, max_completion_length=6,
                save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True)
 trainer = ODCGRPOTrainer(model=_model(tokenizer), reward_funcs=_content_reward, args=args,
                          train_dataset=prompt_dataset(32, 6, "swe-smith", seed=0), processing_class=tokenizer)

@@ -44,6 +44,11 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   (:mod:`hf_odc.trainer.generation.vllm_sync`: the full weights assembled one-sidedly, no collective) and a colocated
   engine shut down at the run's end, before the process groups go.
 
+With ``max_rollout_staleness=1`` (the online trainers' overlap, :mod:`hf_odc.trainer.online._overlap`), ``"static"``
+also decodes the next generation batch in a background thread while the update runs (:meth:`StaticGenerator.ahead`):
+the only mode whose rank decodes alone, with no collective, on weights the update does not touch; the others are
+refused with it.
+
 With tools, the transformers modes hold their decoding context (the assembled weights, the ODC minibatch) from a
 generation batch's first turn through TRL's tool loop, so that each rank decodes as many turns as its own completions
 need, alone. A rank that finishes decoding first waits for the others at the rollouts' gather.

@@ -1,6 +1,8 @@
-"""The field every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with transformers,
-``odc_generation`` (:class:`_ODCRolloutConfig`), its documentation (:func:`_document_generation_fields`), and the checks
-that hold for every trainer that plans its generation batches as ODC minibatches."""
+"""The fields every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with
+transformers, ``odc_generation``, and whether the next generation batch decodes while this one trains,
+``max_rollout_staleness`` (:class:`_ODCRolloutConfig`, :func:`check_rollout_staleness`), their documentation
+(:func:`_document_generation_fields`), and the checks that hold for every trainer that plans its generation batches as
+ODC minibatches."""
 
 from __future__ import annotations
 

@@ -18,6 +18,12 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
   and runs the deferred passes the trainer asks for (:meth:`_deferred_passes`) on its own packed microbatches inside
   forward-only minibatches, then the trainer's :meth:`_after_scoring`. Each optimizer step then takes its planned
   minibatch. Evaluation is TRL's.
+* ``get_batch_samples``, ``model_wrapped``, ``train``: with ``max_rollout_staleness=1``
+  (:mod:`hf_odc.trainer.online._overlap`), the Trainer's loader is read ahead for the next generation batch's prompts,
+  which :meth:`_decode_ahead` starts decoding in a background thread on the static copy once a batch is planned;
+  ``_generate_single_turn`` takes its result, and the batch's ratio is against the behaviour log-probabilities scored
+  there (no old-policy pass). ``model_wrapped`` is kept per thread, so that TRL's generation in the thread reads the
+  copy while the main thread reads the policy; the run's end waits for the thread within ``odc_timeout``.
 
 The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``) adds its loss
 (``_microbatch_loss``), its metrics and the two hooks above.
@@ -222,7 +228,6 @@ class _ODCRolloutTrainer(_ODCTrainer):
         first, self._step = self._step, self._step + len(window)  # TRL counts calls of training_step
         per_generation = self._steps_per_generation()
         if first % (per_generation * self._iterations_per_generation()) == 0 or self._buffered_inputs is None:
-            self._prefetch.wait()
             with self.odc.bounded("generation and scoring"):
                 self._buffered_inputs = self._generate_and_plan(window[0])
             if self.args.max_rollout_staleness:
