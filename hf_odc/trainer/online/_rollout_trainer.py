@@ -23,7 +23,8 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
   which :meth:`_decode_ahead` starts decoding in a background thread on the static copy once a batch is planned;
   ``_generate_single_turn`` takes its result, and the batch's ratio is against the behaviour log-probabilities scored
   there (no old-policy pass). ``model_wrapped`` is kept per thread, so that TRL's generation in the thread reads the
-  copy while the main thread reads the policy; the run's end waits for the thread within ``odc_timeout``.
+  copy while the main thread reads the policy; the run's end waits for the thread within the ODC timeout (a failed
+  run does not).
 
 The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``) adds its loss
 (``_microbatch_loss``), its metrics and the two hooks above.
@@ -131,18 +132,22 @@ class _ODCRolloutTrainer(_ODCTrainer):
         """Release ODC, end the generation mode (a colocated vLLM engine is shut down: before the process groups go,
         else its exit-time teardown fails on every rank), then finish the trackers and destroy the process group (if
         the engine has not). Collective: call it once, on every rank, at the end."""
-        self._prefetch.close(self.args.odc_timeout)
+        self._prefetch.close(self.odc.plugin.timeout)
         self.close_odc()
         self._generator.end()
         self.accelerator.end_training()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The shared ``train``; a generation batch still decoding ahead at its end (or its failure) is waited for,
-        within ``odc_timeout``, and dropped."""
+        """The shared ``train``; a generation batch still decoding ahead at its end is waited for, within the ODC
+        timeout, and dropped; on a failure (a dead peer among them) it is dropped at once, its daemon thread left to
+        end with the process, so that the error is raised within the timeout."""
         try:
-            return super().train(*args, **kwargs)
-        finally:
-            self._prefetch.close(self.args.odc_timeout)
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            self._prefetch.close(0.0)
+            raise
+        self._prefetch.close(self.odc.plugin.timeout)
+        return result
 
     # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
 
