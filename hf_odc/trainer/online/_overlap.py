@@ -43,7 +43,10 @@ class Prefetch:
     def start(self, key: Any, decode: Callable[[], Any]) -> None:
         """Run ``decode()`` in a new thread; its result is for the caller that asks for ``key``."""
         if self.pending:
-            raise RuntimeError("hf_odc: a generation batch is already being decoded ahead.")
+            raise RuntimeError(
+                "hf_odc: the generation batch decoded ahead was not taken: the loop's prompts were not those read "
+                "ahead. Set max_rollout_staleness=0 and report it."
+            )
 
         def run() -> None:
             try:

@@ -299,7 +299,8 @@ class _ODCRolloutTrainer(_ODCTrainer):
         metrics["generation_s"].append(time.perf_counter() - started)
         local = Rollouts.from_scored(scored, self._completion_lengths)
         behaviour, self._behaviour_logps = self._behaviour_logps, None
-        metrics["rollout_staleness"].append(float(behaviour is not None))
+        if args.max_rollout_staleness:
+            metrics["rollout_staleness"].append(float(behaviour is not None))
         if behaviour is not None:  # decoded ahead: the policy that sampled it is one batch older than this one
             local.sampling_logps = [logps[:n] for logps, n in zip(behaviour, self._completion_lengths, strict=True)]
         if self._rope_index is not None:
