@@ -202,3 +202,40 @@ def test_a_failure_while_decoding_ahead_ends_the_run_naming_it(tmp_path):
     assert done.returncode != 0
     assert "RolloutPrefetchError: Decoding the next generation batch in the background" in done.stderr, done.stderr
     assert "OSError: the decoding copy went away" in done.stderr
+
+
+@pytest.mark.slow  # trains
+def test_rloo_takes_the_behaviour_log_probabilities_as_its_old_policy(tmp_path):
+    """ODCRLOOTrainer, two iterations per generation batch: the first batch scores its old policy (the weights it
+    decoded with), the one decoded ahead takes the behaviour log-probabilities in place of that pass, for both of its
+    iterations."""
+    from hf_odc.trainer import ODCRLOOTrainer
+
+    class Recording(ODCRLOOTrainer):
+        def __init__(self, *args, **kwargs):
+            self.batches = []
+            super().__init__(*args, **kwargs)
+
+        def _after_scoring(self, rollouts, planned):
+            microbatches = [microbatch["loss"] for step in planned for microbatch in step.microbatches]
+            self.batches.append((rollouts, microbatches))
+            super()._after_scoring(rollouts, planned)
+
+    tokenizer = build_tokenizer()
+    args = _config(
+        tmp_path, ODCRLOOConfig, odc_generation="static", max_rollout_staleness=1, max_steps=3, num_iterations=2,
+        beta=0.0, max_completion_length=6, gradient_checkpointing=False, save_strategy="no", report_to="none",
+        use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = prompt_dataset(32, 6, "swe-smith", seed=0)
+    trainer = Recording(model=_model(tokenizer), reward_funcs=_content_reward, args=args, train_dataset=dataset,
+                        processing_class=tokenizer)  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        trainer.end()
+    (first, first_losses), (ahead, ahead_losses) = trainer.batches
+    assert first.sampling_logps is None and all(loss["old_logps"] is not None for loss in first_losses)
+    assert ahead.sampling_logps is not None
+    for loss in ahead_losses:
+        assert loss["old_logps"] is loss["sampling_logps"] and loss["sampling_logps"] is not None
