@@ -38,9 +38,11 @@ unshuffled), so step ``s`` of every row trains the same samples:
   are long-tailed, and the same in every row. With ``--completions free`` every completion runs to
   ``--max-completion-length``, and ``--decoding-loop`` has ODC decode its static copy with its own loop
   (``odc_generation="static"``, ``odc_decoding_loop=True``), which a forced end (a logits processor) would send back
-  to ``generate``. A completion's document is its prompt and completion. ``--trl-accumulation k`` generates the
-  step's completions at once and trains them in ``k`` passes (TRL's ``steps_per_generation`` follows
-  ``gradient_accumulation_steps``).
+  to ``generate``. ``--max-rollout-staleness 1`` has ODC decode the next step's rollouts on its static copy while this
+  step trains (``max_rollout_staleness=1``, ``odc_generation="static"``; off-policy by one step), the time a step
+  waits for them counted as generation. A completion's document is its prompt and completion. ``--trl-accumulation
+  k`` generates the step's completions at once and trains them in ``k`` passes (TRL's ``steps_per_generation``
+  follows ``gradient_accumulation_steps``).
 
 ``--trl-accumulation k`` splits the stock rows' per-device samples into ``k`` forward passes (the global batch stays
 the same), for data whose padded batches do not fit; ODC plans its microbatches itself.
@@ -143,6 +145,10 @@ PHASES_HELP = (
     "clipping, the optimizer, logging; the rest as 'other') and report their medians"
 )
 PROFILE_HELP = "a file for torch.profiler's tables of one extra step after the timed ones (rank 0; not timed)"
+STALENESS_HELP = (
+    "GRPO: 1 has ODC decode the next step's rollouts on its static copy in a background thread while this step trains "
+    "(off-policy by one step); the time a step waits for them counts as generation"
+)
 COMPLETIONS_HELP = (
     "GRPO: forced (each completion ends at a long-tailed length, the same in every row) or free (every completion "
     "runs to --max-completion-length)"
@@ -162,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-completion-length", type=int, default=256, help="GRPO: the longest completion")
     parser.add_argument("--completions", choices=["forced", "free"], default="forced", help=COMPLETIONS_HELP)
     parser.add_argument("--decoding-loop", action="store_true", help="GRPO: ODC decodes its static copy with its loop")
+    parser.add_argument("--max-rollout-staleness", type=int, choices=[0, 1], default=0, help=STALENESS_HELP)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (>= 1; ODC fits its cost after 3)")
     parser.add_argument("--rows", default=None, help="comma list of the trainer's rows (default: all of them)")
@@ -191,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.decoding_loop and (args.trainer != "grpo" or args.completions != "free"):
         parser.error("--decoding-loop needs --trainer grpo --completions free: the loop takes no logits processor, so "
                      "forced completions would be decoded by generate")  # fmt: skip
+    if args.max_rollout_staleness and args.trainer != "grpo":
+        parser.error("--max-rollout-staleness needs --trainer grpo: only online trainers generate")
     if args.trainer == "grpo" and args.samples_per_device * args.num_processes % args.num_generations:
         parser.error("--num-generations must divide --samples-per-device x --num-processes (whole groups per step)")
     return args
@@ -395,13 +404,28 @@ class RecordedGeneration:
 
         if self.args.completions == "forced":
             GenerationMixin.generate = ended
+        prefetch = getattr(trainer, "_prefetch", None)  # ODC's batch decoding ahead (--max-rollout-staleness 1)
+        wait = None if prefetch is None else prefetch.wait
+
+        def waited(*args, **kwargs):  # a step waiting for the batch decoding ahead counts it as generating
+            pending, started = prefetch.pending, time.perf_counter()
+            wait(*args, **kwargs)
+            if pending:
+                self.calls.append((started, time.perf_counter() - started, []))
+
+        if self.args.completions == "forced":
+            GenerationMixin.generate = ended
         if turn is not None:
             trainer._generate_single_turn = timed  # an instance attribute: TRL calls self._generate_single_turn
+        if wait is not None:
+            prefetch.wait = waited
         try:
             yield
         finally:
             GenerationMixin.generate = generate
             trainer.__dict__.pop("_generate_single_turn", None)
+            if wait is not None:
+                prefetch.__dict__.pop("wait", None)
 
     def by_step(self, ends: list[float]) -> tuple[list[list[int]], list[float]]:
         """This rank's documents and seconds generating per optimizer step (a call belongs to the step it started
@@ -488,6 +512,8 @@ def grpo_row(args, row: Row):
     )
     config_class, trainer_class = (ODCGRPOConfig, ODCGRPOTrainer) if row.name == "odc" else (GRPOConfig, GRPOTrainer)
     loop = {"odc_generation": "static", "odc_decoding_loop": True} if row.name == "odc" and args.decoding_loop else {}
+    if row.name == "odc" and args.max_rollout_staleness:
+        loop |= {"odc_generation": "static", "max_rollout_staleness": args.max_rollout_staleness}
     config = config_class(
         **row.options,
         **loop,
@@ -588,6 +614,7 @@ def run_row(args) -> None:
         "peak_gib": max(peaks),
         "bubble": timer.bubbles[args.warmup : steps] if timer.bubbles else None,
         "generation_mode": getattr(getattr(trainer, "_generator", None), "mode", None),  # an ODC trainer's
+        "max_rollout_staleness": getattr(trainer.args, "max_rollout_staleness", 0),
         "model_config": model.config.get_text_config().to_dict(),
     }
     Path(args.row_json).write_text(json.dumps(record))
@@ -643,6 +670,7 @@ def summarize(record: dict) -> dict:
         "bubble": statistics.mean(record["bubble"]) if record["bubble"] else None,
         "generation_share": sum(generation_s) / sum(step_s) if generation_s else None,
         "generation_mode": record["generation_mode"],
+        "max_rollout_staleness": record["max_rollout_staleness"],
         "step_s": step_s,
         "tokens": [sum(step) for step in documents],
         "phases": phase_medians(record["phases"], step_s) if record.get("phases") else None,

@@ -65,6 +65,7 @@ __all__ = [
     "set_attn_implementation",
     "set_group_timeout",
     "symmetric_memory",
+    "tokenized_prompts",
 ]
 
 
@@ -88,6 +89,7 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
     # GRPO's generation, scoring and loss pieces ODCGRPOTrainer wraps or reuses.
     "trl:GRPOTrainer": (
         "_generate",
+        "_tokenize_prompts",
         "_generate_single_turn",
         "_tool_call_loop",
         "_generate_and_score_completions",
@@ -99,6 +101,7 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
     # RLOO's generation and scoring pieces ODCRLOOTrainer wraps (its rewards kept for the KL-penalised advantages).
     "trl:RLOOTrainer": (
         "_generate",
+        "_tokenize_prompts",
         "_generate_single_turn",
         "_generate_and_score_completions",
         "_get_per_token_logps_and_entropies",
@@ -108,6 +111,7 @@ CLASS_NAMES: dict[str, tuple[str, ...]] = {
     # Distillation's generation pieces ODCDistillationTrainer wraps.
     "trl:DistillationTrainer": (
         "_generate",
+        "_tokenize_prompts",
         "_generate_single_turn",
         "_generate_and_score_completions",
         "_prepare_inputs",
@@ -227,6 +231,12 @@ def generating_on(trainer: Any, model: Any) -> Iterator[None]:
         yield
     finally:
         trainer.model_wrapped = wrapped
+
+
+def tokenized_prompts(trainer: Any, prompts: list) -> tuple:
+    """``(prompt_ids, images, multimodal_fields)`` of ``prompts`` as TRL's ``_generate`` tokenizes them for its
+    ``_generate_single_turn`` (GRPO, RLOO, distillation)."""
+    return trainer._tokenize_prompts(prompts)
 
 
 def generation_setup(model: Any, generation_config: Any, model_kwargs: dict[str, Any]) -> Any:

@@ -169,12 +169,14 @@ def test_vs_trl_grpo_generates_and_trains_in_every_row_on_cpu(ran, request):
 
 
 def test_vs_trl_grpo_free_completions_decode_with_odcs_loop_on_cpu(ran, request):
-    """``--completions free --decoding-loop``: nothing ends the completions early, ODC decodes its static copy with
-    its own loop, and generation's share is recorded; the loop without free completions (a logits processor would
-    send it back to ``generate``) is refused."""
+    """``--completions free --decoding-loop --max-rollout-staleness 1``: nothing ends the completions early, ODC
+    decodes its static copy with its own loop, each step's rollouts after the first decoded while the previous step
+    trains, and generation's share is recorded (the steps' waits for them); the loop without free completions (a
+    logits processor would send it back to ``generate``) is refused."""
     directory, (done, refused) = ran.result(request.node.nodeid)
     rows = vs_trl_rows(directory, done)
     assert 0 < rows["odc"]["generation_share"] < 1 and rows["odc"]["generation_mode"] == "static"
+    assert rows["odc"]["max_rollout_staleness"] == 1
     assert refused.returncode == 2 and "--decoding-loop needs --trainer grpo --completions free" in refused.stderr
 
 
@@ -362,7 +364,13 @@ COMMANDS = {
         "--trainer", "grpo", "--num-generations", "2", "--max-completion-length", "32"
     ),
     "test_vs_trl_grpo_free_completions_decode_with_odcs_loop_on_cpu": _vs_trl(
-        *FREE, "--completions", "free", "--decoding-loop", refused=(*FREE, "--decoding-loop")
+        *FREE,
+        "--completions",
+        "free",
+        "--decoding-loop",
+        "--max-rollout-staleness",
+        "1",
+        refused=(*FREE, "--decoding-loop"),
     ),
     "test_calibrated_balance_runs_its_three_schemes_with_a_straggler_on_cpu": _calibrated_balance,
     "test_hybrid_step_runs_its_three_schemes_on_cpu": _hybrid_step,

@@ -44,6 +44,11 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
   (:mod:`hf_odc.trainer.generation.vllm_sync`: the full weights assembled one-sidedly, no collective) and a colocated
   engine shut down at the run's end, before the process groups go.
 
+With ``max_rollout_staleness=1`` (the online trainers' overlap, :mod:`hf_odc.trainer.online._overlap`), ``"static"``
+also decodes the next generation batch in a background thread while the update runs (:meth:`StaticGenerator.ahead`):
+the only mode whose rank decodes alone, with no collective, on weights the update does not touch; the others are
+refused with it.
+
 With tools, the transformers modes hold their decoding context (the assembled weights, the ODC minibatch) from a
 generation batch's first turn through TRL's tool loop, so that each rank decodes as many turns as its own completions
 need, alone. A rank that finishes decoding first waits for the others at the rollouts' gather.
@@ -79,6 +84,7 @@ __all__ = [
     "choose_generation_mode",
     "decoding",
     "make_generator",
+    "uses_tools",
 ]
 
 GENERATION_MODES = ("static", "gathered", "sharded", "lockstep", "tensor-parallel")
@@ -169,7 +175,7 @@ def _tensor_parallel_size(model: nn.Module) -> int:
     return size
 
 
-def _uses_tools(trainer: Any) -> bool:
+def uses_tools(trainer: Any) -> bool:
     """Whether ``trainer`` generates with tools or environments (TRL's tool loop: a number of turns per rank)."""
     return bool(getattr(trainer, "tools", None) or getattr(trainer, "environments", None))
 
@@ -299,9 +305,35 @@ class _CopyGenerator(Generator):
 
 
 class StaticGenerator(_CopyGenerator):
-    """The ``"static"`` mode: TRL generates on :attr:`decoder`'s copy."""
+    """The ``"static"`` mode: TRL generates on :attr:`decoder`'s copy; with ``max_rollout_staleness=1`` also in a
+    background thread, the next generation batch (:meth:`ahead`)."""
 
     mode = "static"
+
+    def ahead(self) -> contextlib.AbstractContextManager:
+        """Called on the main thread after a refresh: the context in which another thread decodes on the copy as that
+        refresh left it, while the main thread trains (the copy decodes on this rank alone, with no collective). TRL
+        reads the model to generate with from the trainer's ``model_wrapped``, which the trainer keeps per thread
+        (:class:`~hf_odc.trainer.online._rollout_trainer._ODCRolloutTrainer`); on a GPU the thread runs on its own CUDA
+        stream, ordered after everything the main thread has queued so far (the refresh), and waits for it at the
+        end. The main thread refreshes the copy again only once the thread has ended."""
+        ready = None
+        if torch.cuda.is_available() and self.decoder.model.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return self._ahead(ready)
+
+    @contextlib.contextmanager
+    def _ahead(self, ready: torch.cuda.Event | None) -> Iterator[None]:
+        with _compat.generating_on(self.trainer, self.decoder.model):
+            if ready is None:
+                yield
+                return
+            stream = torch.cuda.Stream(self.decoder.model.device)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                yield
+            stream.synchronize()
 
 
 class TensorParallelGenerator(_CopyGenerator):
@@ -314,7 +346,7 @@ class TensorParallelGenerator(_CopyGenerator):
     loop_by_default = True  # its forward is not compiled: only the loop's graphs take the host out of each step
 
     def __init__(self, trainer: Any, dtype: torch.dtype):
-        if _uses_tools(trainer):
+        if uses_tools(trainer):
             raise ValueError(
                 "odc_generation='tensor-parallel' decodes every rank's prompts together, one generate call per turn "
                 "on every rank; with tools the ranks decode different numbers of turns. Use 'static', 'gathered' or "
@@ -358,7 +390,7 @@ def make_generator(trainer: Any) -> Generator:
     if args.use_vllm:
         return VLLMGenerator(trainer)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    device, tools = trainer.accelerator.device, _uses_tools(trainer)
+    device, tools = trainer.accelerator.device, uses_tools(trainer)
     if vision:
         mode = "gathered"
     else:

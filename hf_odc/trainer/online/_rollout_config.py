@@ -1,6 +1,8 @@
-"""The field every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with transformers,
-``odc_generation`` (:class:`_ODCRolloutConfig`), its documentation (:func:`_document_generation_fields`), and the checks
-that hold for every trainer that plans its generation batches as ODC minibatches."""
+"""The fields every online ODC trainer's config adds (GRPO, RLOO, distillation): how each rank decodes with
+transformers, ``odc_generation``, and whether the next generation batch decodes while this one trains,
+``max_rollout_staleness`` (:class:`_ODCRolloutConfig`, :func:`check_rollout_staleness`), their documentation
+(:func:`_document_generation_fields`), and the checks that hold for every trainer that plans its generation batches as
+ODC minibatches."""
 
 from __future__ import annotations
 
@@ -35,7 +37,51 @@ _GENERATION_PARAMETERS = """
             collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
             `generate` for `"static"` (the loop is faster per step there, but its first batch compiles its forward
             and records a CUDA graph per cache width: it pays over long runs, not short ones).
+        max_rollout_staleness (`int`, *optional*, defaults to `0`):
+            How many generation batches of updates the policy that decodes a generation batch may lag behind the one
+            it trains: `0`, synchronous (each batch decoded by the weights it then trains); `1`, off-policy by one
+            batch: once a generation batch's rollouts are in, each rank decodes the next batch's prompts (read ahead
+            from the data loader, the same prompts in the same order) on the `"static"` copy still holding the weights
+            that decoded this one, in a background thread (on a GPU its own CUDA stream), while this batch's scoring
+            and updates run; the next batch takes those rollouts, then refreshes the copy and starts the one after.
+            The first batch of the run, and the first of each epoch (whose prompts cannot be read ahead), decode
+            synchronously. The importance ratio of an overlapped batch is taken against the policy that decoded its
+            tokens (their log-probabilities under the copy, scored in the same thread; also the off-policy mask's
+            sampling log-probabilities), not against the current weights, which TRL's old-policy pass would score: so
+            the clip bounds the step from the behaviour policy, as in PPO. Needs `odc_generation="static"` (the only
+            mode that decodes alone on weights the update does not touch), no `tools`, environments or `rollout_func`,
+            and not vLLM. The thread seeds the process's random generator with `seed` plus the batch's index before it
+            samples: a run is reproducible where the update draws no random numbers meanwhile (no dropout).
 """
+
+
+def check_rollout_staleness(staleness: int, mode: str | None, use_vllm: bool) -> None:
+    """Raise ``ValueError``, naming what to set, where ``max_rollout_staleness`` is not 0 or 1, or is 1 with a
+    generation mode that cannot decode in the background while the update runs."""
+    if staleness not in (0, 1):
+        raise ValueError(
+            f"max_rollout_staleness must be 0 (synchronous) or 1 (the next generation batch decoded while this one "
+            f"trains), got {staleness!r}."
+        )
+    if staleness == 0:
+        return
+    if use_vllm:
+        raise ValueError(
+            "max_rollout_staleness=1 decodes the next generation batch on this rank's 'static' copy in a background "
+            "thread, not with vLLM; set use_vllm=False and odc_generation='static', or max_rollout_staleness=0."
+        )
+    why = {
+        None: "is unset (a mode chosen by device memory)",
+        "lockstep": "decodes in lockstep with the other ranks, one collective per token",
+        "tensor-parallel": "decodes with collectives that would interleave with the update's",
+        "gathered": "decodes on the policy's own weights, which the update changes",
+        "sharded": "decodes inside an ODC minibatch of the policy, which the update runs too",
+    }
+    if mode != "static":
+        raise ValueError(
+            f"max_rollout_staleness=1 decodes in a background thread while the update runs; odc_generation={mode!r} "
+            f"{why.get(mode, 'cannot')}. Set odc_generation='static', or max_rollout_staleness=0."
+        )
 
 
 def _document_generation_fields(config_class: type) -> type:
@@ -71,9 +117,20 @@ class _ODCRolloutConfig(_ODCConfig):
         },
     )
 
+    max_rollout_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "0: synchronous. 1: each rank decodes the next generation batch on the 'static' copy in a "
+            "background thread while this one trains (off-policy by one batch; the ratio is taken against the "
+            "policy that decoded it). Needs odc_generation='static'.",
+            "choices": [0, 1],
+        },
+    )
+
     def __post_init__(self):
         trainer = type(self).__name__.removesuffix("Config") + "Trainer"
         check_generation_mode(self.odc_generation, self.use_vllm)
+        check_rollout_staleness(self.max_rollout_staleness, self.odc_generation, self.use_vllm)
         if getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError(
                 f"{trainer} generates with transformers' generate(), in lockstep across the sharded ranks; "

@@ -18,6 +18,13 @@ Hook by hook (the step loop, sharding, ODC, the timings, bounded collectives and
   and runs the deferred passes the trainer asks for (:meth:`_deferred_passes`) on its own packed microbatches inside
   forward-only minibatches, then the trainer's :meth:`_after_scoring`. Each optimizer step then takes its planned
   minibatch. Evaluation is TRL's.
+* ``get_batch_samples``, ``model_wrapped``, ``train``: with ``max_rollout_staleness=1``
+  (:mod:`hf_odc.trainer.online._overlap`), the Trainer's loader is read ahead for the next generation batch's prompts,
+  which :meth:`_decode_ahead` starts decoding in a background thread on the static copy once a batch is planned;
+  ``_generate_single_turn`` takes its result, and the batch's ratio is against the behaviour log-probabilities scored
+  there (no old-policy pass). ``model_wrapped`` is kept per thread, so that TRL's generation in the thread reads the
+  copy while the main thread reads the policy; the run's end waits for the thread within the ODC timeout (a failed
+  run does not).
 
 The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``) adds its loss
 (``_microbatch_loss``), its metrics and the two hooks above.
@@ -26,6 +33,8 @@ The trainer (``ODCGRPOTrainer``, ``ODCRLOOTrainer``, ``ODCDistillationTrainer``)
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -40,7 +49,8 @@ from ..core._base_trainer import _ODCTrainer
 from ..core._quiet import without_checkpointing_alias_warning, without_ignored_model_init_kwargs_warning
 from ..core._reference import shard_reference
 from ..core.vision import check_vision_model
-from ..generation.modes import make_generator
+from ..generation.modes import make_generator, uses_tools
+from ._overlap import Lookahead, Prefetch, behaviour_log_probs
 from ._vision_rollouts import rollout_images
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
@@ -59,6 +69,11 @@ class _ODCRolloutTrainer(_ODCTrainer):
     def __init__(self, model: Any, args: Any, **kwargs: Any):
         self._deferring_scores = False
         self._completion_lengths: list[int] = []
+        # max_rollout_staleness=1: the batch decoded ahead, the loader read ahead, and the behaviour log-probabilities
+        # of the batch taken from the thread (None for a batch decoded synchronously)
+        self._owner_thread, self._this_thread = threading.get_ident(), threading.local()
+        self._prefetch, self._lookahead = Prefetch(), Lookahead(iter(()))
+        self._behaviour_logps: list[torch.Tensor] | None = None
         quiet = contextlib.nullcontext()
         if args.model_init_kwargs is None and self._loads_a_model(model, args, kwargs):
             args.model_init_kwargs = whole_model_kwargs(None)
@@ -91,14 +106,48 @@ class _ODCRolloutTrainer(_ODCTrainer):
         self._ref_odc = shard_reference(self)
         self._generator = make_generator(self)
         self._generation_index = 0
+        if self.args.max_rollout_staleness and (uses_tools(self) or getattr(self, "rollout_func", None) is not None):
+            raise ValueError(
+                f"{type(self).__name__}: max_rollout_staleness=1 decodes each generation batch in one call on the "
+                "'static' copy, ahead; tools, environments and a rollout_func generate otherwise. Set "
+                "max_rollout_staleness=0."
+            )
+
+    @property
+    def model_wrapped(self) -> Any:
+        """The Trainer's outermost model, as the thread that built the trainer set it; in another thread (the one
+        decoding ahead with ``max_rollout_staleness=1``), what that thread set (the decoding copy), so that TRL's
+        generation there never changes the model the main thread sees."""
+        mine = getattr(self._this_thread, "model_wrapped", None)
+        return self.__dict__.get("_model_wrapped") if mine is None else mine
+
+    @model_wrapped.setter
+    def model_wrapped(self, model: Any) -> None:
+        if threading.get_ident() == self._owner_thread:
+            self.__dict__["_model_wrapped"] = model
+        else:
+            self._this_thread.model_wrapped = model
 
     def end(self) -> None:
         """Release ODC, end the generation mode (a colocated vLLM engine is shut down: before the process groups go,
         else its exit-time teardown fails on every rank), then finish the trackers and destroy the process group (if
         the engine has not). Collective: call it once, on every rank, at the end."""
+        self._prefetch.close(self.odc.plugin.timeout)
         self.close_odc()
         self._generator.end()
         self.accelerator.end_training()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The shared ``train``; a generation batch still decoding ahead at its end is waited for, within the ODC
+        timeout, and dropped; on a failure (a dead peer among them) it is dropped at once, its daemon thread left to
+        end with the process, so that the error is raised within the timeout."""
+        try:
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            self._prefetch.close(0.0)
+            raise
+        self._prefetch.close(self.odc.plugin.timeout)
+        return result
 
     # -- the hooks a rollout trainer supplies -------------------------------------------------------------------------
 
@@ -124,7 +173,9 @@ class _ODCRolloutTrainer(_ODCTrainer):
 
     def _generate(self, prompts: list) -> tuple:
         """TRL's, inside the generation mode's :meth:`~hf_odc.trainer.generation.modes.Generator.generation_batch`,
-        recording each completion's true length (TRL pads them to the longest)."""
+        recording each completion's true length (TRL pads them to the longest). A batch decoding ahead is waited for
+        first: the refresh writes the copy it decodes on."""
+        self._prefetch.wait()
         with self._generator.generation_batch():
             result = super()._generate(prompts)
         self._completion_lengths = [len(ids) for ids in result[1]]
@@ -134,7 +185,12 @@ class _ODCRolloutTrainer(_ODCTrainer):
         """TRL's, decoded on this rank alone in the run's generation mode, or by vLLM. With tools, the turns' decoding
         context (one forward-only ODC minibatch, or the gathered weights) is entered at the first turn and held
         through TRL's tool loop (:meth:`_tool_call_loop`), so that each rank decodes as many turns as its own
-        completions need, alone, and meets the others once per generation batch."""
+        completions need, alone, and meets the others once per generation batch. With ``max_rollout_staleness=1``, the
+        turn decoded ahead for these very arguments is taken instead (:meth:`_decode_ahead`)."""
+        ahead = self._prefetch.take((args, kwargs))
+        if ahead is not None:
+            result, self._behaviour_logps = ahead
+            return result
         self._generator.hold_turns()
         try:
             return super()._generate_single_turn(*args, **kwargs)
@@ -179,7 +235,56 @@ class _ODCRolloutTrainer(_ODCTrainer):
         if first % (per_generation * self._iterations_per_generation()) == 0 or self._buffered_inputs is None:
             with self.odc.bounded("generation and scoring"):
                 self._buffered_inputs = self._generate_and_plan(window[0])
+            if self.args.max_rollout_staleness:
+                self._decode_ahead()
         return self._buffered_inputs[(first % per_generation) // self.args.gradient_accumulation_steps]
+
+    # -- max_rollout_staleness=1 --------------------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple:
+        """The Trainer's, reading ahead with ``max_rollout_staleness=1`` until the next generation batch's prompts are
+        held (:class:`~hf_odc.trainer.online._overlap.Lookahead`: the loop still takes every item in order)."""
+        if not self.args.max_rollout_staleness:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._lookahead.source is not epoch_iterator:  # a new epoch: nothing of the last one is left ahead
+            self._lookahead = Lookahead(epoch_iterator)
+        samples = super().get_batch_samples(self._lookahead, num_batches, device)
+        self._lookahead.fill(self._calls_per_generation() - self.args.gradient_accumulation_steps + 1)
+        return samples
+
+    def _calls_per_generation(self) -> int:
+        """Calls of ``training_step`` one generation batch serves (TRL's ``steps_per_generation * num_iterations``)."""
+        return self._steps_per_generation() * self._iterations_per_generation()
+
+    def _decode_ahead(self) -> None:
+        """After a generation batch's rollouts are in, the copy refreshed to the weights this batch trains from: start
+        decoding the next batch's prompts, read ahead from the loader, in a background thread on the copy
+        (:meth:`~hf_odc.trainer.generation.modes.StaticGenerator.ahead`), their behaviour log-probabilities scored there
+        too; nothing when the run ends first or this epoch's loader holds no next batch."""
+        steps = self._calls_per_generation() // self.args.gradient_accumulation_steps
+        following = self._lookahead.peek(self._calls_per_generation() - self.args.gradient_accumulation_steps)
+        if following is None or self.state.global_step + steps >= self.state.max_steps:
+            return
+        prompt_ids, images, multimodal_fields = _compat.tokenized_prompts(
+            self, copy.deepcopy([x["prompt"] for x in following])
+        )
+        args = self._single_turn_arguments(prompt_ids, images, multimodal_fields)
+        context, temperature = self._generator.ahead(), self.args.temperature
+        parent, seed = super(), self.args.seed + self._generation_index
+
+        def decode() -> tuple[Any, list[torch.Tensor]]:
+            torch.manual_seed(seed)  # a reproducible run where the update draws no random numbers meanwhile
+            with context:
+                result = parent._generate_single_turn(*args)
+                completion_ids = result[0] if isinstance(result, tuple) else result
+                logps = behaviour_log_probs(self._generator.decoder.model, prompt_ids, completion_ids, temperature)
+            return result, logps
+
+        self._prefetch.start((args, {}), decode)
+
+    def _single_turn_arguments(self, prompt_ids: list, images: Any, multimodal_fields: dict) -> tuple:
+        """The positional arguments TRL's ``_generate`` passes its ``_generate_single_turn`` in training."""
+        return (prompt_ids, images, multimodal_fields)
 
     def _generate_and_plan(self, generation_batch: list[dict[str, Any]]) -> list[RolloutStep]:
         """Generate and score with TRL, gather the rollouts, plan every minibatch of the generation batch, pack this
@@ -193,6 +298,11 @@ class _ODCRolloutTrainer(_ODCTrainer):
             torch.cuda.synchronize()
         metrics["generation_s"].append(time.perf_counter() - started)
         local = Rollouts.from_scored(scored, self._completion_lengths)
+        behaviour, self._behaviour_logps = self._behaviour_logps, None
+        if args.max_rollout_staleness:
+            metrics["rollout_staleness"].append(float(behaviour is not None))
+        if behaviour is not None:  # decoded ahead: the policy that sampled it is one batch older than this one
+            local.sampling_logps = [logps[:n] for logps, n in zip(behaviour, self._completion_lengths, strict=True)]
         if self._rope_index is not None:
             local.images = rollout_images(scored, local.prompt_ids, local.completion_ids, self._rope_index)
         rollouts = gather_rollouts(local)
@@ -208,6 +318,10 @@ class _ODCRolloutTrainer(_ODCTrainer):
         self._generation_index += 1
         microbatches = [microbatch for step in planned for microbatch in step.microbatches]
         passes = self._deferred_passes(scored)
+        if behaviour is not None:  # the ratio against the behaviour policy, in place of the current one's pass
+            passes = [p for p in passes if p[3] != "old_logps"]
+            for microbatch in microbatches:
+                microbatch["loss"]["old_logps"] = microbatch["loss"]["sampling_logps"]
         if passes:
             metrics["scoring_s"].append(sum(self._score_rollouts(*p[:3], microbatches, p[3]) for p in passes))
         self._after_scoring(rollouts, planned)

@@ -86,6 +86,10 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
             passes.append((*reference_of(self), "ref_logps"))
         return passes
 
+    def _single_turn_arguments(self, prompt_ids: list, images: Any, multimodal_fields: dict) -> tuple:
+        """TRL's training call passes the group size too."""
+        return (prompt_ids, images, multimodal_fields, self.num_generations)
+
     def _plan_step(self, window: list[Any]) -> RolloutStep:
         """The rollout trainer's, then with ``top_entropy_quantile < 1`` the step's high-entropy token mask."""
         step = super()._plan_step(window)
