@@ -50,6 +50,33 @@ def test_static_decoding_with_staleness_one_is_accepted(tmp_path):
     assert _config(tmp_path, odc_generation="static", max_rollout_staleness=1).max_rollout_staleness == 1
 
 
+def test_with_checkpointing_the_checkpoints_leave_the_random_generators_alone(tmp_path):
+    """A recomputation would rewind the generators the thread decoding ahead samples from: staleness 1 turns
+    ``preserve_rng_state`` off in the checkpointing kwargs (under both transformers names), and refuses it on."""
+    config = _config(tmp_path, odc_generation="static", max_rollout_staleness=1, gradient_checkpointing=True)
+    for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        if hasattr(config, name):
+            assert getattr(config, name)["preserve_rng_state"] is False, name
+    kept = _config(tmp_path, odc_generation="static", gradient_checkpointing=True)
+    assert "preserve_rng_state" not in (kept.gradient_checkpointing_kwargs or {})
+    with pytest.raises(ValueError, match=r"preserve_rng_state=True rewinds .* set max_rollout_staleness=0") as raised:
+        _config(tmp_path, odc_generation="static", max_rollout_staleness=1, gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"preserve_rng_state": True})  # fmt: skip
+    assert "\n" not in str(raised.value)
+
+
+def test_a_policy_with_dropout_is_refused_under_checkpointing(tmp_path):
+    """Without the generators' state restored, a dropout mask would be recomputed otherwise than drawn."""
+    tokenizer = build_tokenizer()
+    model = _model(tokenizer)
+    model.config.attention_dropout = 0.1
+    args = _config(tmp_path, odc_generation="static", max_rollout_staleness=1, gradient_checkpointing=True,
+                   report_to="none", use_cpu=True, max_completion_length=6)  # fmt: skip
+    with pytest.raises(ValueError, match=r"dropout to 0, turn off gradient checkpointing, or set max_rollout_st"):
+        ODCGRPOTrainer(model=model, reward_funcs=_content_reward, args=args,
+                       train_dataset=prompt_dataset(8, 6, "swe-smith", seed=0), processing_class=tokenizer)  # fmt: skip
+
+
 def _model(tokenizer) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     special = {name: getattr(tokenizer, name) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}

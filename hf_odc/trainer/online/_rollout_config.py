@@ -51,7 +51,9 @@ _GENERATION_PARAMETERS = """
             the clip bounds the step from the behaviour policy, as in PPO. Needs `odc_generation="static"` (the only
             mode that decodes alone on weights the update does not touch), no `tools`, environments or `rollout_func`,
             and not vLLM. The thread seeds the process's random generator with `seed` plus the batch's index before it
-            samples: a run is reproducible where the update draws no random numbers meanwhile (no dropout).
+            samples: a run is reproducible where the update draws no random numbers meanwhile. Under activation
+            checkpointing the checkpoints then leave the random generators alone (`preserve_rng_state=False`: their
+            recomputation would rewind the generators the thread samples from), and a policy with dropout is refused.
 """
 
 
@@ -144,10 +146,29 @@ class _ODCRolloutConfig(_ODCConfig):
                 f"({self.gradient_accumulation_steps}); leave steps_per_generation unset (it defaults to "
                 "gradient_accumulation_steps) or set a multiple of it."
             )
+        if self.max_rollout_staleness and self.checkpoints_activations:
+            self._checkpoint_without_rng_state()
         # The policy given by name and the reference model are loaded whole on every rank. Unset, the trainer sets them
         # when it loads a model, so that TRL does not warn they are ignored when it does not.
         if self.model_init_kwargs is not None:
             self.model_init_kwargs = whole_model_kwargs(self.model_init_kwargs)
+
+    def _checkpoint_without_rng_state(self) -> None:
+        """Checkpoints that leave the random generators alone (``preserve_rng_state=False``): a recomputation restores
+        the state its forward saw, then the one before it, while the thread decoding ahead samples from the same
+        generators, which would draw numbers it drew before. Nothing in the recomputation needs the state (the trainer
+        refuses a policy with dropout: :meth:`~hf_odc.trainer.online._rollout_trainer._ODCRolloutTrainer.__init__`)."""
+        for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+            if not hasattr(self, name):
+                continue
+            kwargs = dict(getattr(self, name) or {"use_reentrant": False})
+            if kwargs.get("preserve_rng_state"):
+                raise ValueError(
+                    f"max_rollout_staleness=1 samples in a background thread from the random generators that "
+                    f"{name}' preserve_rng_state=True rewinds at every recomputation; unset it, or set "
+                    "max_rollout_staleness=0."
+                )
+            setattr(self, name, {**kwargs, "preserve_rng_state": False})
 
     def max_tokens_for(self, longest_sample: int) -> int:
         """Tokens one packed microbatch of rollouts may hold: with neither ``max_tokens_per_microbatch`` nor

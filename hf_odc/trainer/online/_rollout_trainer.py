@@ -112,6 +112,13 @@ class _ODCRolloutTrainer(_ODCTrainer):
                 "'static' copy, ahead; tools, environments and a rollout_func generate otherwise. Set "
                 "max_rollout_staleness=0."
             )
+        if self.args.max_rollout_staleness and self.args.checkpoints_activations and _drops_out(self.model):
+            raise ValueError(
+                f"{type(self).__name__}: with max_rollout_staleness=1 the activation checkpoints do not restore the "
+                "random generators (the thread decoding ahead samples from them), so a policy with dropout would "
+                "recompute other masks than its forward drew. Set the model's dropout to 0, turn off gradient "
+                "checkpointing, or set max_rollout_staleness=0."
+            )
 
     @property
     def model_wrapped(self) -> Any:
@@ -344,3 +351,12 @@ class _ODCRolloutTrainer(_ODCTrainer):
             microbatch["loss"][key] = getattr(outputs, output)[0][inputs["loss"]["token_index"]].float()
 
         return self._forward_only(model, runtime, microbatches, store, (context,))
+
+
+def _drops_out(model: nn.Module) -> bool:
+    """Whether ``model`` draws dropout masks in training: a dropout module with a positive rate, or attention dropout
+    (transformers applies it inside the attention function, from the config)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config.get_text_config(), "attention_dropout", 0.0):
+        return True
+    return any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules())
