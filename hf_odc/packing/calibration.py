@@ -350,8 +350,9 @@ def _within_noise(
     tell noise from speed and the prior alone sets ``sigma``. A deviation's standard error ``se`` is ``sigma`` times
     that of a rank's log-speed less the ranks' mean in the fit linearised about its solution (:func:`_speed_error`):
     it grows where the coefficients could explain the same times, as when one rank ran the small microbatches. The
-    deviation ``d`` is kept as ``d * max(0, 1 - (_SHRINK_SES * se / d) ** 2)`` (a non-negative garrote): whole when
-    it is many standard errors, none of it within :data:`_SHRINK_SES` of them."""
+    deviation ``d`` is kept as ``d * max(0, 1 - (_SHRINK_SES * se / d) ** 4)``: none of it within :data:`_SHRINK_SES`
+    standard errors, and nearly whole beyond twice that (the fourth power, not a garrote's square, so that a straggler
+    on noisy times is not planned as less slow than it is)."""
     measured = [rank for rank in range(len(speeds)) if (rows & (ranks == rank)).any()]
     if len(measured) < 2:
         return speeds
@@ -373,7 +374,7 @@ def _within_noise(
             shrunk[rank] = math.exp(centre)
         elif deviation != 0.0:
             se = math.sqrt(variance * error)
-            shrunk[rank] = math.exp(centre + deviation * max(0.0, 1.0 - (_SHRINK_SES * se / deviation) ** 2))
+            shrunk[rank] = math.exp(centre + deviation * max(0.0, 1.0 - (_SHRINK_SES * se / deviation) ** 4))
     return shrunk * (len(shrunk) / _exact_sum(shrunk))
 
 
@@ -381,21 +382,29 @@ def _speed_error(
     gradients: np.ndarray, ranks: np.ndarray, keep: np.ndarray, rows: np.ndarray, measured: list[int]
 ) -> list[float | None]:
     """Per rank of ``measured``, the variance (in units of one sample's) of its log-speed less the ranks' mean, in the
-    least squares of the log-times linearised about the fit: ``gradients`` (a kept row's derivatives of its log-time
-    by the active coefficients' logs), and a log-speed per rank on ``rows``, the first rank's pinned at 0 (only
-    differences are measured). ``None`` for every rank where the system is singular."""
-    columns = [gradients[keep][:, j] for j in range(gradients.shape[1])]
-    columns += [-(rows & (ranks == rank))[keep].astype(np.float64) for rank in measured[1:]]
-    gram = [[_exact_sum(a * b) for b in columns] for a in columns]
-    free, errors = len(columns) - len(measured) + 1, []
-    for index in range(len(measured)):
-        contrast = [0.0] * free + [-1.0 / len(measured)] * (len(measured) - 1)
-        if index > 0:
-            contrast[free + index - 1] += 1.0
-        solution = _solve(gram, contrast)
+    least squares of the log-times linearised about the fit: ``gradients`` (a row's derivatives of its log-time by the
+    active coefficients' logs) on the ``keep`` rows, and a log-speed per rank on ``rows``, the first rank's pinned at
+    0 (only differences are measured). ``None`` for every rank where the system is singular.
+
+    The speeds' block of the normal equations is diagonal (a rank's count of rows), so they are eliminated in closed
+    form (the Schur complement) and only a system of the coefficients' size is solved, whatever the world size."""
+    free = measured[1:]
+    kept = gradients[keep]
+    coefficients = range(gradients.shape[1])
+    counts = {rank: float((rows & (ranks == rank)).sum()) for rank in free}
+    sums = {rank: [_exact_sum(gradients[rows & (ranks == rank), j]) for j in coefficients] for rank in free}
+    # the coefficients' block less what the speeds explain: A - sum_r b_r b_r^T / n_r, b_r = -sums[rank]
+    schur = [[_exact_sum(kept[:, i] * kept[:, j]) - math.fsum(sums[r][i] * sums[r][j] / counts[r] for r in free)
+              for j in coefficients] for i in coefficients]  # fmt: skip
+    errors = []
+    for rank in measured:
+        contrast = {other: (other == rank) - 1.0 / len(measured) for other in free}
+        coupling = [-math.fsum(sums[r][j] * contrast[r] / counts[r] for r in free) for j in coefficients]
+        solution = _solve(schur, coupling) if coupling else []
         if solution is None:
             return [None] * len(measured)
-        errors.append(max(0.0, math.fsum(c * v for c, v in zip(contrast, solution, strict=True))))
+        own = math.fsum(contrast[r] ** 2 / counts[r] for r in free)
+        errors.append(max(0.0, own + math.fsum(c * v for c, v in zip(coupling, solution, strict=True))))
     return errors
 
 

@@ -141,17 +141,17 @@ def test_bad_expert_counts_are_refused():
 # before the fit stops and a rank's speed is kept only beyond the noise pooled over all ranks, which leaves the three
 # equal ranks' speeds equal): the same measured steps give the same coefficients, speeds and plans, bit for bit.
 _DENSE_COEFFICIENTS = {
-    "linear": 1.9378743798547256e-05,
-    "quadratic": 3.96419533144498e-10,
-    "per_sequence": 0.01640114266099326,
-    "per_microbatch": 0.015339450575037234,
+    "linear": 1.9200481538649622e-05,
+    "quadratic": 3.9883910589736356e-10,
+    "per_sequence": 0.010519883396633001,
+    "per_microbatch": 0.023329412493103868,
 }
-_DENSE_SPEEDS = (0.8101910594478962, 1.0632696468507012, 1.0632696468507012, 1.0632696468507012)
+_DENSE_SPEEDS = (0.8091725423674331, 1.063609152544189, 1.063609152544189, 1.063609152544189)
 _DENSE_LAST_PLAN = [
-    [[7], [15], [9], [13]],
-    [[16, 19], [18, 22], [0], [4], [3], [5]],
-    [[10], [12], [14], [21], [2], [17]],
-    [[11], [1], [23], [6], [8], [20]],
+    [[10], [21], [8], [9], [5]],
+    [[15], [16, 19], [0], [3], [13], [22]],
+    [[7], [18, 20], [23], [6], [14]],
+    [[11], [1], [12], [2], [4], [17]],
 ]
 
 
