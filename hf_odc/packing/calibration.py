@@ -352,7 +352,8 @@ def _within_noise(
     it grows where the coefficients could explain the same times, as when one rank ran the small microbatches. The
     deviation ``d`` is kept as ``d * max(0, 1 - (_SHRINK_SES * se / d) ** 4)``: none of it within :data:`_SHRINK_SES`
     standard errors, and nearly whole beyond twice that (the fourth power, not a garrote's square, so that a straggler
-    on noisy times is not planned as less slow than it is)."""
+    on noisy times is not planned as less slow than it is). Where the samples cannot tell the speeds from the
+    coefficients at all (a singular system), every rank gets the median."""
     measured = [rank for rank in range(len(speeds)) if (rows & (ranks == rank)).any()]
     if len(measured) < 2:
         return speeds
@@ -370,7 +371,7 @@ def _within_noise(
     shrunk = speeds.copy()
     for rank, log, error in zip(measured, logs, errors, strict=True):
         deviation = log - centre
-        if error is None:  # the samples cannot tell this rank's speed from the coefficients: it keeps the median
+        if error is None:  # the samples cannot tell the speeds from the coefficients: every rank keeps the median
             shrunk[rank] = math.exp(centre)
         elif deviation != 0.0:
             se = math.sqrt(variance * error)
@@ -391,8 +392,9 @@ def _speed_error(
     free = measured[1:]
     kept = gradients[keep]
     coefficients = range(gradients.shape[1])
-    counts = {rank: float((rows & (ranks == rank)).sum()) for rank in free}
-    sums = {rank: [_exact_sum(gradients[rows & (ranks == rank), j]) for j in coefficients] for rank in free}
+    mine = {rank: gradients[rows & (ranks == rank)] for rank in free}
+    counts = {rank: float(len(mine[rank])) for rank in free}
+    sums = {rank: [_exact_sum(mine[rank][:, j]) for j in coefficients] for rank in free}
     # the coefficients' block less what the speeds explain: A - sum_r b_r b_r^T / n_r, b_r = -sums[rank]
     schur = [[_exact_sum(kept[:, i] * kept[:, j]) - math.fsum(sums[r][i] * sums[r][j] / counts[r] for r in free)
               for j in coefficients] for i in coefficients]  # fmt: skip
