@@ -14,7 +14,12 @@ neighbour, an older card), which LB-Mini then gives less (``lb_mini(..., speeds=
 
 The fit minimises the squared *relative* error (long and short microbatches count alike), drops outliers (the first
 steps' compilation, a hiccup: more than ``_OUTLIER_MADS`` median absolute deviations off) and alternates between the
-coefficients and the speeds, which are each rank's predicted over measured seconds on its recent samples.
+coefficients and the speeds, which are each rank's predicted over measured seconds on its recent samples, until the
+speeds settle. A rank's speed is then kept only as far from the others' as it stands out of the measurement noise
+pooled over every rank's samples (:func:`_within_noise`): a rank that runs one or two short microbatches a step (the
+short-row trainers) has too few samples to show its own noise, and their noise, taken for a speed, would move work
+off a rank that is not slower; the noise of all ranks' samples together, with a prior where they are too few, still
+tells a real straggler, many of its standard errors off, at the first fit.
 
 A plan is made before its microbatches run, so the expert term is planned with a prediction of the active pairs from
 the microbatch's tokens, whose one parameter (``expert_scale``, see :class:`~hf_odc.packing.CalibratedCost`) is
@@ -50,9 +55,13 @@ FEATURES = ("per_microbatch", "per_sequence", "linear", "quadratic", "per_expert
 
 _FORMAT = "hf_odc.calibration/1"
 _CURVE = ("expert_slots", "expert_scale")  # the expert term's prediction of active pairs, saved beside the features
-_ROUNDS = 6  # alternations of coefficients, speeds and outlier trimming
+_ROUNDS = 30  # most alternations of coefficients, speeds and outlier trimming
+_CONVERGED = 1e-6  # ... stopped once no speed moves by more than this share and the kept samples stay
 _OUTLIER_MADS = 4.0  # a sample this many scaled median absolute deviations off the median relative error is dropped
 _NOISE_FLOOR = 0.02  # ... but never one within 2% of it
+_PRIOR_NOISE = 0.04  # a microbatch's relative time noise assumed before residuals show it (_within_noise)
+_PRIOR_WEIGHT = 2.0  # ... counted as this many samples' residuals
+_SHRINK_SES = 3.0  # a rank's speed deviation within this many standard errors of the noise is dropped
 _SINGULAR = 1e-12  # a pivot this small (relative to the diagonal) makes a subset of the coefficients unidentifiable
 
 
@@ -99,7 +108,10 @@ class Calibration:
 
         Speeds are estimated from the ``recent`` samples only (default: all), so that a rank that slows down or
         recovers is followed without forgetting the coefficients; a rank with no recent sample keeps its starting
-        speed from ``speeds`` (default 1).
+        speed from ``speeds`` (default 1). A rank's speed differs from the others' only by what stands out of the
+        noise of all ranks' samples (see the module's docstring): equal devices with a few microbatches each stay at
+        1, and with one microbatch a rank, where no residual shows the noise, only a gap well beyond the prior noise
+        (a slowed or older device) is kept.
         """
         x = np.asarray(features, dtype=np.float64)
         t = np.asarray(seconds, dtype=np.float64)
@@ -127,14 +139,18 @@ class Calibration:
         for _ in range(_ROUNDS):
             coefficients = _nnls(x[keep], t[keep] * rank_speeds[r[keep]])
             predicted = _predict(x, coefficients)  # seconds at speed 1
+            settled = rank_speeds
             rank_speeds = _speeds(predicted, t, r, keep & recent_rows, rank_speeds)
+            moved = float(np.max(np.abs(rank_speeds / settled - 1.0)))
             relative = predicted / (t * rank_speeds[r]) - 1.0
             centre = float(np.median(relative[keep]))
             spread = float(np.median(np.abs(relative[keep] - centre)))
             kept = np.abs(relative - centre) <= max(_OUTLIER_MADS * 1.4826 * spread, _NOISE_FLOOR)
-            if kept.sum() < used or (kept == keep).all():
+            if kept.sum() < used or ((kept == keep).all() and moved <= _CONVERGED):
                 break
             keep = kept
+        coefficients = _nnls(x[keep], t[keep] * rank_speeds[r[keep]])
+        rank_speeds = _within_noise(x, coefficients, t, r, keep, keep & recent_rows, rank_speeds)
         coefficients = _nnls(x[keep], t[keep] * rank_speeds[r[keep]])
         relative = _predict(x, coefficients) / (t * rank_speeds[r]) - 1.0
         scale = _expert_scale(x[:, 2], x[:, -1], expert_slots)
@@ -183,7 +199,10 @@ class Calibrator:
 
     Every rank feeds it the same gathered samples (:meth:`record`) and so holds the same :attr:`calibration`. The
     first ``warmup`` steps are not recorded (compilation, allocator growth); no fit is made before ``min_steps`` steps
-    and ``min_samples`` microbatches. Speeds follow the last ``speed_window`` steps. A refit is a few milliseconds
+    and ``min_samples`` microbatches. Speeds follow the last ``speed_window`` steps, each rank's kept only as far
+    from the others' as it stands out of the noise pooled over all ranks' samples (:meth:`Calibration.fit`), so that
+    a rank's noise on one or two microbatches a step is not planned in as a speed while a straggler is caught at the
+    first fit. A refit is a few milliseconds
     (exact sums over at most ``window`` steps' microbatches). ``frozen`` keeps ``initial`` as it is.
 
     Args:
@@ -309,6 +328,86 @@ def _speeds(
         if mine.any():
             speeds[rank] = _exact_sum(predicted[mine]) / _exact_sum(seconds[mine])
     return speeds * (len(speeds) / _exact_sum(speeds))
+
+
+def _within_noise(
+    x: np.ndarray,
+    coefficients: Sequence[float],
+    seconds: np.ndarray,
+    ranks: np.ndarray,
+    keep: np.ndarray,
+    rows: np.ndarray,
+    speeds: np.ndarray,
+) -> np.ndarray:
+    """``speeds`` (each rank's own ratio on ``rows``, :func:`_speeds`) with each rank's log-speed deviation from the
+    ranks' median kept only as far as it stands out of the measurement noise pooled over every rank's samples,
+    normalised to average 1.
+
+    The noise ``sigma`` of a microbatch's log-time is the residual variance of ``rows`` against the model at each
+    rank's own speed (so that a slow rank's slowness is not counted as noise), over their degrees of freedom (less
+    one per rank's speed and the coefficients' share of them), with the prior :data:`_PRIOR_NOISE` counted as
+    :data:`_PRIOR_WEIGHT` residuals: with one microbatch a rank, or as many samples as parameters, residuals cannot
+    tell noise from speed and the prior alone sets ``sigma``. A deviation's standard error ``se`` is ``sigma`` times
+    that of a rank's log-speed less the ranks' mean in the fit linearised about its solution (:func:`_speed_error`):
+    it grows where the coefficients could explain the same times, as when one rank ran the small microbatches. The
+    deviation ``d`` is kept as ``d * max(0, 1 - (_SHRINK_SES * se / d) ** 4)``: none of it within :data:`_SHRINK_SES`
+    standard errors, and nearly whole beyond twice that (the fourth power, not a garrote's square, so that a straggler
+    on noisy times is not planned as less slow than it is). Where the samples cannot tell the speeds from the
+    coefficients at all (a singular system), every rank gets the median."""
+    measured = [rank for rank in range(len(speeds)) if (rows & (ranks == rank)).any()]
+    if len(measured) < 2:
+        return speeds
+    predicted = _predict(x, coefficients)
+    residuals = [math.log(p / (t * speeds[rank])) for p, t, rank in
+                 zip(predicted[rows].tolist(), seconds[rows].tolist(), ranks[rows].tolist(), strict=True)]  # fmt: skip
+    active = [column for column, coefficient in enumerate(coefficients) if coefficient > 0]
+    parameters = len(measured) - 1 + len(active) * len(residuals) / int(keep.sum())
+    degrees = max(0.0, len(residuals) - parameters)
+    variance = (_PRIOR_WEIGHT * _PRIOR_NOISE**2 + math.fsum(e * e for e in residuals)) / (_PRIOR_WEIGHT + degrees)
+    logs = [math.log(speeds[rank]) for rank in measured]
+    centre = float(np.median(logs))
+    gradients = x[:, active] * np.asarray(coefficients)[active] / predicted[:, None]
+    errors = _speed_error(gradients, ranks, keep, rows, measured)
+    shrunk = speeds.copy()
+    for rank, log, error in zip(measured, logs, errors, strict=True):
+        deviation = log - centre
+        if error is None:  # the samples cannot tell the speeds from the coefficients: every rank keeps the median
+            shrunk[rank] = math.exp(centre)
+        elif deviation != 0.0:
+            se = math.sqrt(variance * error)
+            shrunk[rank] = math.exp(centre + deviation * max(0.0, 1.0 - (_SHRINK_SES * se / deviation) ** 4))
+    return shrunk * (len(shrunk) / _exact_sum(shrunk))
+
+
+def _speed_error(
+    gradients: np.ndarray, ranks: np.ndarray, keep: np.ndarray, rows: np.ndarray, measured: list[int]
+) -> list[float | None]:
+    """Per rank of ``measured``, the variance (in units of one sample's) of its log-speed less the ranks' mean, in the
+    least squares of the log-times linearised about the fit: ``gradients`` (a row's derivatives of its log-time by the
+    active coefficients' logs) on the ``keep`` rows, and a log-speed per rank on ``rows``, the first rank's pinned at
+    0 (only differences are measured). ``None`` for every rank where the system is singular.
+
+    The speeds' block of the normal equations is diagonal (a rank's count of rows), so they are eliminated in closed
+    form (the Schur complement) and only a system of the coefficients' size is solved, whatever the world size."""
+    free = measured[1:]
+    kept = gradients[keep]
+    coefficients = range(gradients.shape[1])
+    mine = {rank: gradients[rows & (ranks == rank)] for rank in free}
+    counts = {rank: float(len(mine[rank])) for rank in free}
+    sums = {rank: [_exact_sum(mine[rank][:, j]) for j in coefficients] for rank in free}
+    # the coefficients' block less what the speeds explain: A - sum_r b_r b_r^T / n_r, b_r = -sums[rank]
+    schur = [[_exact_sum(kept[:, i] * kept[:, j]) - math.fsum(sums[r][i] * sums[r][j] / counts[r] for r in free)
+              for j in coefficients] for i in coefficients]  # fmt: skip
+    errors = []
+    for rank in measured:
+        contrast = {other: (other == rank) - 1.0 / len(measured) for other in free}
+        coupling = [-math.fsum(sums[r][j] * contrast[r] / counts[r] for r in free) for j in coefficients]
+        solution = _solve(schur, coupling) if coupling else []
+        if solution is None:
+            return [None] * len(measured)
+        own = math.fsum(contrast[r] ** 2 / counts[r] for r in free)
+        errors.append(max(0.0, own + math.fsum(c * v for c, v in zip(coupling, solution, strict=True))))
+    return errors
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> list[float]:

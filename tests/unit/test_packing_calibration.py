@@ -234,3 +234,44 @@ def test_speeds_are_only_used_by_lb_mini_under_odc(balance, sync):
     planner = MinibatchPlanner(balance, 2, sync, TokenCost(), Calibrator(2, initial=Calibration(TRUE, (1.5, 0.5))))
     assert planner.speeds is None
     assert planner.cost_for(1000) == TRUE.amortised(1000), "the calibrated cost is used all the same"
+
+
+# --- speeds within noise ---------------------------------------------------------------------------------------------
+
+
+def _short_rows(speeds, per_rank, noise, seed):
+    """``per_rank`` short-row microbatches a rank (4-12 sequences of 100-600 tokens, as the preference and reward
+    trainers pack them): ``lengths[rank][m]`` and ``seconds[rank][m]``, with multiplicative noise ``noise``."""
+    rng = np.random.default_rng(seed)
+    lengths = [[rng.integers(100, 600, size=rng.integers(4, 13)).tolist() for _ in range(per_rank)] for _ in speeds]
+    seconds = [[_seconds(mb, speed) * (1 + noise * rng.standard_normal()) for mb in mbs]
+               for mbs, speed in zip(lengths, speeds, strict=True)]  # fmt: skip
+    return lengths, seconds
+
+
+@pytest.mark.parametrize(
+    ("world_size", "per_rank", "noise"), [(2, 3, 0.03), (4, 1, 0.05), (4, 2, 0.02), (8, 1, 0.03), (8, 3, 0.02)]
+)
+def test_equal_ranks_with_few_noisy_microbatches_keep_equal_speeds(world_size, per_rank, noise):
+    """Identical devices with one to three short microbatches a rank, as the short-row trainers run: each rank's own
+    ratio is off by its noise, which a plan that believed it would move off a rank that is not slower. Judged against
+    the noise pooled over every rank's samples, the speeds stay 1."""
+    for seed in range(4):
+        lengths, seconds = _short_rows([1.0] * world_size, per_rank, noise, seed)
+        features = [microbatch_features(mb) for mbs in lengths for mb in mbs]
+        ranks = [rank for rank, mbs in enumerate(lengths) for _ in mbs]
+        fitted = Calibration.fit(features, [time for times in seconds for time in times], ranks, world_size=world_size)
+        assert fitted.speeds == pytest.approx([1.0] * world_size, abs=0.01), seed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_straggler_is_caught_at_the_first_fit(seed):
+    """Four ranks, one slowed to a third and one to 1/1.3, one short microbatch a rank a step with 2% noise: the
+    Calibrator's first fit (after the warm-up step and two steps: two microbatches a rank) gives each rank its speed
+    within 10%. Two samples cannot show their own noise; the slow ranks are many standard errors of the noise pooled
+    over all ranks off the others."""
+    truth = np.asarray([1.0, 1.0, 1 / 3, 1 / 1.3])
+    calibrator = Calibrator(4)
+    for step in range(3):
+        assert calibrator.record(*_short_rows(truth.tolist(), 1, 0.02, seed=10 * seed + step)) == (step == 2)
+    assert calibrator.calibration.speeds == pytest.approx((truth / truth.mean()).tolist(), rel=0.1)
