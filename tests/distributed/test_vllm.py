@@ -41,7 +41,6 @@ import torch
 from _grpo_parity import VLLM_CASES
 from _grpo_tools import VLLM_CASES as VLLM_TOOL_CASES
 from _grpo_tools import check_probes, check_tool_training
-from _machine import Concurrently
 from _parity import assert_same_training
 from _slow import require_slow
 
@@ -71,15 +70,12 @@ def _env() -> dict[str, str]:
     }
 
 
-def _run(command: list[str], output: Path, background: Concurrently | None = None) -> None:
-    """Run ``command`` in its own session (a timeout kills every process it started), its output in ``output``;
-    ``background``: the :class:`~_machine.Concurrently` whose job this is (leaving it kills the session)."""
+def _run(command: list[str], output: Path) -> None:
+    """Run ``command`` in its own session (a timeout kills every process it started), its output in ``output``."""
     require_slow(command[0])
     with open(output, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
-        if background is not None:
-            background.track(process)
         try:
             returncode = process.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -87,15 +83,6 @@ def _run(command: list[str], output: Path, background: Concurrently | None = Non
             process.wait()
             returncode = "timeout"
     assert returncode == 0, f"{' '.join(command)} ended with {returncode}:\n{output.read_text()[-8000:]}"
-
-
-def _side_by_side(reference: tuple[list[str], Path], odc: tuple[list[str], Path]) -> None:
-    """A parity pair's runs (:func:`_run`'s command and output each) side by side: the stock-TRL reference's one
-    process leaves a core idle, which the ODC launch fills. Either failing ends the other."""
-    jobs = {"trl": lambda background: _run(*reference, background), "odc": lambda background: _run(*odc, background)}
-    with Concurrently(jobs, one_test=True) as runs:
-        runs.result("trl")
-        runs.result("odc")
 
 
 def _accelerate(*args: str) -> list[str]:
@@ -208,10 +195,8 @@ def test_colocated_engine_takes_the_configured_memory_share(colocated):
 @pytest.fixture(scope="module")
 def corrected(model_dir) -> tuple[dict, dict]:
     script, model, names = str(SUPPORT / "_grpo_parity.py"), str(model_dir / "model"), list(VLLM_CASES)
-    _side_by_side(
-        ([VLLM_PYTHON, script, "trl", model, str(model_dir / "trl.pt"), *names], model_dir / "parity-trl.log"),
-        (_accelerate(script, "odc", model, str(model_dir / "odc.pt"), *names), model_dir / "parity-odc.log"),
-    )
+    _run([VLLM_PYTHON, script, "trl", model, str(model_dir / "trl.pt"), *names], model_dir / "parity-trl.log")
+    _run(_accelerate(script, "odc", model, str(model_dir / "odc.pt"), *names), model_dir / "parity-odc.log")
     return torch.load(model_dir / "trl.pt"), torch.load(model_dir / "odc.pt")
 
 
@@ -231,10 +216,8 @@ def tool_runs(tmp_path_factory) -> tuple[dict, dict]:
     model, out, names = str(directory / "model"), str(directory / "run"), list(VLLM_TOOL_CASES)
     _run([VLLM_PYTHON, WORKERS, "model", model, "tools"], directory / "model.log")
     script = str(SUPPORT / "_grpo_tools.py")
-    _side_by_side(
-        ([VLLM_PYTHON, script, "trl", model, f"{out}-trl.pt", *names], directory / "tools-trl.log"),
-        (_accelerate(script, "odc", model, f"{out}-odc.pt", *names), directory / "tools-odc.log"),
-    )
+    _run([VLLM_PYTHON, script, "trl", model, f"{out}-trl.pt", *names], directory / "tools-trl.log")
+    _run(_accelerate(script, "odc", model, f"{out}-odc.pt", *names), directory / "tools-odc.log")
     return torch.load(f"{out}-trl.pt"), torch.load(f"{out}-odc.pt")
 
 
