@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from _grpo_parity import DISTILLATION_CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_job, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
 
 from hf_odc.trainer import PACKED_ATTENTION
 
@@ -17,9 +17,7 @@ TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_secon
 PER_SLICE = ("entropy",)  # TRL's per accumulation slice
 
 
-EXAMPLE = {"test_the_default_example_generates_and_trains_on_two_processes": example_job("distill.py")}
-"""The example test's launch, queued with the parity launches."""
-runs = parity_fixture("_grpo_parity.py", DISTILLATION_CASES, examples=EXAMPLE)
+runs = parity_fixture("_grpo_parity.py", DISTILLATION_CASES)
 
 
 @pytest.mark.parametrize("case", list(DISTILLATION_CASES))
@@ -35,11 +33,3 @@ def test_the_teacher_runs_packed_attention(runs):
 
 def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
     assert_unequal_microbatches(runs[1].values())
-
-
-def test_the_default_example_generates_and_trains_on_two_processes(runs, request):
-    """``examples/distill.py`` with no argument but the output and fewer steps: the student decodes on each rank with
-    transformers, the teacher (sharded) scores the packed rows, ODC updates the student."""
-    logs, tmp_path = runs.example(request)
-    assert all(entry["completions/mean_length"] > 0 and entry["scoring_s"] > 0 for entry in logs.values())
-    assert (tmp_path / "model.safetensors").is_file()

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 from _dpo_parity import CASES, DIFFERENCES, PER_SLICE, QUIET, TIMINGS
-from _parity import assert_same_case, assert_unequal_microbatches, example_job, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
 
-EXAMPLE = {"test_the_default_example_trains_on_two_processes": example_job("dpo.py")}
-"""The example test's launch, queued with the parity launches."""
-runs = parity_fixture("_dpo_parity.py", CASES, examples=EXAMPLE, env=QUIET)
+runs = parity_fixture("_dpo_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -27,10 +25,3 @@ def test_odc_dpo_matches_stock_trl_on_one_process(runs, case):
     # The policy left the reference in the first step: the second step's rewards are not the trivial zeros.
     assert reference["logs"][1]["rewards/margins"] != 0.0
     assert_unequal_microbatches([ours])
-
-
-def test_the_default_example_trains_on_two_processes(runs, request):
-    """No argument but the output: the built-in pairs, a reference model built from the same seed; ODC + LB-Mini."""
-    logs, _ = runs.example(request)
-    assert all(entry["reference_s"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
-    assert logs[2]["rewards/margins"] != 0.0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _grpo_parity import CASES, PER_SLICE, QUIET, TIMINGS
 from _machine import Concurrently
-from _parity import assert_same_case, assert_unequal_microbatches, example_steps, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
 from _trainer_launch import logged_steps, run
 
 from hf_odc.trainer import PACKED_ATTENTION
@@ -28,17 +28,9 @@ def _skewed(background: Concurrently, directory: Path) -> tuple[str, Path]:
     return output, directory
 
 
-def _example(background: Concurrently, directory: Path, peft: bool) -> tuple[dict, Path]:
-    flags = ["--use_peft", "--beta", "0.04"] if peft else []
-    logs = example_steps("grpo.py", directory, *flags, steps=1 if peft else 2, env=QUIET, background=background)
-    return logs, directory
-
-
-LAUNCHES = {
-    "test_skewed_rollouts_are_rebalanced_without_a_hang": _skewed,
-    "test_the_default_example_generates_and_trains_on_two_processes": _example,
-}
-"""The other tests' launches, queued with the parity launches."""
+LAUNCHES = {"test_skewed_rollouts_are_rebalanced_without_a_hang": _skewed}
+"""The other test's launch, queued with the parity launches (the example's default runs: ``hf-odc grpo``'s test,
+tests/unit/test_cli_train.py)."""
 runs = parity_fixture("_grpo_parity.py", CASES, examples=LAUNCHES, env=QUIET)
 
 
@@ -76,14 +68,3 @@ def test_skewed_rollouts_are_rebalanced_without_a_hang(runs, request):
         print(f"step {step}: predicted bubble {before:.1%} with TRL's split, {after:.1%} planned; tokens {tokens}")
         assert before > 0.2 and after < 0.05
         assert max(tokens) <= 1.1 * min(tokens)
-
-
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_the_default_example_generates_and_trains_on_two_processes(runs, request, peft):
-    """No argument but the output (and ``--use_peft --beta 0.04``): transformers generation (each rank decoding
-    alone, the default; a LoRA policy's generate enters below the FSDP root), then ODC updates (a LoRA policy's KL
-    reference: the same model, adapter disabled); a LoRA run saves its adapter."""
-    logs, tmp_path = runs.example(request)
-    assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
-    assert (tmp_path / "adapter_config.json").is_file() == peft
-    assert (tmp_path / "model.safetensors").is_file() != peft

@@ -3,13 +3,14 @@ loss with its KL estimate from mismatched completions (a reference model; precom
 both sequences and no reference model, with desirable/undesirable weights; gradient accumulation, one estimate per
 accumulation call; LoRA, the reference being the policy with its adapter disabled) and the `apo_zero_unpaired` loss.
 The loss, the gradient norm, TRL's metrics and the parameters after each of two steps must agree (fp32), in steps
-where the ranks run different numbers of microbatches. And the example script, with no argument, on two processes."""
+where the ranks run different numbers of microbatches. (The example script, with no argument: ``hf-odc kto``'s test,
+tests/unit/test_cli_train.py.)"""
 
 from __future__ import annotations
 
 import pytest
 from _kto_parity import CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_job, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 
@@ -22,9 +23,7 @@ PER_CALL = ("entropy", "logits/chosen", "logits/rejected", "rewards/chosen", "re
 DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl")
 
 
-EXAMPLE = {"test_the_default_example_trains_on_two_processes": example_job("kto.py")}
-"""The example test's launch, queued with the parity launches."""
-runs = parity_fixture("_kto_parity.py", CASES, examples=EXAMPLE, env=QUIET)
+runs = parity_fixture("_kto_parity.py", CASES, env=QUIET)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -36,10 +35,3 @@ def test_odc_kto_matches_stock_trl_on_one_process(runs, case):
     if CASES[case].get("loss_type", "kto") == "kto":
         assert reference["logs"][1]["kl"] > 0.0  # the estimate is not the clamped zero
     assert_unequal_microbatches([ours])
-
-
-def test_the_default_example_trains_on_two_processes(runs, request):
-    """No argument but the output: the built-in examples, a reference model built from the same seed; ODC + LB-Mini."""
-    logs, _ = runs.example(request)
-    assert all(entry["reference_s"] > 0 and entry["kl_s"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
-    assert logs[2]["kl"] != logs[1]["kl"]

@@ -1,13 +1,13 @@
 """ODCRewardTrainer on 2 CPU processes against stock TRL RewardTrainer on one process holding the whole minibatch:
 the pairwise loss, with a margin column and centred rewards, with gradient accumulation, and with LoRA (and PEFT's
 trained copy of the score head). The loss, the gradient norm, TRL's metrics and the parameters after each of two steps
-must agree (fp32), in steps where the ranks run different numbers of microbatches. And the example script, with no
-argument, on two processes."""
+must agree (fp32), in steps where the ranks run different numbers of microbatches. (The example script, with no
+argument: ``hf-odc reward``'s test, tests/unit/test_cli_train.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from _parity import assert_same_case, assert_unequal_microbatches, example_job, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
 from _reward_parity import CASES
 from transformers import Qwen2ForSequenceClassification
 
@@ -18,11 +18,7 @@ TIMINGS = ("step_time",)
 PER_SLICE = ("min_reward", "max_reward")  # with accumulation TRL averages each slice's extreme (ODCRewardConfig)
 
 
-EXAMPLE = {"test_the_default_example_trains_on_two_processes": example_job("reward.py")}
-"""The example test's launch, queued with the parity launches."""
-runs = parity_fixture(
-    "_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET, num_labels=1, examples=EXAMPLE
-)
+runs = parity_fixture("_reward_parity.py", CASES, model_class=Qwen2ForSequenceClassification, env=QUIET, num_labels=1)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -31,10 +27,3 @@ def test_odc_reward_matches_stock_trl_on_one_process(runs, case):
     assert len(ours["logs"]) == 2
     assert reference["logs"][1]["margin"] != reference["logs"][0]["margin"]  # the first step moved the rewards
     assert_unequal_microbatches([ours])
-
-
-def test_the_default_example_trains_on_two_processes(runs, request):
-    """No argument but the output: the built-in pairs and a tiny reward model built from a config; ODC + LB-Mini."""
-    logs, _ = runs.example(request)
-    assert all(entry["busy_s/rank_1"] > 0 for entry in logs.values())
-    assert logs[2]["margin"] != logs[1]["margin"]

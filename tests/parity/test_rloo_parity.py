@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import pytest
 from _grpo_parity import RLOO_CASES
-from _parity import assert_same_case, assert_unequal_microbatches, example_job, parity_fixture
+from _parity import assert_same_case, assert_unequal_microbatches, parity_fixture
 
 pytestmark = pytest.mark.slow  # every test starts processes
 TIMINGS = ("step_time", "step_s", "generation_s", "scoring_s", "tokens_per_second", "bubble_rate")
 PER_SLICE = ("entropy", "clip_ratio/low_min", "clip_ratio/high_max")  # TRL's per accumulation slice
 
 
-EXAMPLE = {"test_the_default_example_generates_and_trains_on_two_processes": example_job("rloo.py")}
-"""The example test's launch, queued with the parity launches."""
-runs = parity_fixture("_grpo_parity.py", RLOO_CASES, examples=EXAMPLE)
+runs = parity_fixture("_grpo_parity.py", RLOO_CASES)
 
 
 @pytest.mark.parametrize("case", list(RLOO_CASES))
@@ -35,12 +33,3 @@ def test_the_kl_case_penalised_and_the_iterations_case_clipped(runs):
 
 def test_some_step_gave_the_ranks_different_microbatch_counts(runs):
     assert_unequal_microbatches(runs[1].values())
-
-
-def test_the_default_example_generates_and_trains_on_two_processes(runs, request):
-    """``examples/rloo.py`` with no argument but the output and fewer steps: transformers generation on each rank,
-    TRL's default ``beta`` (the reference model loaded from the saved initial policy and sharded), ODC updates."""
-    logs, tmp_path = runs.example(request)
-    assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
-    assert all("kl" in entry and entry["scoring_s"] > 0 for entry in logs.values())
-    assert (tmp_path / "model.safetensors").is_file()

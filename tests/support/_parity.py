@@ -200,8 +200,8 @@ def parity_fixture(script: str, cases: Iterable[str], examples: dict | None = No
     """A test module's ``runs`` fixture (``runs = parity_fixture(...)``), module-scoped so that one launch of each side
     serves all its tests: :func:`parity_jobs` of ``cases`` (``launch``: its keywords), a :class:`ParityRuns`.
     ``examples``: the launches of the module's other tests that take ``runs``, by test name (a job of
-    :meth:`~_machine.Concurrently.of_tests`, :func:`example_job`), queued behind the two in the same pool, two at a
-    time, while the tests go on: the reference's one process ends first, and an example fills its core."""
+    :meth:`~_machine.Concurrently.of_tests`), queued behind the two in the same pool, two at a time, while the tests
+    go on: the reference's one process ends first, and such a launch fills its core."""
 
     @pytest.fixture(scope="module", name="runs")
     def runs(request, tmp_path_factory) -> ParityRuns:
@@ -253,16 +253,6 @@ def example_steps(
     logs = logged_steps(output_dir)
     assert sorted(logs) == list(range(1, steps + 1))
     return logs
-
-
-def example_job(script: str, *flags: str, **options: Any) -> Callable:
-    """A job of :func:`parity_fixture`'s ``examples``: :func:`example_steps` of ``script`` with ``flags`` and
-    ``options`` in the test's directory; the logged steps and that directory."""
-
-    def job(background: Concurrently, directory: Path) -> tuple[dict, Path]:
-        return example_steps(script, directory, *flags, background=background, **options), directory
-
-    return job
 
 
 def finish() -> None:

@@ -6,9 +6,11 @@ empty (:data:`BAD_INPUTS`: the earlier trials' inputs the command line names, an
 launch with what the workers need (the launch options, a recipe's launch keys, an Accelerate config's ODC keys).
 
 The slow tests share one pool of launches (:func:`runs`), two at a time: README's first command (``hf-odc sft``, its
-defaults, from a fresh folder), each other command on 2 CPU processes for one step with the built-in tiny model and
-data (one through a recipe, one through an Accelerate config holding an ODC key), and a refusal of the tokenized
-data (KTO's: an example longer than a microbatch): one line, exit status 2, no worker started.
+defaults, from a fresh folder), each other command on 2 CPU processes for two steps with the built-in tiny model and
+data (one through a recipe, one through an Accelerate config holding an ODC key), which are also the tests of the
+examples as they run by default (``examples/dpo.py`` and its siblings: ``hf-odc dpo`` is ``accelerate launch`` of it
+with ``examples/odc_cpu.yaml``), and a refusal of the tokenized data (KTO's: an example longer than a microbatch): one
+line, exit status 2, no worker started.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -303,20 +306,23 @@ def test_help_lists_the_launch_options_and_the_scripts_flags(capsys, launched):
 # -- the launches (slow) ----------------------------------------------------------------------------------------------
 
 TINY = ["--max_steps", "1", "--disable_tqdm", "true"]
+EXAMPLE = ["--max_steps", "2", "--disable_tqdm", "true"]
 GENERATING = [*TINY, "--num_prompts", "16", "--max_completion_length", "16"]
 LAUNCHES = {
     "readme": ["sft"],  # README's first command, as it is, from a fresh folder
-    "dpo": ["dpo", *TINY, "--num_pairs", "32"],
-    "kto": ["kto", *TINY, "--num_examples", "32", "--accelerate_config", "{odc_config}"],
+    "dpo": ["dpo", *EXAMPLE],
+    "kto": ["kto", *EXAMPLE, "--accelerate_config", "{odc_config}"],
     "reward": ["reward", "--config", "{recipe}"],
-    "grpo": ["grpo", *GENERATING, "--use_peft"],
-    "rloo": ["rloo", *GENERATING],
-    "distill": ["distill", *GENERATING],
+    "grpo": ["grpo", *EXAMPLE],
+    "grpo lora": ["grpo", *TINY, "--use_peft", "--beta", "0.04"],
+    "rloo": ["rloo", *EXAMPLE],
+    "distill": ["distill", *EXAMPLE],
     "refused": ["kto", *TINY, "--num_examples", "32", "--max_tokens_per_microbatch", "16"],
     "rollout refused": ["grpo", *GENERATING, "--max_tokens_per_microbatch", "8"],
 }
 """Each launch's arguments; ``{odc_config}``: ``examples/odc_cpu.yaml`` plus ``odc_timeout: 123``; ``{recipe}``: a
-recipe of one step on 2 processes (a launch key) with 32 pairs."""
+recipe of two steps on 2 processes (a launch key). The trainings are each example with no argument but the output and
+fewer steps (the examples' own tests: :data:`EXAMPLE_CHECKS`)."""
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +332,7 @@ def runs(tmp_path_factory) -> dict[str, SimpleNamespace]:
     require_slow("hf-odc's training commands")
     base = tmp_path_factory.mktemp("cli")
     odc_config = accelerate_config(base, lambda text: text + "odc_timeout: 123\n")
-    (base / "recipe.yaml").write_text("num_processes: 2\nmax_steps: 1\nnum_pairs: 32\ndisable_tqdm: true\n")
+    (base / "recipe.yaml").write_text("num_processes: 2\nmax_steps: 2\ndisable_tqdm: true\n")
     fill = {"odc_config": str(odc_config), "recipe": str(base / "recipe.yaml")}
 
     def run(name: str) -> SimpleNamespace:
@@ -363,20 +369,74 @@ def test_readmes_first_command_trains_the_tiny_model_on_2_cpu_processes(runs):
     assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]
 
 
+def _dpo_example(logs: dict, out: Path) -> None:
+    """The built-in pairs, a reference model built from the same seed; ODC + LB-Mini."""
+    assert all(entry["reference_s"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert logs[2]["rewards/margins"] != 0.0
+
+
+def _kto_example(logs: dict, out: Path) -> None:
+    """The built-in examples, a reference model built from the same seed; ODC + LB-Mini."""
+    assert all(entry["reference_s"] > 0 and entry["kl_s"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert logs[2]["kl"] != logs[1]["kl"]
+    args = torch.load(out / "training_args.bin", weights_only=False)
+    assert args.odc_timeout == 123.0
+
+
+def _reward_example(logs: dict, out: Path) -> None:
+    """The built-in pairs and a tiny reward model built from a config; ODC + LB-Mini."""
+    assert all(entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert logs[2]["margin"] != logs[1]["margin"]
+
+
+def _grpo_example(peft: bool) -> Callable[[dict, Path], None]:
+    def check(logs: dict, out: Path) -> None:
+        """Transformers generation (each rank decoding alone, the default; a LoRA policy's generate enters below the
+        FSDP root), then ODC updates (a LoRA policy's KL reference: the same model, adapter disabled); a LoRA run
+        saves its adapter."""
+        assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+        assert (out / "adapter_config.json").is_file() == peft
+        assert (out / "model.safetensors").is_file() != peft
+
+    return check
+
+
+def _rloo_example(logs: dict, out: Path) -> None:
+    """Transformers generation on each rank, TRL's default ``beta`` (the reference model loaded from the saved initial
+    policy and sharded), ODC updates."""
+    assert all(entry["completions/mean_length"] > 0 and entry["busy_s/rank_1"] > 0 for entry in logs.values())
+    assert all("kl" in entry and entry["scoring_s"] > 0 for entry in logs.values())
+    assert (out / "model.safetensors").is_file()
+
+
+def _distill_example(logs: dict, out: Path) -> None:
+    """The student decodes on each rank with transformers, the teacher (sharded) scores the packed rows, ODC updates
+    the student."""
+    assert all(entry["completions/mean_length"] > 0 and entry["scoring_s"] > 0 for entry in logs.values())
+    assert (out / "model.safetensors").is_file()
+
+
+EXAMPLE_CHECKS = {
+    "dpo": _dpo_example, "kto": _kto_example, "reward": _reward_example, "grpo": _grpo_example(peft=False),
+    "grpo lora": _grpo_example(peft=True), "rloo": _rloo_example, "distill": _distill_example,
+}  # fmt: skip
+"""What each training launch's example does, checked on its logged steps and its output folder."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("command", ["dpo", "kto", "reward", "grpo", "rloo", "distill"])
+@pytest.mark.parametrize("command", list(EXAMPLE_CHECKS))
 def test_each_command_trains_on_2_cpu_processes(runs, command):
-    """One step of each other command, with the built-in tiny model and data, on both processes; kto through an
-    Accelerate config holding an ODC key (the workers' config has it), reward through a recipe."""
+    """Each other command's example, with the built-in tiny model and data, on both processes, for two steps (LoRA
+    GRPO: one, with ``--use_peft --beta 0.04``); kto through an Accelerate config holding an ODC key (the workers'
+    config has it), reward through a recipe."""
     run = runs[command]
     assert run.code == 0, run.err[-4000:]
     steps = logged_steps(run.folder / "out")
-    assert sorted(steps) == [1] and "tokens/rank_1" in steps[1], steps
+    assert sorted(steps) == [1, 2][: 1 if command == "grpo lora" else 2], steps
+    assert all("tokens/rank_1" in step for step in steps.values()), steps
     assert not FOREIGN.search(run.out + run.err), (run.out + run.err)[-4000:]
-    if command == "kto":
-        args = torch.load(run.folder / "out" / "training_args.bin", weights_only=False)
-        assert args.odc_timeout == 123.0
+    EXAMPLE_CHECKS[command](steps, run.folder / "out")
 
 
 @pytest.mark.slow
