@@ -25,6 +25,7 @@ from hf_odc.trainer.generation import _static_decoding, decoders, modes
 from hf_odc.trainer.generation._static_decoding import processed_scores
 from hf_odc.trainer.generation.decoders import DECODING_ATTENTION, StaticDecoder, grouped_decoding_attention
 from hf_odc.trainer.generation.modes import choose_generation_mode, make_generator
+from hf_odc.trainer.online import _overlap
 
 NEW_TOKENS = 12
 
@@ -422,6 +423,33 @@ def test_the_loop_samples_what_generate_samples(monkeypatch):
         _generate(decoder, monkeypatch, True, **prompts, do_sample=True, top_k=1, **greedy),
         _generate(decoder, monkeypatch, True, **prompts, do_sample=False, **greedy),
     )
+
+
+def test_the_loop_records_the_chosen_tokens_log_probabilities(monkeypatch):
+    """With ``log_prob_temperature`` set, each sampled token's log-probability under the logits divided by it, taken
+    from the logits the loop chose it from, equals the copy's forward over prompt and completion scoring it again
+    (what ``max_rollout_staleness=1`` would otherwise run; left-padded prompts, rows ending at different steps)."""
+    decoder = _copy("sdpa")
+    prompts = _prompts(4, 9, seed=5)
+    eos = _ending_at_different_steps(decoder, monkeypatch, prompts, 24)
+    options = dict(max_new_tokens=24, do_sample=True, temperature=0.7, top_k=20, eos_token_id=eos, pad_token_id=1)
+    with _overlap.recording_log_probs(decoder, 0.7):
+        out = _generate(decoder, monkeypatch, True, 3, **prompts, **options)
+    completions = [
+        [int(t) for t in row[: int(torch.isin(row, torch.tensor(eos)).nonzero()[0]) + 1]] for row in out[:, 9:]
+    ]
+    prompt_ids = [
+        [int(t) for t, m in zip(ids, mask, strict=True) if m]
+        for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"], strict=True)
+    ]
+    recorded = _overlap.behaviour_log_probs(decoder, prompt_ids, completions, 0.7)
+    scored = _overlap._scored(decoder.model, prompt_ids, completions, 0.7)
+    assert decoder.log_prob_temperature is None and decoder.last_log_probs.shape == (4, out.shape[1] - 9)
+    assert [len(r) for r in recorded] == [len(c) for c in completions] and len({len(c) for c in completions}) > 1
+    for mine, theirs in zip(recorded, scored, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    _generate(decoder, monkeypatch, True, 3, **prompts, **options)  # not recording: nothing kept
+    assert decoder.last_log_probs is None
 
 
 @pytest.mark.parametrize(

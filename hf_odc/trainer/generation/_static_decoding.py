@@ -284,6 +284,11 @@ class Loop:
         self._is_eos: torch.Tensor | None = None  # [vocab], made with the first logits
         self._seen: torch.Tensor | None = None  # [batch, vocab], for a repetition penalty
         self._plan: DecodingPlan | None = None
+        self.log_prob_temperature: float | None = None
+        """Set: each call also records the chosen tokens' log-probabilities under the logits divided by it (the
+        trainer's scoring, without the sampling's other processors), :attr:`last_log_probs`."""
+        self.last_log_probs: torch.Tensor | None = None
+        self._log_probs: torch.Tensor | None = None  # [batch, length], filled slot by slot as _ids
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._warmups: dict[tuple, int] = {}
         self._pool: Any = None  # the graphs' shared memory pool: they replay one at a time
@@ -308,6 +313,8 @@ class Loop:
         EOS the pad token. The cache must be empty (reset) and hold the prompts and ``max_new_tokens`` more."""
         prompt_length = plan.input_ids.shape[1]
         self._plan = plan
+        if self.log_prob_temperature is not None and self._log_probs is None:
+            self._log_probs = torch.zeros(self._ids.shape, dtype=torch.float32, device=self._ids.device)
         logits = self._prefill(plan)
         self._start(plan, logits.shape[-1])
         self._choose(logits)
@@ -319,6 +326,9 @@ class Loop:
             width = min(self.length, math.ceil((prompt_length + chosen) / width_multiple) * width_multiple)
             self._run_step(width)
         steps = int(self._steps)
+        self.last_log_probs = None
+        if self.log_prob_temperature is not None:
+            self.last_log_probs = self._log_probs[:, prompt_length : prompt_length + steps].clone()
         return self._ids[:, : prompt_length + steps].clone()
 
     def _prefill(self, plan: DecodingPlan) -> torch.Tensor:
@@ -375,6 +385,9 @@ class Loop:
             tokens = torch.where(self._unfinished, tokens, self._pad)
             self._unfinished.logical_and_(~self._is_eos[tokens])
         self._ids.index_copy_(1, self._next_slot, tokens[:, None])
+        if self.log_prob_temperature is not None:
+            chosen = F.log_softmax(logits / self.log_prob_temperature, dim=-1).gather(1, tokens[:, None])
+            self._log_probs.index_copy_(1, self._next_slot, chosen)
         self._attended.index_fill_(1, self._next_slot, True)
         self._token.copy_(tokens[:, None])
         if self._seen is not None and plan.sampling.repetition_penalty is not None:
@@ -414,7 +427,7 @@ class Loop:
         if self._ids.device.type != "cuda":
             self._step(width)
             return
-        key = (width, self._plan.sampling, bool(self._plan.eos_token_ids))
+        key = (width, self._plan.sampling, bool(self._plan.eos_token_ids), self.log_prob_temperature)
         graph = self._graphs.get(key)
         if graph is None and self._warmups.get(key, 0) < _WARMUP_STEPS:
             self._warmups[key] = self._warmups.get(key, 0) + 1

@@ -320,6 +320,10 @@ class StaticDecoder(_DecodingCopy):
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
         self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
+        self.log_prob_temperature: float | None = None
+        """Set: a call the loop decodes also records its chosen tokens' log-probabilities under the logits divided by
+        it, :attr:`last_log_probs` (``[batch, new tokens]``; ``None`` after a call ``generate`` decoded)."""
+        self.last_log_probs: torch.Tensor | None = None
         # Closed at the latest when Python exits, before the process groups are torn down: a script that never calls
         # the trainer's end() still exits.
         atexit.register(_close_if_alive, weakref.ref(self))
@@ -346,7 +350,11 @@ class StaticDecoder(_DecodingCopy):
             if self._loop is None:
                 compile = self._COMPILE and model.device.type == "cuda"
                 self._loop = _static_decoding.Loop(model, cache, *self._cache_shape, compile=compile)
-            return self._loop.decode(plan)
+            self._loop.log_prob_temperature = self.log_prob_temperature
+            decoded = self._loop.decode(plan)
+            self.last_log_probs = self._loop.last_log_probs
+            return decoded
+        self.last_log_probs = None
         kwargs[_compat.cache_argument(model)] = cache
         return type(model).generate(model, *args, generation_config=config, **kwargs)
 

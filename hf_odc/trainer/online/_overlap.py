@@ -9,6 +9,7 @@ thread waits for it before anything else touches the copy (the next refresh, an 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -114,13 +115,39 @@ class Lookahead:
         return self._ahead[index] if index < len(self._ahead) else None
 
 
+@contextlib.contextmanager
+def recording_log_probs(decoder: Any, temperature: float) -> Iterator[None]:
+    """Within: the static copy's decoding loop records each chosen token's log-probability under the logits divided by
+    ``temperature`` as it decodes (``decoder.last_log_probs``)."""
+    decoder.log_prob_temperature = temperature
+    try:
+        yield
+    finally:
+        decoder.log_prob_temperature = None
+
+
 @torch.no_grad()
 def behaviour_log_probs(
+    decoder: Any, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], temperature: float
+) -> list[torch.Tensor]:
+    """Each completion token's log-probability under the decoding copy that sampled it, its logits divided by
+    ``temperature`` as the trainer's scoring divides them (CPU float32 tensors, one per rollout): those the decoding
+    loop recorded from the very logits it chose the token from (:func:`recording_log_probs`), one row per completion
+    in the call's order; else (transformers' ``generate`` decoded) scored again on the copy (:func:`_scored`)."""
+    recorded = decoder.last_log_probs
+    if recorded is not None and recorded.shape[0] == len(completion_ids):
+        rows = recorded.float().cpu()
+        return [rows[row, : len(completion)].clone() for row, completion in enumerate(completion_ids)]
+    return _scored(decoder.model, prompt_ids, completion_ids, temperature)
+
+
+@torch.no_grad()
+def _scored(
     model: nn.Module, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], temperature: float
 ) -> list[torch.Tensor]:
     """Each completion token's log-probability under ``model`` (the decoding copy that sampled it), its logits divided
-    by ``temperature`` as the trainer's scoring divides them: one rollout per forward (no padding), its LM head applied
-    only at the completion's positions. CPU float32 tensors, one per rollout."""
+    by ``temperature``: one rollout per forward (no padding), its LM head applied only at the completion's positions.
+    CPU float32 tensors, one per rollout."""
     device = next(model.parameters()).device
     head = model.get_output_embeddings()
     out = []

@@ -50,7 +50,7 @@ from ..core._quiet import without_checkpointing_alias_warning, without_ignored_m
 from ..core._reference import shard_reference
 from ..core.vision import check_vision_model
 from ..generation.modes import make_generator, uses_tools
-from ._overlap import Lookahead, Prefetch, behaviour_log_probs
+from ._overlap import Lookahead, Prefetch, behaviour_log_probs, recording_log_probs
 from ._vision_rollouts import rollout_images
 from .rollouts import Rollouts, RolloutStep, gather_rollouts, plan_generation_batch
 
@@ -281,10 +281,11 @@ class _ODCRolloutTrainer(_ODCTrainer):
 
         def decode() -> tuple[Any, list[torch.Tensor]]:
             torch.manual_seed(seed)  # a reproducible run where the update draws no random numbers meanwhile
-            with context:
+            decoder = self._generator.decoder
+            with context, recording_log_probs(decoder, temperature):
                 result = parent._generate_single_turn(*args)
                 completion_ids = result[0] if isinstance(result, tuple) else result
-                logps = behaviour_log_probs(self._generator.decoder.model, prompt_ids, completion_ids, temperature)
+                logps = behaviour_log_probs(decoder, prompt_ids, completion_ids, temperature)
             return result, logps
 
         self._prefetch.start((args, {}), decode)
