@@ -11,7 +11,7 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
   the same on every rank (:func:`hf_odc.trainer.core.data.minibatch_loader`).
 * ``_plan_step``: each of the step's passes planned on the tokens it runs (:func:`_plan_passes`): unless
   precomputed, the reference's log-probabilities of each example's sequence and its mismatched one in one forward-only
-  ODC minibatch; with the KL estimate, the policy's of the mismatched sequences in another; what the ranks scored
+  ODC minibatch; with the KL estimate, the policy's of the mismatched sequences in another, and what the ranks scored
   gathered once (the step's one gather of its own); then the training rows, balanced on the examples' own
   sequences, packed (:func:`~hf_odc.trainer.preference.pairs.pack_pairs`, one document per example).
 * ``_microbatch_loss``: each example's completion log-probabilities summed, TRL's per-example loss against the
@@ -237,7 +237,8 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         """Per example (rows), the summed completion log-probabilities its loss and its call's KL estimate read: the
         reference's of its own sequence and, with the KL estimate, of its mismatched one, then the policy's of the
         mismatched one. Each pass is one forward-only ODC minibatch on its own plan, so each example is scored on
-        one rank, and what the ranks scored is gathered once; precomputed reference columns are read instead."""
+        one rank, and with the KL estimate what the ranks scored is gathered once (without it the reference runs the
+        training plan, and each rank reads only its own examples); precomputed reference columns are read instead."""
         args, rank, metrics = self.args, self.accelerator.process_index, self._metrics["train"]
         documents = plans.documents
         scored = torch.zeros(len(examples), 3 if args.calculate_kl else 1, dtype=torch.float64)
@@ -252,7 +253,7 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
             metrics["kl_s"].append(self._forward_only(self.model, self.odc, rows, item_sums_into("policy_logps")))
             for microbatch, row in zip(plans.kl[rank], rows, strict=True):
                 scored[list(microbatch), 2] = row["pairs"]["policy_logps"][:, 0].double().cpu()
-        if not args.precompute_ref_log_probs or args.calculate_kl:
+        if args.calculate_kl:  # without it the reference ran the training plan: each rank scored its own examples
             with self.odc.bounded("the reference's and the KL estimate's log-probabilities' gather"):
                 # Exactly one rank scored each entry (zeros elsewhere), so the sum over ranks is exact.
                 scored = self.accelerator.gather(scored[None].to(args.device)).sum(0).cpu()
