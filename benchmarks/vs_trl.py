@@ -402,8 +402,6 @@ class RecordedGeneration:
             self.calls.append((started, seconds, documents))
             return completion_ids, *rest
 
-        if self.args.completions == "forced":
-            GenerationMixin.generate = ended
         prefetch = getattr(trainer, "_prefetch", None)  # ODC's batch decoding ahead (--max-rollout-staleness 1)
         wait = None if prefetch is None else prefetch.wait
 
