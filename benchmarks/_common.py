@@ -193,8 +193,19 @@ def run_step(
 
 
 def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):
-    """``steps`` global minibatches of the distribution: ``(lengths, examples)``, the same on every rank."""
-    lengths = scaled_lengths(args, minibatch_size * steps, seed=[args.seed, minibatch_size // dist.get_world_size()])
+    """``steps`` global minibatches of the distribution: ``(lengths, examples)``, the same on every rank. With
+    ``--trainer-data``, the lengths of ``benchmarks/vs_trl.py``'s SFT samples for the same ``--seed``,
+    ``--distribution``, ``--length-scale``, steps and global batch, in its order, so that step ``s`` here trains the
+    documents the trainer's step ``s`` trains (the tokens differ; only the lengths matter to the time)."""
+    if getattr(args, "trainer_data", False):
+        from hf_odc.demo.data import longtail_lengths  # (datasets, which the other benchmarks do not need)
+
+        longest = round(DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
+        lengths = longtail_lengths(minibatch_size * steps, longest, args.distribution, args.seed)
+    else:
+        lengths = scaled_lengths(
+            args, minibatch_size * steps, seed=[args.seed, minibatch_size // dist.get_world_size()]
+        )
     pool = torch.randint(4, vocab_size, (2 * max(lengths) + 1,), generator=torch.Generator().manual_seed(args.seed))
     for step in range(steps):
         chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
@@ -222,6 +233,10 @@ def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], pr
 
 RECOMPUTE_ATTENTION_HELP = "checkpoint as stock (the attention recomputed in the backward), not keeping it"
 UNFUSED_HELP = "keep transformers' RMSNorm and MLP forwards, not hf_odc's fused kernels (fused_kernels=False)"
+TRAINER_DATA_HELP = (
+    "draw the minibatches' lengths as benchmarks/vs_trl.py's SFT rows do for the same seed, distribution, steps and "
+    "global batch, in its order: the harness's step s trains the documents the trainer's step s trains"
+)
 WARM_HELP = (
     "on a GPU, attend once at every rounded document length before the first step, so that cuDNN's per-length plans "
     "are built before any scheme is timed (hf_odc.kernels.attention.warm_sdpa_plans)"
@@ -253,6 +268,7 @@ def workload_parser(
     parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     parser.add_argument("--warm-attention-plans", action="store_true", help=WARM_HELP)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainer-data", action="store_true", help=TRAINER_DATA_HELP)
     parser.add_argument("--json", default=None)
     return parser
 
