@@ -155,16 +155,30 @@ def build(args, device: torch.device, shard_size: int | None = None):
 
 
 def run_step(
-    model, optimizer, runner, batch, world_size: int, odc: bool, device, experts: ExpertActivity | None = None
+    model,
+    optimizer,
+    runner,
+    batch,
+    world_size: int,
+    odc: bool,
+    device,
+    experts: ExpertActivity | None = None,
+    memory_phases: bool = False,
 ) -> dict:
     """One optimizer step of this rank's microbatches; returns its timings and microbatch features (of its own
     microbatches: ``shared``, the number of rows split over a sequence-parallel group, run first), with ``experts``
-    (:func:`expert_counter`) each one's active (layer, expert) pairs."""
+    (:func:`expert_counter`) each one's active (layer, expert) pairs, its peak allocated and reserved device memory,
+    and with ``memory_phases`` where the memory went (:class:`MemoryPhases`)."""
     counting = experts.recording if experts is not None else contextlib.nullcontext
     microbatches = batch.microbatches
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
+    phases = MemoryPhases(cuda) if memory_phases else None
+    mark = phases.mark if phases is not None else lambda phase: None
+    mark("start")
     with runner.minibatch():
+        mark("entered")
         for index, microbatch in enumerate(microbatches):
             if not odc:  # plain FSDP2: reduce-scatter once, in the last microbatch's backward (as the trainer does)
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
@@ -172,10 +186,14 @@ def run_step(
             with torch.profiler.record_function(f"microbatch {index}"):  # a span for device_time
                 with counting():  # the forward only: not the recomputation in the backward
                     out = model(**inputs, use_cache=False, fused_lm_head=True)
+                mark(f"forward {index}")
                 (-out.log_probs.float().sum() * (world_size / batch.num_loss_tokens)).backward()
+                mark(f"backward {index}")
             runner.lap()
+    mark("exit")
     model.set_requires_gradient_sync(True)
     optimizer.step()
+    mark("optimizer step")
     optimizer.zero_grad(set_to_none=True)
     # a row split over a group (sequence parallelism: first, if any) is not one rank's work to calibrate against
     own = [mb for mb in microbatches if "sequence_shard" not in mb]
@@ -188,8 +206,27 @@ def run_step(
         "microbatch_s": runner.last.microbatches,
         "shared": len(microbatches) - len(own),
         "microbatch_lengths": lengths,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+        **({"memory_phases": phases.marks} if phases is not None else {}),
     }
+
+
+class MemoryPhases:
+    """Where a step's device memory went: at each mark (``phase`` names the work just enqueued: ``"forward 0"`` after
+    the first microbatch's forward), the bytes allocated then and the peak allocated since the step began, in GiB
+    (the peak grew during the phase whose mark first shows it). No synchronisation: the caching allocator counts what
+    the host has enqueued. On a CPU every number is 0 (the phases are still marked)."""
+
+    def __init__(self, cuda: bool):
+        self._cuda = cuda
+        self.marks: list[list] = []  # [phase, allocated GiB, peak allocated so far GiB]
+
+    def mark(self, phase: str) -> None:
+        if self._cuda:
+            self.marks.append([phase, torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30])
+        else:
+            self.marks.append([phase, 0.0, 0.0])
 
 
 def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):

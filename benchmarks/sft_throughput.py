@@ -27,6 +27,21 @@ microbatch times and prints the speedups that model predicts for the same miniba
 for 8, 32 and 128 GPUs (``hf_odc.cli.plan.simulate``). ``--plot`` draws tokens/s per configuration and
 the first timed step's per-rank device timeline of Collective+LB-Micro against ODC+LB-Mini.
 
+Peak memory follows the largest microbatch: a step's peak is the activations its longest microbatch keeps for the
+backward (they grow with its tokens) over what every step holds. A scheme that packs fuller microbatches (LB-Mini: one
+microbatch of up to the token cap where LB-Micro gives every rank two half-full ones) so peaks higher over the same few
+steps, although the cap bounds every scheme and a run whose documents reach it peaks there under any plan. So the
+memory table beside the main one gives each scheme's largest microbatch, its peak reserved memory, and, over the
+rank-steps where it ran the very same microbatches as Collective+LB-Micro (ODC+LB-Micro shares its plans), the
+difference of the peaks: the engine's own cost, the plan's taken out. ``--memory-phases`` also marks the allocated
+memory and the peak so far after every forward and backward (:class:`_common.MemoryPhases`) and prints them for each
+scheme's highest rank-step. On 2 GPUs, swe-smith at 4 per GPU, the steps whose plans differ most::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 torchrun --standalone \
+        --nproc_per_node 2 benchmarks/sft_throughput.py --model qwen2.5-1.5b --distribution swe-smith \
+        --samples-per-device 4 --warmup 0 --steps 4 --schemes Collective+LB-Micro,ODC+LB-Micro,ODC+LB-Mini \
+        --predict-world-sizes 8 --memory-phases --json sft_memory.json
+
 A Mixture-of-Experts shape counts every microbatch's active (layer, expert) pairs at its routers (forwards only, as
 the trainers count them), so that the calibrated scheme's cost has the expert term the trainers' has (``hf_odc.
 packing.CalibratedCost``); the summary's fit has it too. Qwen3-30B-A3B's layer, 4 of its layers, on 4 GPUs::
@@ -185,7 +200,9 @@ def run_config(
             uses_odc = SCHEME_SYNC[name] == "minibatch"
             batch = collator(examples)
             runner = odc if uses_odc else collective
-            result = run_step(model, optimizer, runner, batch, world_size, uses_odc, device, experts)
+            result = run_step(
+                model, optimizer, runner, batch, world_size, uses_odc, device, experts, args.memory_phases
+            )
             if planners[name].calibrator is not None:
                 calibrate(planners[name], batch, result["microbatch_s"][result["shared"] :], result["active_experts"])
             if step >= args.warmup:
@@ -205,6 +222,33 @@ def run_config(
         "expert_slots": slots,
         "records": gathered,
     }
+
+
+def _at_peak(steps: list) -> dict:
+    """The rank-step (``steps[step][rank]``) of a scheme's highest peak: where it was, its microbatches' tokens and,
+    with ``--memory-phases``, where its memory went (:class:`_common.MemoryPhases`)."""
+    step, rank = max(
+        ((s, r) for s, ranks in enumerate(steps) for r in range(len(ranks))),
+        key=lambda sr: steps[sr[0]][sr[1]]["peak_gib"],
+    )
+    record = steps[step][rank]
+    return {"step": step, "rank": rank, "microbatch_tokens": [sum(m) for m in record["microbatch_lengths"]],
+            "phases": record.get("memory_phases")}  # fmt: skip
+
+
+def same_microbatch_memory(per_rank: list, name: str, reference: str) -> dict | None:
+    """Peak memory of ``name`` minus ``reference``'s (GiB) over the timed rank-steps where both ran the very same
+    microbatches, in the same order (e.g. ODC+LB-Micro and Collective+LB-Micro, which share their plans): the engine's
+    own cost, with the plan's taken out. ``None`` where no rank-step matched."""
+    differences = [
+        ours["peak_gib"] - theirs["peak_gib"]
+        for rank_records in per_rank
+        for ours, theirs in zip(rank_records[name], rank_records[reference], strict=True)
+        if ours["microbatch_lengths"] == theirs["microbatch_lengths"]
+    ]
+    if not differences:
+        return None
+    return {"rank_steps": len(differences), "min_gib": min(differences), "max_gib": max(differences)}
 
 
 def summarize(config: dict, args, world_size: int) -> dict:
@@ -234,10 +278,19 @@ def summarize(config: dict, args, world_size: int) -> dict:
             **timing_summary(step_s, busy, [s["tokens"] for s in first], [s["predicted_bubble"] for s in first]),
             "peak_gib": max(r["peak_gib"] for ranks in steps for r in ranks),
             "peak_gib_per_rank": [max(ranks[rank]["peak_gib"] for ranks in steps) for rank in range(world_size)],
+            "peak_reserved_gib": max(r["peak_reserved_gib"] for ranks in steps for r in ranks),
+            "largest_microbatch": max(
+                (sum(m) for ranks in steps for r in ranks for m in r["microbatch_lengths"]), default=0
+            ),
+            "at_peak": _at_peak(steps),
             "mfu": mfu(flops, sum(step_s), world_size, peak) if peak is not None else None,
             "predicted_time": predicted,
             "microbatches": [[len(r["microbatch_s"]) for r in ranks] for ranks in steps],
         }
+    if BASELINE in summary:
+        for name in names:
+            if name != BASELINE:
+                summary[name]["same_microbatches_vs_baseline"] = same_microbatch_memory(per_rank, name, BASELINE)
     for row in summary.values():
         for ref in (BASELINE, UNBALANCED):
             if ref in summary:
@@ -287,6 +340,7 @@ def print_table(results: list[dict], args, world_size: int) -> None:
                 f"{row.get(f'speedup_vs_{UNBALANCED}', float('nan')):11.3f} | "
                 f"{row.get(f'predicted_speedup_vs_{BASELINE}', float('nan')):14.3f}"
             )
+    print_memory(results)
     print("\nCalibrated model's predicted speedup of ODC+LB-Mini over Collective+LB-Micro (and over LocalSort):")
     for result in results:
         predictions = result["summary"]["predicted_speedups_vs_lb_micro"]
@@ -300,6 +354,29 @@ def print_table(results: list[dict], args, world_size: int) -> None:
         experts = f", {fit['per_expert']:.3g} s/active expert" if fit["expert_slots"] else ""
         print(f"{label:>9}: " + ", ".join(cells) + f"   [fit: {fit['per_microbatch']:.3g} s/microbatch, "
               f"{fit['linear']:.3g} s/token, {fit['quadratic']:.3g} s/token^2{experts}]")  # fmt: skip
+
+
+def print_memory(results: list[dict]) -> None:
+    """Per configuration and scheme: the peak allocated and reserved memory, the largest microbatch the scheme ran
+    (the activations kept for the backward grow with its tokens), the difference to Collective+LB-Micro where both
+    ran the same microbatches, and with ``--memory-phases`` where the memory of the peak rank-step went."""
+    print(f"\nPeak memory (GiB; the difference to {BASELINE} over the rank-steps with the same microbatches):")
+    for result in results:
+        label = f"{result['samples_per_device']}/dev x{result['packing_ratio']:g}"
+        for name, row in result["summary"]["schemes"].items():
+            same = row.get("same_microbatches_vs_baseline")
+            versus = (
+                f", same microbatches as {BASELINE} in {same['rank_steps']} rank-steps: "
+                f"{same['min_gib']:+.2f} to {same['max_gib']:+.2f}"
+                if same
+                else ""
+            )
+            at = row["at_peak"]
+            print(f"{label:>9} | {name:>22}: allocated {row['peak_gib']:.2f}, reserved {row['peak_reserved_gib']:.2f}, "
+                  f"largest microbatch {row['largest_microbatch']} tokens; peak at step {at['step']} rank {at['rank']} "
+                  f"(microbatches {at['microbatch_tokens']}){versus}")  # fmt: skip
+            for phase, allocated, peak in at["phases"] or []:
+                print(f"{'':>12}{phase:>16}: allocated {allocated:6.2f}, peak so far {peak:6.2f}")
 
 
 def plot(results: list[dict], path: str, world_size: int) -> None:
@@ -390,6 +467,9 @@ def main() -> None:
     parser.add_argument("--start-length", type=int, default=16384, help="--longest-document's first length")
     parser.add_argument("--growth", type=float, default=1.25, help="--longest-document's factor between lengths")
     parser.add_argument("--max-length", type=int, default=1 << 20, help="--longest-document's last length")
+    parser.add_argument(
+        "--memory-phases", action="store_true", help="mark the memory at every forward and backward (see above)"
+    )
     args = parser.parse_args()
     args.schemes = args.schemes.split(",")
     if unknown := set(args.schemes) - set(NAMES):

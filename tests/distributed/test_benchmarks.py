@@ -48,6 +48,7 @@ def _sft_throughput(directory: Path) -> list:
         "--samples-per-device", "4", "--length-scale", "0.004", "--steps", "2", "--warmup", "1",
         "--predict-world-sizes", "8", "--json", str(directory / "sft.json"), "--plot", str(directory / "sft.png"),
         "--warm-attention-plans",  # (a GPU's: nothing to warm on the CPU)
+        "--memory-phases",
     ]  # fmt: skip
     return [(command, PEAK, 240)]
 
@@ -71,6 +72,16 @@ def test_sft_throughput_runs_every_scheme_on_cpu(ran, request):
     assert all(len(set(counts)) == 1 for counts in schemes["Collective+LB-Micro"]["microbatches"])
     calibration = result["summary"]["calibration"]
     assert calibration["samples"] > 0 and sum(calibration["cost"].values()) > 0  # tiny CPU runs: maybe fixed costs only
+    # the memory report: each scheme's largest microbatch and peak rank-step with its phases; ODC+LB-Micro ran
+    # Collective+LB-Micro's plans, so every timed rank-step compares the engines on the same microbatches
+    for name, row in schemes.items():
+        ran = [sum(m) for rank in result["records"] for step in rank[name] for m in step["microbatch_lengths"]]
+        assert row["largest_microbatch"] == max(ran)
+        at = row["at_peak"]
+        assert [p[0] for p in at["phases"]][:3] == ["start", "entered", "forward 0"]
+        assert len(at["phases"]) == 4 + 2 * len(at["microbatch_tokens"])
+    assert schemes["ODC+LB-Micro"]["same_microbatches_vs_baseline"]["rank_steps"] == 4
+    assert "Peak memory" in done.stdout
 
 
 def _sft_throughput_moe(directory: Path) -> list:
