@@ -65,6 +65,24 @@ if [[ $STEPS == *vs_trl* ]]; then
     --distribution longalign --samples-per-device 8 --steps 6 --warmup 3 --trl-accumulation 4 ${VS_TRL_ARGS:-} \
     --json "$OUT/vs_trl.json" 2>&1 | tee "$OUT/vs_trl.log" | grep -v Warning | tail -8
 fi
+if [[ $STEPS == *same_data* ]]; then
+  # ODCSFTTrainer (wall clock, vs_trl.py) and the harness (device-timed, the trainers' default scheme) on the very same
+  # minibatches (--trainer-data), longalign at 8 per GPU, 20 timed steps after 3: #45's trainer-against-harness ratio.
+  A=(--distribution longalign --samples-per-device 8 --steps 20 --warmup 3)
+  timeout 270 python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b "${A[@]}" --rows odc \
+    --json "$OUT/vs_trl_same_data.json" 2>&1 | tee "$OUT/vs_trl_same_data.log" | grep -v Warning | tail -3
+  timeout 240 torchrun --standalone --nproc_per_node "$nproc" benchmarks/sft_throughput.py --warm-attention-plans \
+    --trainer-data --schemes "ODC+LB-Mini calibrated" "${A[@]}" --json "$OUT/sft_same_data.json" 2>&1 \
+    | tee "$OUT/sft_same_data.log" | grep -v Warning | tail -5
+fi
+if [[ $STEPS == *memory* ]]; then
+  # Peak memory per scheme on swe-smith at 4 per GPU: each scheme's peak step, its largest microbatch, the difference
+  # to FSDP2 over the rank-steps with the same microbatches, and the memory after each phase of the peak step.
+  timeout 300 torchrun --standalone --nproc_per_node "$nproc" benchmarks/sft_throughput.py --distribution swe-smith \
+    --samples-per-device 4 --warmup 0 --steps 4 --schemes Collective+LB-Micro,ODC+LB-Micro,ODC+LB-Mini \
+    --predict-world-sizes 8 --memory-phases --json "$OUT/sft_memory.json" 2>&1 | tee "$OUT/sft_memory.log" \
+    | grep -v Warning | tail -30
+fi
 if [[ $STEPS == *sft* ]]; then
   # ODCSFTTrainer, 20 steps of a Qwen2-0.5B-shaped model (random weights) on long-tailed synthetic chats, bf16.
   timeout 300 accelerate launch --config_file examples/odc.yaml --num_processes "$nproc" examples/sft.py \
