@@ -474,7 +474,7 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         # Per timed step, one value per rank: whether a rank is slower at equal work, and what the plan gave it.
         "per_rank": {
             key: [[e.get(f"{key}/rank_{r}") for r in range(world_size)] for e in entries]
-            for key in ("busy_s", "tokens", "microbatches", "calibration/speed")
+            for key in ("busy_s", "tokens", "documents", "microbatches", "calibration/speed")
         },
         "wall_s": wall,
         "scheme_s": record["scheme_s"],

@@ -324,8 +324,10 @@ def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request
             assert [sum(tokens) for tokens in per_rank["tokens"]] == [row["tokens_per_step"]], name
             assert per_rank["microbatches"] == [row["microbatches_per_rank"]], name
             assert all(busy > 0 for busy in per_rank["busy_s"][0]), name
+            assert sum(per_rank["documents"][0]) == sum(split["per_rank"]["documents"][0]), name  # the same items
         assert split["x_trl_split"] == pytest.approx(1.0) and micro["x_lb_micro"] == pytest.approx(1.0)
         assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
+        assert split["per_rank"]["documents"] == [[4, 4]], name
         assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
     assert "distill  ODC + LB-Mini" in done.stdout
     assert_profiled(trainers, directory / "logs", done.stdout)

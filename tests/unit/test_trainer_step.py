@@ -63,3 +63,9 @@ def test_a_planned_step_counts_each_rank_share():
         predicted_bubble_rate=0.5,
     )  # fmt: skip
     assert step.rank_tokens(0) == 12 and step.rank_tokens(1) == 0 and step.metrics == {}
+    assert step.rank_documents(0) == 3 and step.rank_documents(1) == 0
+    shared = PlannedStep(
+        microbatches=[], microbatch_lengths=[[[3]], [[2, 2]]], num_samples=4, num_tokens=27, num_loss_tokens=27,
+        predicted_bubble_rate=0.0, shared_lengths=[[20], [20]], sp_size=2,
+    )  # fmt: skip
+    assert [shared.rank_documents(rank) for rank in (0, 1)] == [2, 3]  # a group microbatch's document on both ranks

@@ -451,6 +451,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
             metrics[f"wait_s/rank_{rank}"].append(wait[rank])
             metrics[f"microbatches/rank_{rank}"].append(counts[rank])
             metrics[f"tokens/rank_{rank}"].append(step.rank_tokens(rank))
+            metrics[f"documents/rank_{rank}"].append(step.rank_documents(rank))
         self._planner.record(
             lengths,
             [step.own_times(rank, times[rank]) for rank in range(len(lengths))],

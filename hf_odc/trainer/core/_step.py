@@ -64,6 +64,11 @@ class PlannedStep:
         shards = sum(shard_sizes(length, self.sp_size)[rank % self.sp_size] for length in self._shared(rank))
         return sum(map(sum, self.microbatch_lengths[rank])) + shards
 
+    def rank_documents(self, rank: int) -> int:
+        """Documents (planned items) in ``rank``'s share, those of its group microbatches included: a host's work per
+        step grows with them (an attention call or more each), not only with the tokens."""
+        return sum(map(len, self.microbatch_lengths[rank])) + len(self._shared(rank))
+
     def microbatch_counts(self) -> list[int]:
         """The microbatches each rank runs, its group microbatches included."""
         return [len(self._shared(rank)) + len(own) for rank, own in enumerate(self.microbatch_lengths)]
