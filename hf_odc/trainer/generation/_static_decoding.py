@@ -10,9 +10,10 @@ the host asks whether every row has finished only every :data:`_CHECK_EVERY` ste
 The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULTIPLE` slots beyond the filled part (one
 CUDA graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
 (``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
-than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, so one
-compile serves every width narrower than the cache and one more the whole cache (whose keys, read whole, are
-contiguous), whatever the number of widths. A copy whose forward holds collectives
+than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, and
+the cache holds one slot more than the loop ever fills (:func:`cache_slots`), so that no width reads the cache whole:
+the keys the attention reads are a slice with the same strides at every width (read whole, they would be contiguous,
+and compiled a second time), and one compile serves every width. A copy whose forward holds collectives
 (:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU
 the same step runs eagerly.
 
@@ -109,6 +110,12 @@ class DecodingPlan:
     sampling: Sampling
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+
+
+def cache_slots(length: int) -> int:
+    """The slots of the static cache the loop decodes up to ``length`` tokens into: one more, never filled, so that
+    the attention never reads the cache whole (see the module docstring)."""
+    return length + 1
 
 
 def decoding_plan(
@@ -259,7 +266,7 @@ class Loop:
         model: the static copy.
         cache: the kept static cache.
         batch_size: the cache's rows.
-        length: the cache's slots.
+        length: the longest prompt and completion it decodes (the cache holds :func:`cache_slots` of it).
         compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
     """
 
@@ -271,10 +278,11 @@ class Loop:
         self._additive_mask = attention == "eager"
         self._narrow = attention == "odc_decoding"  # reads only the mask's width of the cache: see _ATTENTIONS
         multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
-        self._width_multiple = max(_WIDTH_MULTIPLE, multiple) if self._narrow else length
+        self._width_multiple = max(_WIDTH_MULTIPLE, multiple)
         self._forward = torch.compile(self._eager_forward, dynamic=False) if compile else self._eager_forward
-        self._ids = torch.zeros(batch_size, length, dtype=torch.long, device=device)  # prompt, then completion
-        self._attended = torch.zeros(batch_size, length, dtype=torch.bool, device=device)  # the 2-D mask
+        slots = cache_slots(length)  # (the other attentions read the whole cache: one width, that of its mask)
+        self._ids = torch.zeros(batch_size, slots, dtype=torch.long, device=device)  # prompt, then completion
+        self._attended = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)  # the 2-D mask
         self._token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the last chosen token
         self._positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # its position id
         self._next_slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next chosen token goes
@@ -318,12 +326,12 @@ class Loop:
         logits = self._prefill(plan)
         self._start(plan, logits.shape[-1])
         self._choose(logits)
-        width_multiple = self._width_multiple
+        width_multiple, width = self._width_multiple, self._attended.shape[1]
         for chosen in range(1, plan.max_new_tokens):
             if plan.eos_token_ids and chosen % _CHECK_EVERY == 0 and not bool(self._unfinished.any()):
                 break
-            # The step forwards the token at slot prompt_length + chosen - 1: the attention reads the slots up to it.
-            width = min(self.length, math.ceil((prompt_length + chosen) / width_multiple) * width_multiple)
+            if self._narrow:  # the step forwards the token at slot prompt_length + chosen - 1: read the slots to it
+                width = min(self.length, math.ceil((prompt_length + chosen) / width_multiple) * width_multiple)
             self._run_step(width)
         steps = int(self._steps)
         self.last_log_probs = None

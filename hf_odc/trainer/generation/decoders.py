@@ -299,7 +299,8 @@ class StaticDecoder(_DecodingCopy):
     Why it is kept: a decoding step's CUDA graphs (the loop's, or those transformers' default compile records) are
     bound to the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation
     batch on the graphs recorded for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen
-    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (its graphs recorded again) only for a
+    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens (and one slot more, which the loop never fills:
+    :func:`~hf_odc.trainer.generation._static_decoding.cache_slots`), and re-made (its graphs recorded again) only for a
     longer one or another batch size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
 
     Args:
@@ -373,7 +374,7 @@ class StaticDecoder(_DecodingCopy):
             return self._cache
         length = max(math.ceil(length / self.CACHE_LENGTH_MULTIPLE) * self.CACHE_LENGTH_MULTIPLE, self._cache_shape[1])
         self.close()
-        self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._cache = StaticCache(config=self.model.config, max_cache_len=_static_decoding.cache_slots(length))
         self._cache_shape = (batch_size, length)
         return self._cache
 
