@@ -374,6 +374,33 @@ def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_wid
     assert not torch._dynamo.utils.counters["recompiles"]
 
 
+def test_the_loop_compiled_by_layer_calls_one_compiled_body_per_layer_and_decodes_what_generate_decodes(monkeypatch):
+    """``compile_layers``: the forward dynamo captures calls each decoder layer as a nested compile region, every
+    call the same body (compiled once), and the loop (inductor for the CPU) decodes the tokens ``generate`` does."""
+    decoder = _copy("sdpa")
+    decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    decoder.compile_layers = True
+    prompts = _prompts(3, 9, seed=4)
+    options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1)
+    expected = _generate(decoder, monkeypatch, False, **prompts, **options)
+    graphs, make, compile = [], _static_decoding.Loop.__init__, torch.compile
+
+    def recording(graph, inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
+
+    monkeypatch.setattr(
+        _static_decoding.Loop, "__init__", lambda self, *a, **k: make(self, *a, **{**k, "compile": True})
+    )
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend=recording, **kwargs))
+    torch._dynamo.reset()
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), expected)
+    (graph,) = graphs
+    calls = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == decoder.model.config.num_hidden_layers == 2
+    assert len({node.args[0].target for node in calls}) == 1  # one body, called by every layer
+
+
 def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(monkeypatch):
     """``close`` (the generator's ``end``, before the process groups go) releases the loop's graphs and drops the
     cache; a later ``generate`` makes both again and decodes the same tokens."""

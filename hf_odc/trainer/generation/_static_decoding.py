@@ -13,7 +13,11 @@ CUDA graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward ins
 than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, and
 the cache holds one slot more than the loop ever fills (:func:`cache_slots`), so that no width reads the cache whole:
 the keys the attention reads are a slice with the same strides at every width (read whole, they would be contiguous,
-and compiled a second time), and one compile serves every width. A copy whose forward holds collectives
+and compiled a second time), and one compile serves every width. Compiled by layer (``compile_layers``), each decoder
+layer is a nested compile region (``torch.compiler.nested_compile_region``): the layers, alike but for their weights and
+cache, share one compiled body instead of being compiled one after another in the unrolled forward, which cuts the
+compile's time, but nothing fuses across a layer's edge (the residual addition that ends a layer runs apart from the
+next layer's normalisation). A copy whose forward holds collectives
 (:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU
 the same step runs eagerly.
 
@@ -28,6 +32,7 @@ transformers' own (a model's, or one wrapped around it) is left to ``generate``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -257,6 +262,12 @@ def sample(probs: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
+@torch.compiler.nested_compile_region
+def _layer_region(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward, as a nested compile region: every layer that runs it shares one compiled body."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
 class Loop:
     """The decoding loop for one kept cache (one batch size and cache length): its buffers, and on a GPU the CUDA
     graphs of its step, live as long as the cache (:class:`~hf_odc.trainer.generation.decoders.StaticDecoder` makes a
@@ -268,9 +279,19 @@ class Loop:
         batch_size: the cache's rows.
         length: the longest prompt and completion it decodes (the cache holds :func:`cache_slots` of it).
         compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
+        compile_layers: compile it by layer (see the module docstring): every decoder layer of ``model`` (the classes
+            transformers keeps whole) runs its forward as one nested compile region from then on.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int, compile: bool = True):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: StaticCache,
+        batch_size: int,
+        length: int,
+        compile: bool = True,
+        compile_layers: bool = False,
+    ):
         self.model, self.cache, self.length = model, cache, length
         device = model.device
         self._cache_kwargs = {_compat.cache_argument(model): cache}
@@ -280,6 +301,11 @@ class Loop:
         multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
         self._width_multiple = max(_WIDTH_MULTIPLE, multiple)
         self._forward = torch.compile(self._eager_forward, dynamic=False) if compile else self._eager_forward
+        if compile and compile_layers:
+            layers = _compat.no_split_modules(model)
+            for module in model.modules():
+                if type(module).__name__ in layers:
+                    module.forward = functools.partial(_layer_region, module)
         slots = cache_slots(length)  # (the other attentions read the whole cache: one width, that of its mask)
         self._ids = torch.zeros(batch_size, slots, dtype=torch.long, device=device)  # prompt, then completion
         self._attended = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)  # the 2-D mask

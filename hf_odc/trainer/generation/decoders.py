@@ -321,6 +321,9 @@ class StaticDecoder(_DecodingCopy):
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
         self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
+        self.compile_layers = False
+        """Set before the first call: the loop compiles the copy's forward by layer (see
+        :mod:`hf_odc.trainer.generation._static_decoding`), a shorter compile without fusion across layers."""
         self.log_prob_temperature: float | None = None
         """Set: a call the loop decodes also records its chosen tokens' log-probabilities under the logits divided by
         it, :attr:`last_log_probs` (``[batch, new tokens]``; ``None`` after a call ``generate`` decoded)."""
@@ -350,7 +353,9 @@ class StaticDecoder(_DecodingCopy):
         if plan:
             if self._loop is None:
                 compile = self._COMPILE and model.device.type == "cuda"
-                self._loop = _static_decoding.Loop(model, cache, *self._cache_shape, compile=compile)
+                self._loop = _static_decoding.Loop(
+                    model, cache, *self._cache_shape, compile=compile, compile_layers=self.compile_layers
+                )
             self._loop.log_prob_temperature = self.log_prob_temperature
             decoded = self._loop.decode(plan)
             self.last_log_probs = self._loop.last_log_probs
