@@ -15,6 +15,9 @@ with transformers' ``generate`` and its compiled forward, the lengths forced as 
 ``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. The copies fuse each
 layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which
 (``fused``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows).
+``--static-compile`` chooses how ``static``'s loop compiles the copy's forward: ``whole`` (one graph of every layer) or
+``layers`` (one nested compile region per decoder layer, a shorter compile); ``whole,layers`` runs ``static`` once with
+each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew.
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -180,9 +183,18 @@ def main() -> None:
         help="the decoding copies (static, tensor-parallel) keep each layer's q/k/v and gate/up projections apart "
         "instead of fusing them (their default), for an A/B",
     )
+    parser.add_argument(
+        "--static-compile",
+        default="whole",
+        help="static's loop compiles the copy's forward 'whole' or by 'layers' (nested compile regions); "
+        "'whole,layers' runs static with each",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    strategies = args.static_compile.split(",")
+    if not strategies or not set(strategies) <= {"whole", "layers"}:
+        parser.error(f"--static-compile takes 'whole', 'layers' or both, comma-separated; got {args.static_compile!r}")
 
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(), mixed_precision="bf16" if torch.cuda.is_available() else "no"
@@ -198,7 +210,9 @@ def main() -> None:
     prompts = torch.randint(3, 1000, (args.prompts, args.prompt_length), generator=g).to(device)
     generate(model, runtime, "gathered", prompts[:2, :8], [4, 4])  # warm-up: kernels, the first unshard
     rows, sequences, decoder = {}, None, None
-    for mode in args.modes.split(","):
+    runs = [(m, s) for m in args.modes.split(",") for s in (strategies if m == "static" else [None])]
+    for mode, strategy in runs:
+        name = f"{mode}[{strategy}]" if strategy is not None and len(strategies) > 1 else mode
         meet(world_size)  # each mode's times start together: a rank's wait for a slower one is not counted
         capped = [min(n, args.lockstep_tokens) for n in lengths] if mode == "lockstep" else lengths
         # The loop (static, tensor-parallel) leaves a call with the caller's logits processor to generate: its rows
@@ -212,6 +226,8 @@ def main() -> None:
             copy = {"loop": args.static_decoding == "loop", "fuse": not args.unfused_decoding}
             if mode == "static":
                 decoder = StaticDecoder(model, runtime, dtype, **copy)
+                decoder.compile_layers = strategy == "layers"
+                torch.compiler.reset()  # each strategy's first batch compiles anew
             else:
                 decoder = TensorParallelDecoder(model, runtime, dtype, **copy)
                 group = shard_group(model)
@@ -236,12 +252,12 @@ def main() -> None:
                 first["profiled_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)[0]
             first["device"] = profiled
         tokens = sum(capped)
-        rows[mode] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
+        rows[name] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
                       "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
         if "first_batch_s" in first:
-            rows[mode]["compile_s"] = first["first_batch_s"] - seconds
+            rows[name]["compile_s"] = first["first_batch_s"] - seconds
         if mode == "lockstep":  # the full-length time, at the measured rate (every rank steps to the global longest)
-            rows[mode]["decode_s_estimated"] = rows[mode]["ms_per_step"] * max(all_lengths) / 1e3
+            rows[name]["decode_s_estimated"] = rows[name]["ms_per_step"] * max(all_lengths) / 1e3
         if mode != "lockstep" and sequences is None:
             sequences = [o[: args.prompt_length + n] for o, n in zip(out, lengths, strict=True)]
     if sequences is not None:
@@ -262,7 +278,8 @@ def report(per_rank: list[dict], args: argparse.Namespace) -> None:
     print(
         f"\n{len(per_rank)} rank(s), {args.model_config}, {args.prompts} completions/rank, up to "
         f"{args.max_new_tokens} new tokens; static decodes with {args.static_attention} attention by "
-        f"{args.static_decoding}, the copies' projections {'unfused' if args.unfused_decoding else 'fused'}; "
+        f"{args.static_decoding} (compiled {args.static_compile}), the copies' projections "
+        f"{'unfused' if args.unfused_decoding else 'fused'}; "
         "policy update "
         f"{update_s and round(update_s, 2)} s"
     )

@@ -299,7 +299,7 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
         spy = lambda q, k, v, **kwargs: read.append(k.shape[-2]) or sdpa(q, k, v, **kwargs)  # noqa: E731
         monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
         _generate(decoder, monkeypatch, True, **prompts, max_new_tokens=5, eos_token_id=eos, pad_token_id=1)
-        filled = 16 if attention == DECODING_ATTENTION else 256  # slots 9 to 12 rounded up to 8, or the cache's 256
+        filled = 16 if attention == DECODING_ATTENTION else 257  # slots 9 to 12 rounded up to 8, or all 257
         assert read[2:] == [filled] * 8  # 4 steps of 2 layers, after the prefill's
 
 
@@ -345,8 +345,8 @@ def test_every_fused_family_computes_the_policys_logits(family):
 def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths_compiled_once(monkeypatch):
     """The loop's forward compiled (as on a GPU, here by inductor for the CPU): the same greedy tokens as
     transformers' ``generate``; a long cache read at no more than ``_MAX_WIDTHS`` widths (the multiple raised from 8 to
-    64 for a 256-slot cache), every width narrower than the cache by one compiled graph, the whole cache (whose keys
-    are contiguous) by one more."""
+    64 for a 256-slot cache), every one of them by one compiled graph, the last, up to the longest sequence the cache
+    is for, too (the cache's spare slot is never read: read whole, its keys would be contiguous, a second graph)."""
     monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", 8)
     monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 4)
     decoder = _copy("sdpa")
@@ -369,7 +369,36 @@ def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_wid
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one compiled graph for the three
     assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options[1]), expected[1])
     assert sorted(set(widths)) == [64, 128, 192, 256]  # slots 9 to 248, the same cache
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert decoder._loop.cache.layers[0].keys.shape[2] == 257
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["recompiles"]
+
+
+def test_the_loop_compiled_by_layer_calls_one_compiled_body_per_layer_and_decodes_what_generate_decodes(monkeypatch):
+    """``compile_layers``: the forward dynamo captures calls each decoder layer as a nested compile region, every
+    call the same body (compiled once), and the loop (inductor for the CPU) decodes the tokens ``generate`` does."""
+    decoder = _copy("sdpa")
+    decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    decoder.compile_layers = True
+    prompts = _prompts(3, 9, seed=4)
+    options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1)
+    expected = _generate(decoder, monkeypatch, False, **prompts, **options)
+    graphs, make, compile = [], _static_decoding.Loop.__init__, torch.compile
+
+    def recording(graph, inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
+
+    monkeypatch.setattr(
+        _static_decoding.Loop, "__init__", lambda self, *a, **k: make(self, *a, **{**k, "compile": True})
+    )
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile(fn, backend=recording, **kwargs))
+    torch._dynamo.reset()
+    assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), expected)
+    (graph,) = graphs
+    calls = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == decoder.model.config.num_hidden_layers == 2
+    assert len({node.args[0].target for node in calls}) == 1  # one body, called by every layer
 
 
 def test_closing_releases_the_loop_and_the_cache_and_a_later_call_decodes_anew(monkeypatch):

@@ -10,9 +10,14 @@ the host asks whether every row has finished only every :data:`_CHECK_EVERY` ste
 The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULTIPLE` slots beyond the filled part (one
 CUDA graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
 (``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
-than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, so one
-compile serves every width narrower than the cache and one more the whole cache (whose keys, read whole, are
-contiguous), whatever the number of widths. A copy whose forward holds collectives
+than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, and
+the cache holds one slot more than the loop ever fills (:func:`cache_slots`), so that no width reads the cache whole:
+the keys the attention reads are a slice with the same strides at every width (read whole, they would be contiguous,
+and compiled a second time), and one compile serves every width. Compiled by layer (``compile_layers``), each decoder
+layer is a nested compile region (``torch.compiler.nested_compile_region``): the layers, alike but for their weights and
+cache, share one compiled body instead of being compiled one after another in the unrolled forward, which cuts the
+compile's time, but nothing fuses across a layer's edge (the residual addition that ends a layer runs apart from the
+next layer's normalisation). A copy whose forward holds collectives
 (:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU
 the same step runs eagerly.
 
@@ -27,6 +32,7 @@ transformers' own (a model's, or one wrapped around it) is left to ``generate``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -109,6 +115,12 @@ class DecodingPlan:
     sampling: Sampling
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+
+
+def cache_slots(length: int) -> int:
+    """The slots of the static cache the loop decodes up to ``length`` tokens into: one more, never filled, so that
+    the attention never reads the cache whole (see the module docstring)."""
+    return length + 1
 
 
 def decoding_plan(
@@ -250,6 +262,12 @@ def sample(probs: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
+@torch.compiler.nested_compile_region
+def _layer_region(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's forward, as a nested compile region: every layer that runs it shares one compiled body."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
 class Loop:
     """The decoding loop for one kept cache (one batch size and cache length): its buffers, and on a GPU the CUDA
     graphs of its step, live as long as the cache (:class:`~hf_odc.trainer.generation.decoders.StaticDecoder` makes a
@@ -259,11 +277,21 @@ class Loop:
         model: the static copy.
         cache: the kept static cache.
         batch_size: the cache's rows.
-        length: the cache's slots.
+        length: the longest prompt and completion it decodes (the cache holds :func:`cache_slots` of it).
         compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
+        compile_layers: compile it by layer (see the module docstring): every decoder layer of ``model`` (the classes
+            transformers keeps whole) runs its forward as one nested compile region from then on.
     """
 
-    def __init__(self, model: PreTrainedModel, cache: StaticCache, batch_size: int, length: int, compile: bool = True):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: StaticCache,
+        batch_size: int,
+        length: int,
+        compile: bool = True,
+        compile_layers: bool = False,
+    ):
         self.model, self.cache, self.length = model, cache, length
         device = model.device
         self._cache_kwargs = {_compat.cache_argument(model): cache}
@@ -271,10 +299,16 @@ class Loop:
         self._additive_mask = attention == "eager"
         self._narrow = attention == "odc_decoding"  # reads only the mask's width of the cache: see _ATTENTIONS
         multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
-        self._width_multiple = max(_WIDTH_MULTIPLE, multiple) if self._narrow else length
+        self._width_multiple = max(_WIDTH_MULTIPLE, multiple)
         self._forward = torch.compile(self._eager_forward, dynamic=False) if compile else self._eager_forward
-        self._ids = torch.zeros(batch_size, length, dtype=torch.long, device=device)  # prompt, then completion
-        self._attended = torch.zeros(batch_size, length, dtype=torch.bool, device=device)  # the 2-D mask
+        if compile and compile_layers:
+            layers = _compat.no_split_modules(model)
+            for module in model.modules():
+                if type(module).__name__ in layers:
+                    module.forward = functools.partial(_layer_region, module)
+        slots = cache_slots(length)  # (the other attentions read the whole cache: one width, that of its mask)
+        self._ids = torch.zeros(batch_size, slots, dtype=torch.long, device=device)  # prompt, then completion
+        self._attended = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)  # the 2-D mask
         self._token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the last chosen token
         self._positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # its position id
         self._next_slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next chosen token goes
@@ -318,12 +352,12 @@ class Loop:
         logits = self._prefill(plan)
         self._start(plan, logits.shape[-1])
         self._choose(logits)
-        width_multiple = self._width_multiple
+        width_multiple, width = self._width_multiple, self._attended.shape[1]
         for chosen in range(1, plan.max_new_tokens):
             if plan.eos_token_ids and chosen % _CHECK_EVERY == 0 and not bool(self._unfinished.any()):
                 break
-            # The step forwards the token at slot prompt_length + chosen - 1: the attention reads the slots up to it.
-            width = min(self.length, math.ceil((prompt_length + chosen) / width_multiple) * width_multiple)
+            if self._narrow:  # the step forwards the token at slot prompt_length + chosen - 1: read the slots to it
+                width = min(self.length, math.ceil((prompt_length + chosen) / width_multiple) * width_multiple)
             self._run_step(width)
         steps = int(self._steps)
         self.last_log_probs = None

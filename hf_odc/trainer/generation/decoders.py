@@ -299,7 +299,8 @@ class StaticDecoder(_DecodingCopy):
     Why it is kept: a decoding step's CUDA graphs (the loop's, or those transformers' default compile records) are
     bound to the copy's parameters and the cache's tensors; refreshing both in place keeps every later generation
     batch on the graphs recorded for the first. The cache is sized for the longest prompt plus ``max_new_tokens`` seen
-    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens, and re-made (its graphs recorded again) only for a
+    so far, rounded up to :data:`CACHE_LENGTH_MULTIPLE` tokens (and one slot more, which the loop never fills:
+    :func:`~hf_odc.trainer.generation._static_decoding.cache_slots`), and re-made (its graphs recorded again) only for a
     longer one or another batch size. The copy has no FSDP mark, so transformers decodes it on this rank alone.
 
     Args:
@@ -320,6 +321,9 @@ class StaticDecoder(_DecodingCopy):
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
         self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
+        self.compile_layers = False
+        """Set before the first call: the loop compiles the copy's forward by layer (see
+        :mod:`hf_odc.trainer.generation._static_decoding`), a shorter compile without fusion across layers."""
         self.log_prob_temperature: float | None = None
         """Set: a call the loop decodes also records its chosen tokens' log-probabilities under the logits divided by
         it, :attr:`last_log_probs` (``[batch, new tokens]``; ``None`` after a call ``generate`` decoded)."""
@@ -349,7 +353,9 @@ class StaticDecoder(_DecodingCopy):
         if plan:
             if self._loop is None:
                 compile = self._COMPILE and model.device.type == "cuda"
-                self._loop = _static_decoding.Loop(model, cache, *self._cache_shape, compile=compile)
+                self._loop = _static_decoding.Loop(
+                    model, cache, *self._cache_shape, compile=compile, compile_layers=self.compile_layers
+                )
             self._loop.log_prob_temperature = self.log_prob_temperature
             decoded = self._loop.decode(plan)
             self.last_log_probs = self._loop.last_log_probs
@@ -373,7 +379,7 @@ class StaticDecoder(_DecodingCopy):
             return self._cache
         length = max(math.ceil(length / self.CACHE_LENGTH_MULTIPLE) * self.CACHE_LENGTH_MULTIPLE, self._cache_shape[1])
         self.close()
-        self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._cache = StaticCache(config=self.model.config, max_cache_len=_static_decoding.cache_slots(length))
         self._cache_shape = (batch_size, length)
         return self._cache
 
