@@ -237,8 +237,7 @@ def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):
     if getattr(args, "trainer_data", False):
         from hf_odc.demo.data import longtail_lengths  # (datasets, which the other benchmarks do not need)
 
-        longest = round(DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
-        lengths = longtail_lengths(minibatch_size * steps, longest, args.distribution, args.seed)
+        lengths = longtail_lengths(minibatch_size * steps, longest_sample(args), args.distribution, args.seed)
     else:
         lengths = scaled_lengths(
             args, minibatch_size * steps, seed=[args.seed, minibatch_size // dist.get_world_size()]
@@ -247,6 +246,11 @@ def minibatches(args, vocab_size: int, minibatch_size: int, steps: int):
     for step in range(steps):
         chunk = lengths[step * minibatch_size : (step + 1) * minibatch_size]
         yield chunk, [{"input_ids": pool[i : i + n].tolist()} for i, n in enumerate(chunk)]
+
+
+def longest_sample(args) -> int:
+    """The distribution's longest possible sample, times ``--length-scale`` (``vs_trl.py``'s samples are cut to it)."""
+    return round(DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
 
 
 def scaled_lengths(args, n: int, seed) -> list[int]:

@@ -94,7 +94,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import MODELS, RECOMPUTE_ATTENTION_HELP, EndAt  # noqa: E402
+from _common import MODELS, RECOMPUTE_ATTENTION_HELP, EndAt, longest_sample  # noqa: E402
 
 from hf_odc.packing import DISTRIBUTIONS  # noqa: E402
 from hf_odc.packing.flops import mfu, peak_flops, training_flops  # noqa: E402
@@ -217,11 +217,6 @@ def build_model(args, tokenizer, attn_implementation: str):
     config._attn_implementation = attn_implementation  # private: transformers.PretrainedConfig._attn_implementation
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every row
     return AutoModelForCausalLM.from_config(config)
-
-
-def longest_sample(args) -> int:
-    """The distribution's longest possible sample, times ``--length-scale``."""
-    return round(DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
 
 
 def build_dataset(args, num_samples: int, vocab_size: int):
