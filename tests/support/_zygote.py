@@ -85,8 +85,7 @@ class _Zygote:
         return self.process.poll() is None
 
     def fork(self, script: str, args: list[str], env: dict, log: Path) -> _Rank:
-        """Start ``script`` with ``args`` in a child of the zygote, in a session of its own, with ``env`` as its
-        whole environment and its output appended to ``log``."""
+        """:func:`start`."""
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(str(self.socket))
         request = {"script": script, "args": args, "env": env, "cwd": os.getcwd(), "log": str(log)}
@@ -159,6 +158,12 @@ def _running_zygote() -> _Zygote:
         return _zygote
 
 
+def start(script: str, args: list[str], env: dict, log: Path) -> _Rank:
+    """Start ``script`` with ``args`` as ``python script args`` would, in a child of the zygote (started if none runs),
+    in a session of its own, with ``env`` as its whole environment and its output appended to ``log``."""
+    return _running_zygote().fork(script, args, env, log)
+
+
 def launch(
     script: str,
     args: list[str],
@@ -184,13 +189,12 @@ def launch(
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_id = f"zygote-{uuid.uuid4().hex[:12]}"
     try:
-        zygote = _running_zygote()
         for rank, variables in enumerate(launcher):
             own = {**env, **variables}
             if store is not None:
                 own |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_RUN_ID": run_id,
                         "TORCHELASTIC_ERROR_FILE": str(directory / f"error{rank}.json")}  # fmt: skip
-            ranks.append(zygote.fork(script, args, own, log))
+            ranks.append(start(script, args, own, log))
             if track is not None:
                 track(ranks[-1])
         returncode = _wait(ranks, time.monotonic() + timeout)
