@@ -20,15 +20,16 @@ GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 processes
 WORKERS = str(SUPPORT / "_checkpoint_workers.py")
 
 
-def train(output_dir, *args: str, processes: int, env: dict | None = None) -> str:
+def train(output_dir, *args: str, processes: int, env: dict | None = None, preimported: bool = True) -> str:
     """Run ``tests/support/_checkpoint_workers.py`` (``examples/sft.py``) with a checkpoint after every step and
-    planning by
-    token counts (the same plan in every run); return its output. One thread per process: one process with several
-    spends most of its time waiting on them when other tests load the CPU."""
+    planning by token counts (the same plan in every run); return its output. One thread per process: one process
+    with several spends most of its time waiting on them when other tests load the CPU. ``preimported``: the ranks
+    forked by the test zygote (``_zygote.py``), in the environment ``accelerate launch`` gives them; the killed save
+    (:func:`killed`), where the launcher ends the ranks, is launched as a user launches it."""
     batch = str(GLOBAL_BATCH // processes)
     return run(WORKERS, *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir),
                "--cost_model", "tokens", "--save_strategy", "steps", "--save_steps", "1", *args,
-               processes=processes, env={"OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+               processes=processes, env={"OMP_NUM_THREADS": "1", **(env or {})}, preimported=preimported)  # fmt: skip
 
 
 def assert_continues(resumed: dict[int, dict], reference: dict[int, dict], first_step: int) -> None:
@@ -61,7 +62,7 @@ def killed(on_two, tmp_path_factory):
     shutil.copytree(on_two[0] / "checkpoint-3", directory / "checkpoint-3")
     with pytest.raises(AssertionError, match="exited with"):
         train(directory, "--resume_from_checkpoint", "True", "--save_total_limit", "1", processes=2,
-              env={"HF_ODC_TEST_KILL_BEFORE_MARKING": "4"})  # fmt: skip
+              env={"HF_ODC_TEST_KILL_BEFORE_MARKING": "4"}, preimported=False)  # fmt: skip
     return directory
 
 

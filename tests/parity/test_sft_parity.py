@@ -32,13 +32,21 @@ AT_ONCE = 2
 
 
 def train(
-    background: Concurrently, output_dir, *args: str, processes: int, env: dict | None = None, script: str = "sft.py"
+    background: Concurrently,
+    output_dir,
+    *args: str,
+    processes: int,
+    env: dict | None = None,
+    script: str = "sft.py",
+    preimported: bool = True,
 ) -> dict[int, dict]:
     """Run examples/sft.py (or ``script``) as a job of ``background``; the global minibatch is 16 samples either
-    way."""
+    way. ``preimported``: its ranks forked by the test zygote (``_zygote.py``), in the environment ``accelerate
+    launch`` gives them; LB-Mini's run (:func:`_lb_mini`) is launched as a user launches it."""
     batch = str(16 // processes)
     run(script, *SFT_FLAGS, "--per_device_train_batch_size", batch, "--output_dir", str(output_dir), *args,
-        processes=processes, env=env, background=background, timeout=180 * AT_ONCE)  # fmt: skip
+        processes=processes, env=env, background=background, timeout=180 * AT_ONCE,
+        preimported=preimported)  # fmt: skip
     return logged_steps(output_dir)
 
 
@@ -67,7 +75,7 @@ def _lb_mini(background: Concurrently, directory: Path) -> tuple[Path, dict]:
     lengths they give the ranks different numbers of microbatches at some step, which this test must exercise."""
     return directory, train(
         background, directory, "--save_strategy", "steps", "--save_steps", "2", "--cost_model", "tokens", processes=2,
-        env={"HF_ODC_PEAK_TFLOPS": str(PEAK_TFLOPS)},  # a peak for the CPU, so that MFU is logged
+        env={"HF_ODC_PEAK_TFLOPS": str(PEAK_TFLOPS)}, preimported=False,  # a peak for the CPU: MFU is logged
     )  # fmt: skip
 
 

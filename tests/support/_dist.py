@@ -1,16 +1,22 @@
-"""Run a function on N CPU processes (gloo) and collect what each returns, without ever hanging the test suite."""
+"""Run a function on N CPU processes (gloo) and collect what each returns, without ever hanging the test suite. The
+processes are forked by the test zygote (:mod:`_zygote`: torch and the libraries imported once), each running this
+file with its rank's pickled call, as a spawned process would run it."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import pickle
+import signal
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import _zygote
 import torch
 from _machine import scaled, within_test
 from _slow import require_slow
@@ -63,31 +69,30 @@ def launch(
     """
     timeout, pg_timeout = within_test(scaled(timeout, world_size)), scaled(pg_timeout, world_size)
     require_slow(f"{world_size} processes")
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hf_odc_test_") as tmp:
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout, cuda), daemon=True)
-            for r in range(world_size)
-        ]
+        procs = []
         try:
-            for p in procs:
-                p.start()
+            for r in range(world_size):
+                call = os.path.join(tmp, f"call{r}.pkl")
+                with open(call, "wb") as f:  # the path first: fn's module is found on it
+                    pickle.dump(sys.path, f)
+                    pickle.dump((fn, r, world_size, tmp, args, pg_timeout, cuda), f)
+                procs.append(_zygote.start(__file__, [call], dict(os.environ), Path(tmp) / f"output{r}.txt"))
             end = time.monotonic() + timeout
             for p in procs:
-                p.join(max(0.0, end - time.monotonic()))
-            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+                p.wait(max(0.0, end - time.monotonic()))
+            alive = [r for r, p in enumerate(procs) if p.poll() is None]
         finally:  # whatever ends the wait (pytest's own timeout too), no worker outlives it
             for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+                p.signal(signal.SIGKILL)
+                p.wait()
         if alive:
             raise WorkersTimedOut(f"ranks {alive} still running after {timeout:g} s")
         errors = []
         for r, p in enumerate(procs):
-            if p.exitcode != 0 and r not in may_fail:
+            if p.returncode != 0 and r not in may_fail:
                 path = os.path.join(tmp, f"err{r}.txt")
-                text = f"exit code {p.exitcode}"
+                text = f"exit code {p.returncode}, output:\n{Path(tmp, f'output{r}.txt').read_text()[-8000:]}"
                 if os.path.exists(path):
                     with open(path) as f:
                         text = f.read()
@@ -98,3 +103,10 @@ def launch(
             torch.load(path, weights_only=False) if os.path.exists(path := os.path.join(tmp, f"out{r}.pt")) else None
             for r in range(world_size)
         ]
+
+
+if __name__ == "__main__":  # a rank: run its pickled call (launch)
+    with open(sys.argv[1], "rb") as f:
+        sys.path[:] = pickle.load(f)
+        call = pickle.load(f)
+    _entry(*call)

@@ -114,10 +114,14 @@ class Concurrently:
         """``subprocess.Popen(command, **popen)`` in a session of its own, tracked."""
         return self.track(subprocess.Popen(command, start_new_session=True, **popen))
 
+    def limit(self, timeout: float) -> float:
+        """A job's ``timeout``: its own, or with ``one_test`` cut to the running test's (:func:`within_test`)."""
+        return within_test(timeout) if self._one_test else timeout
+
     def run(self, command: list[str], timeout: float, **popen) -> tuple[int, str, str]:
         """:func:`run_process` for a job: its output as text (``popen`` may send stderr to stdout), the session killed
         at the end or after ``timeout`` s (cut to the test's with ``one_test``; an AssertionError with the output)."""
-        timeout = within_test(timeout) if self._one_test else timeout
+        timeout = self.limit(timeout)
         process = self.popen(command, text=True, **({"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} | popen))
         try:
             out, err = process.communicate(timeout=timeout)

@@ -57,7 +57,7 @@ def run_checked(script: str, *args: str, processes: int = 1, env: dict | None = 
     default 600 s, ``config``, an Accelerate config in place of ``examples/odc_cpu.yaml``, and ``background``); fail
     with its output unless it exits 0."""
     returncode, output = launch(
-        str(SUPPORT / script), *args, processes=processes, env=env, **({"timeout": 600} | launched)
+        str(SUPPORT / script), *args, processes=processes, env=env, preimported=True, **({"timeout": 600} | launched)
     )
     assert returncode == 0, output[-12000:]
 

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import _zygote
 import pytest
-from _machine import Concurrently, run_process, scaled
+from _machine import Concurrently, run_process, scaled, within_test
 from _slow import require_slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,10 +33,13 @@ def run(
     env: dict | None = None,
     timeout: float = 180.0,
     background: Concurrently | None = None,
+    preimported: bool = False,
 ) -> str:
     """Run ``examples/<script>`` on one process (``python``) or ``processes`` CPU processes (``accelerate launch``
-    with ``examples/odc_cpu.yaml``); return its output, or fail with it. ``background``: as :func:`launch` takes it."""
-    returncode, output = launch(script, *args, processes=processes, env=env, timeout=timeout, background=background)
+    with ``examples/odc_cpu.yaml``); return its output, or fail with it. ``background``, ``preimported``: as
+    :func:`launch` takes them."""
+    returncode, output = launch(script, *args, processes=processes, env=env, timeout=timeout, background=background,
+                                preimported=preimported)  # fmt: skip
     if returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{output[-8000:]}")
     return output
@@ -49,13 +53,22 @@ def launch(
     timeout: float = 180.0,
     config: Path | None = None,
     background: Concurrently | None = None,
+    preimported: bool = False,
 ) -> tuple[int, str]:
     """:func:`run`, returning the exit status and the output whatever the status (it still fails on a timeout, which
     :func:`~_machine.scaled` stretches on a busy machine); ``config``: an Accelerate config in place of
     ``examples/odc_cpu.yaml``; ``background``: the :class:`~_machine.Concurrently` whose job this launch is (the
-    timeout as its :meth:`~_machine.Concurrently.run` takes it)."""
+    timeout as its :meth:`~_machine.Concurrently.run` takes it). ``preimported``: the ranks forked by the test zygote
+    (:func:`_zygote.launch`), in the environment the launcher would give them, for a launch whose training results
+    are checked, not the launch itself."""
     require_slow(f"the script {Path(script).name}")
     command, timeout = _command(script, args, processes, config), scaled(timeout, processes)
+    if preimported:
+        limit = within_test(timeout) if background is None else background.limit(timeout)
+        track = None if background is None else background.track
+        config = config or EXAMPLES / "odc_cpu.yaml"
+        return _zygote.launch(str(EXAMPLES / script), list(args), processes=processes, env=_popen_options(env)["env"],
+                              timeout=limit, config=config, track=track)  # fmt: skip
     if background is None:
         returncode, output, _ = run_process(command, timeout, stdout=subprocess.PIPE, **_popen_options(env))
     else:
