@@ -22,11 +22,11 @@ fi
 if [[ $STEPS == *tests* ]]; then
   # The CUDA tests (the fused kernels' too), and the packed-attention and timing tests on this image's transformers
   # (CI has a newer one).
-  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/distributed/test_engine.py \
+  timeout 420 python3 -m pytest -x -q -p no:cacheprovider --durations=12 tests/distributed/test_engine.py \
     tests/distributed/test_engine_timing.py tests/unit/test_kernels_attention.py tests/unit/test_trainer_attention.py \
     tests/unit/test_kernels_fused.py \
     -k "cuda or attention or timing or bubble${TESTS_K:+ and ($TESTS_K)}" \
-    2>&1 | tee "$OUT/pytest_gpu.log" | tail -5
+    2>&1 | tee "$OUT/pytest_gpu.log" | tail -18
 fi
 if [[ $STEPS == *comm* ]]; then
   for cfg in ${COMM_CONFIGS:-p0 p32}; do  # p<N>: the accumulate kernel with at most N programs (0: uncapped)
