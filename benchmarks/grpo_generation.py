@@ -15,9 +15,9 @@ with transformers' ``generate`` and its compiled forward, the lengths forced as 
 ``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. The copies fuse each
 layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which
 (``fused``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows).
-``--static-compile`` chooses how ``static``'s loop compiles the copy's forward: ``whole`` (one graph of every layer) or
-``layers`` (one nested compile region per decoder layer, a shorter compile); ``whole,layers`` runs ``static`` once with
-each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew.
+``--static-compile`` chooses how ``static``'s loop compiles the copy's forward: ``layers`` (one nested compile region
+per decoder layer, a shorter compile: the trainers' default) or ``whole`` (one graph of every layer); ``whole,layers``
+runs ``static`` once with each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew.
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
 decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
@@ -185,8 +185,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--static-compile",
-        default="whole",
-        help="static's loop compiles the copy's forward 'whole' or by 'layers' (nested compile regions); "
+        default="layers",
+        help="static's loop compiles the copy's forward by 'layers' (nested compile regions, the default) or 'whole'; "
         "'whole,layers' runs static with each",
     )
     parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")

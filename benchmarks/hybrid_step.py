@@ -1,14 +1,15 @@
 """Hybrid ODC against ODC on one host and against Collective HSDP: the SFT benchmark's step time, one launch.
 
-On 2 GPUs the job is laid out two ways, each a model of its own built the same way as ``sft_throughput.py``'s (bf16
+The job's N GPUs are laid out two ways, each a model of its own built the same way as ``sft_throughput.py``'s (bf16
 compute, fp32 masters and reductions, activation checkpointing, packed attention, TRL's fused LM head):
 
-* ``1 host x 2``: one shard group over both GPUs (1-D mesh), ODC+LB-Mini;
-* ``2 hosts x 1``: each GPU a shard group of its own, replicated (HSDP's 2-D mesh, ``shard_size=1``, what a job over
-  two one-GPU hosts gets), run as hybrid ODC+LB-Mini (one all-reduce across replicas per minibatch) and as
-  Collective HSDP+LB-Micro (FSDP2's collectives, reduce-scatter and all-reduce deferred to the last microbatch).
+* ``1 host x N``: one shard group over every GPU (1-D mesh), ODC+LB-Mini;
+* ``N/G hosts x G`` (``--gpus-per-host`` G, by default N/2: 2 hosts x 1 on 2 GPUs, 2 x 2 on 4): shard groups of G GPUs,
+  replicated (HSDP's 2-D mesh, ``shard_size=G``, what a job over N/G hosts of G GPUs gets), run as hybrid ODC+LB-Mini
+  (one all-reduce across replicas per minibatch) and as Collective HSDP+LB-Micro (FSDP2's collectives, reduce-scatter
+  and all-reduce deferred to the last microbatch).
 
-The schemes run the same global minibatches, interleaved minibatch by minibatch; timings are device-timed. Both GPUs
+The schemes run the same global minibatches, interleaved minibatch by minibatch; timings are device-timed. The GPUs
 sit on one NVLink switch here, so the "cross-host" all-reduce runs at NVLink speed: this measures hybrid ODC's
 mechanics and overheads, not an InfiniBand fabric (``hf-odc plan --gpus-per-host`` models that)::
 
@@ -30,30 +31,37 @@ from hf_odc.engine import CollectiveMinibatch
 from hf_odc.packing import DISTRIBUTIONS, MinibatchPlanner, named_cost
 from hf_odc.trainer import PlannedMinibatchCollator
 
-# name -> (layout, odc, balance)
-SCHEMES = {
-    "ODC+LB-Mini (1 host x 2)": ("flat", True, "lb-mini"),
-    "Hybrid ODC+LB-Mini (2 hosts x 1)": ("hybrid", True, "lb-mini"),
-    "HSDP+LB-Micro (2 hosts x 1)": ("hybrid", False, "lb-micro"),
-}
+
+def schemes(world_size: int, gpus_per_host: int) -> dict[str, tuple[str, bool, str]]:
+    """Each row's name, which names its layout, -> (layout, odc, balance); the first row is the one-host reference."""
+    hosts = f"{world_size // gpus_per_host} hosts x {gpus_per_host}"
+    return {
+        f"ODC+LB-Mini (1 host x {world_size})": ("flat", True, "lb-mini"),
+        f"Hybrid ODC+LB-Mini ({hosts})": ("hybrid", True, "lb-mini"),
+        f"HSDP+LB-Micro ({hosts})": ("hybrid", False, "lb-micro"),
+    }
 
 
 def run(args, device: torch.device) -> dict[str, list[dict]]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    layouts = {"flat": build(args, device), "hybrid": build(args, device, shard_size=1)}
+    gpus_per_host = args.gpus_per_host or max(1, world_size // 2)
+    if world_size % gpus_per_host or world_size // gpus_per_host < 2:
+        raise SystemExit(f"--gpus-per-host {gpus_per_host} must divide the {world_size} GPUs into at least 2 hosts.")
+    rows = schemes(world_size, gpus_per_host)
+    layouts = {"flat": build(args, device), "hybrid": build(args, device, shard_size=gpus_per_host)}
     runners = {name: (hf_odc.enable(model), CollectiveMinibatch(device)) for name, (model, _, _) in layouts.items()}
     cap = int(args.packing_ratio * DISTRIBUTIONS[args.distribution].max_length * args.length_scale)
     cost = named_cost("attention", layouts["flat"][2])
     collators = {
         name: PlannedMinibatchCollator(rank, MinibatchPlanner(balance, world_size, "minibatch" if odc else "layer",
                                                               cost), cap, 0)
-        for name, (_, odc, balance) in SCHEMES.items()
+        for name, (_, odc, balance) in rows.items()
     }  # fmt: skip
-    records: dict[str, list[dict]] = {name: [] for name in SCHEMES}
+    records: dict[str, list[dict]] = {name: [] for name in rows}
     steps = args.warmup + args.steps
     vocab = layouts["flat"][2].vocab_size
     for step, (lengths, examples) in enumerate(minibatches(args, vocab, args.samples_per_device * world_size, steps)):
-        for name, (layout, odc, _) in SCHEMES.items():
+        for name, (layout, odc, _) in rows.items():
             model, optimizer, _ = layouts[layout]
             odc_runner, collective = runners[layout]
             runner = odc_runner if odc else collective
@@ -86,14 +94,16 @@ def summarise(records: dict[str, list[dict]]) -> dict[str, dict]:
             "all_reduce_s_median": sorted(max(s["all_reduce"]) for s in steps)[len(steps) // 2],
             "peak_gib": max(s["peak_gib"] for s in steps),
         }
-    reference = summary["ODC+LB-Mini (1 host x 2)"]["time_s"]
+    reference = next(iter(summary.values()))["time_s"]  # the one-host row
     for row in summary.values():
         row["time_over_one_host"] = row["time_s"] / reference
     return summary
 
 
 def main() -> None:
-    args = workload_parser(__doc__.splitlines()[0], 5, 1).parse_args()
+    parser = workload_parser(__doc__.splitlines()[0], 5, 1)
+    parser.add_argument("--gpus-per-host", type=int, default=None, help="the hybrid layout's host size (default: N/2)")
+    args = parser.parse_args()
     device = init_distributed(args)
     records = run(args, device)
     if dist.get_rank() == 0:

@@ -20,7 +20,7 @@ from hf_odc.trainer.generation import _static_decoding
 
 pytestmark = pytest.mark.slow  # every test starts processes
 MODES = (
-    "lockstep", "static", "static-loop", "gathered", "sharded", "gathered-fsdp2", "tensor-parallel",
+    "lockstep", "static", "static-generate", "gathered", "sharded", "gathered-fsdp2", "tensor-parallel",
     "tensor-parallel-generate",
 )  # fmt: skip
 FSDP_GROUPS = 3  # two decoder layers and the root
@@ -50,7 +50,7 @@ def test_every_mode_decodes_the_same_tokens(traces):
 def test_no_all_gather_while_decoding_with_odc_and_one_per_group_without(traces):
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert all(traces["lockstep"][rank]["all_gathers"] >= FSDP_GROUPS * max(longest) for rank in (0, 1))  # traced
-    odc = ("static", "static-loop", "gathered", "sharded", "tensor-parallel", "tensor-parallel-generate")
+    odc = ("static", "static-generate", "gathered", "sharded", "tensor-parallel", "tensor-parallel-generate")
     # (tensor-parallel's LM head stays whole: the 2 ranks do not divide the tokenizer's 507 words; no logits gathered)
     assert all(traces[mode][rank]["all_gathers"] == 0 for mode in odc for rank in (0, 1))
     assert all(traces["gathered-fsdp2"][rank]["all_gathers"] == FSDP_GROUPS for rank in (0, 1))
@@ -62,9 +62,9 @@ def test_a_rank_stops_decoding_when_its_own_completions_end(traces):
     longest = [max(map(len, traces["lockstep"][rank]["completions"])) for rank in (0, 1)]
     assert longest[0] < longest[1]  # the prompts make the ranks' completions end at different lengths
     assert traces["lockstep"][0]["forwards"] == traces["lockstep"][1]["forwards"] >= longest[1]  # lockstep
-    for mode in ("static", "static-loop", "gathered", "sharded", "gathered-fsdp2"):
+    for mode in ("static", "static-generate", "gathered", "sharded", "gathered-fsdp2"):
         forwards = [traces[mode][rank]["forwards"] for rank in (0, 1)]
-        every = _static_decoding._CHECK_EVERY if mode == "static-loop" else 1
+        every = _static_decoding._CHECK_EVERY if mode == "static" else 1  # the loop is static's default
         bound = math.ceil((longest[0] + 1) / every) * every
         assert forwards[0] < forwards[1] and forwards[0] <= bound, (mode, forwards, longest)
     # Tensor-parallel: the ranks decode the group's prompts together, until the longest completion of either ends.
@@ -82,11 +82,11 @@ def test_tensor_parallel_decoding_sums_the_row_parallel_outputs_over_the_ranks(t
             assert record["forwards"] and record["all_reduces"] == 2 * 2 * record["forwards"], (mode, rank)
 
 
-@pytest.mark.parametrize("mode", ["static", "static-loop", "tensor-parallel", "tensor-parallel-generate"])
+@pytest.mark.parametrize("mode", ["static", "static-generate", "tensor-parallel", "tensor-parallel-generate"])
 def test_the_decoding_copy_is_refreshed_each_time_the_trainer_generates(traces, mode):
     for rank in (0, 1):
         record = traces[mode][rank]
-        # odc_decoding_loop chooses hf_odc's loop; unset, tensor-parallel decodes with it, static with generate
-        assert record["loop"] == (mode in ("static-loop", "tensor-parallel")), mode
+        # odc_decoding_loop chooses hf_odc's loop (the default of both modes) or transformers' generate
+        assert record["loop"] == (not mode.endswith("-generate")), mode
         assert record["stale"] > 1e-4  # the step's update moved the policy away from the copy it decoded with
         assert record["refreshed"] == 0.0, rank

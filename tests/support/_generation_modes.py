@@ -76,8 +76,8 @@ def traced(trainer, record: dict):
 
 def run(model_dir: str, mode: str, out: str) -> dict:
     """One step with ``odc_generation=mode``; ``"<mode>-fsdp2"`` runs it on the plain FSDP2 baseline (odc=False),
-    ``"<mode>-loop"`` decodes with hf_odc's loop (``odc_decoding_loop=True``), ``"<mode>-generate"`` with
-    transformers' ``generate`` (``False``), else the mode's default."""
+    ``"<mode>-generate"`` decodes with transformers' ``generate`` (``odc_decoding_loop=False``), else with the
+    mode's default."""
     from hf_odc.trainer import ODCGRPOConfig, ODCGRPOTrainer
 
     tokenizer = build_tokenizer()
@@ -87,8 +87,8 @@ def run(model_dir: str, mode: str, out: str) -> dict:
     args = ODCGRPOConfig(
         f"{out}.{mode}", per_device_train_batch_size=4, num_generations=4, max_completion_length=MAX_COMPLETION,
         max_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=3,
-        disable_tqdm=True, odc_generation=mode.removesuffix("-fsdp2").removesuffix("-loop").removesuffix("-generate"),
-        odc_decoding_loop=True if mode.endswith("-loop") else False if mode.endswith("-generate") else None,
+        disable_tqdm=True, odc_generation=mode.removesuffix("-fsdp2").removesuffix("-generate"),
+        **({"odc_decoding_loop": False} if mode.endswith("-generate") else {}),
         max_tokens_per_microbatch=128,
         cost_model="tokens", odc=not mode.endswith("-fsdp2"), learning_rate=1e-2, entropy_coef=0.1,
         generation_kwargs={"do_sample": False, "eos_token_id": stop},

@@ -342,15 +342,18 @@ def test_every_fused_family_computes_the_policys_logits(family):
         torch.testing.assert_close(decoder.model(input_ids=ids).logits, policy(input_ids=ids).logits)
 
 
-def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths_compiled_once(monkeypatch):
-    """The loop's forward compiled (as on a GPU, here by inductor for the CPU): the same greedy tokens as
-    transformers' ``generate``; a long cache read at no more than ``_MAX_WIDTHS`` widths (the multiple raised from 8 to
-    64 for a 256-slot cache), every one of them by one compiled graph, the last, up to the longest sequence the cache
-    is for, too (the cache's spare slot is never read: read whole, its keys would be contiguous, a second graph)."""
+@pytest.mark.parametrize("by_layer", [True, False], ids=["layers", "whole"])
+def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_widths_once(monkeypatch, by_layer):
+    """The loop's forward compiled (as on a GPU, here by inductor for the CPU), by layer (the default) or whole: the
+    same greedy tokens as transformers' ``generate``; a long cache read at no more than ``_MAX_WIDTHS`` widths (the
+    multiple raised from 8 to 64 for a 256-slot cache), every one of them by one compiled graph, the last, up to the
+    longest sequence the cache is for, too (the cache's spare slot is never read: read whole, its keys would be
+    contiguous, a second graph)."""
     monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", 8)
     monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 4)
     decoder = _copy("sdpa")
     decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    decoder.compile_layers = by_layer
     prompts = _prompts(3, 9, seed=4)
     options = [dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=1) for n in (140, 240)]
     expected = [_generate(decoder, monkeypatch, False, **prompts, **o) for o in options]
@@ -375,11 +378,11 @@ def test_the_compiled_loop_decodes_what_generate_decodes_reading_at_most_max_wid
 
 
 def test_the_loop_compiled_by_layer_calls_one_compiled_body_per_layer_and_decodes_what_generate_decodes(monkeypatch):
-    """``compile_layers``: the forward dynamo captures calls each decoder layer as a nested compile region, every
-    call the same body (compiled once), and the loop (inductor for the CPU) decodes the tokens ``generate`` does."""
+    """``compile_layers`` (the default): the forward dynamo captures calls each decoder layer as a nested compile
+    region, every call the same body (compiled once), and the loop (inductor for the CPU) decodes the tokens
+    ``generate`` does."""
     decoder = _copy("sdpa")
     decoder.model.set_attn_implementation(DECODING_ATTENTION)
-    decoder.compile_layers = True
     prompts = _prompts(3, 9, seed=4)
     options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1)
     expected = _generate(decoder, monkeypatch, False, **prompts, **options)

@@ -1,8 +1,12 @@
 """What the trainers do on the host between the loader and the device, where a step's wall time can hide outside its
 device-timed minibatch: the loader pins nothing, inputs are copied without waiting for the device, and cuDNN's
-attention plans are built for the training data's lengths before the first step."""
+attention plans are built for the training data's lengths before the first step, and Python's collector runs between
+steps only."""
 
 from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from hf_odc.demo import build_tokenizer, chat_dataset
 from hf_odc.demo.models import MODEL_CONFIGS
 from hf_odc.kernels.attention import sdpa_length
 from hf_odc.trainer import ODCSFTConfig, ODCSFTTrainer
+from hf_odc.trainer.core import _collector
+from hf_odc.trainer.core._collector import StepCollector
 from hf_odc.trainer.core.attention import warm_attention_plans
 
 
@@ -91,3 +97,47 @@ def test_the_loader_pins_nothing_and_inputs_are_copied_without_waiting(tmp_path,
     assert copies == [True, True, True]
     assert isinstance(moved["pairs"][1], tuple) and moved["pairs"][1][1] == "label" and moved["n"] == 3
     torch.testing.assert_close(moved["model"]["input_ids"], inputs["model"]["input_ids"])
+
+
+@pytest.mark.parametrize("manual", [True, False])
+def test_the_collector_runs_before_each_minibatch_and_never_inside_one(tmp_path, monkeypatch, manual):
+    """``manual_gc`` (the default): for the run of ``train`` Python's collector is off, what was alive when training
+    began is frozen, and each step collects before its minibatch (every generation at the first step, then the young
+    ones); afterwards the collector is on and nothing frozen. ``False``: the collector runs by itself, as before."""
+    events = []
+    record = lambda generation=2: events.append(("collect", generation)) or gc.collect(generation)  # noqa: E731
+    functions = {name: getattr(gc, name) for name in ("isenabled", "freeze", "unfreeze", "enable", "disable")}
+    monkeypatch.setattr(_collector, "gc", SimpleNamespace(collect=record, **functions))  # its own collections only
+    trainer = _sft_trainer(tmp_path, manual_gc=manual, max_steps=3, save_strategy="no")
+    run_minibatch = trainer._run_minibatch
+
+    def minibatch(model, step):
+        events.append(("minibatch", gc.isenabled(), gc.get_freeze_count() > 0))
+        return run_minibatch(model, step)
+
+    trainer._run_minibatch = minibatch
+    events.clear()
+    trainer.train()
+    trainer.end()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    steps = [event for event in events if event[0] == "minibatch" or manual]
+    if manual:
+        assert steps[:2] == [("collect", 2), ("collect", 2)]  # at the start, before the freeze; the first step's
+        assert steps[2:] == [("minibatch", False, True), ("collect", 1), ("minibatch", False, True), ("collect", 1),
+                             ("minibatch", False, True)]  # fmt: skip
+    else:
+        assert steps == [("minibatch", True, False)] * 3
+
+
+def test_the_collector_is_restored_when_training_fails_and_left_alone_when_the_script_turned_it_off():
+    collector = StepCollector(True)
+    with pytest.raises(RuntimeError), collector.training():
+        assert not gc.isenabled() and collector.active
+        raise RuntimeError("a failed step")
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and not collector.active
+    gc.disable()
+    try:
+        with collector.training():
+            assert not collector.active  # the script manages the collector: before_step collects nothing
+    finally:
+        gc.enable()

@@ -119,6 +119,14 @@ _ODC_PARAMETERS = """
             Mixtral, Qwen2-MoE and Qwen3-MoE) one Triton kernel each way in place of their chains of elementwise
             kernels (`hf_odc.kernels.install_fused_kernels`): the same formulas and roundings, up to the order of
             fp32 sums. Other modules, and CPU runs, are left as they are. `False` keeps transformers' forwards.
+        manual_gc (`bool`, *optional*, defaults to `True`):
+            Run Python's garbage collector only between steps, on every rank at the same place, for the run of
+            `train` (`hf_odc.trainer.core._collector`): automatic collection off, the objects alive when training
+            starts frozen out of later collections, and before each step's minibatch a collection of the young
+            generations (of all of them every 50 steps). A full collection walks every object of the process, tens to
+            hundreds of milliseconds on the host, and under ODC a rank whose collector fires inside its minibatch keeps
+            every other rank waiting at the minibatch's end. `False` leaves the collector as it is. A script that
+            turned the collector off itself keeps it off either way.
         warm_attention_plans (`bool`, *optional*, defaults to `True`):
             On a GPU with packed attention, attend once, forward and backward, at every length that a document of the
             training data is attended at (`hf_odc.kernels.attention.sdpa_length` rounds them to a few hundred) before
@@ -287,6 +295,14 @@ class _ODCConfig:
         metadata={
             "help": "On a GPU, run the RMSNorms and SiLU-gated MLPs of Llama/Mistral/Qwen2/Qwen3 models as fused "
             "Triton kernels (same formulas). False keeps transformers' forwards."
+        },
+    )
+
+    manual_gc: bool = field(
+        default=True,
+        metadata={
+            "help": "Run Python's garbage collector between steps, at the same place on every rank, instead of "
+            "whenever it triggers (inside a rank's minibatch, where the other ranks wait for it). False leaves it on."
         },
     )
 

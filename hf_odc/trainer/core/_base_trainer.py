@@ -30,6 +30,7 @@ from ...packing import MinibatchPlanner, idle_fraction, named_cost
 from ...packing.calibration import FEATURES, Calibration, Calibrator
 from ...packing.flops import mfu, peak_flops, training_flops
 from ._checkpoint_hooks import _CheckpointHooks
+from ._collector import StepCollector
 from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertActivity, ExpertLoad
 from ._quiet import without_checkpointing_alias_warning
@@ -147,6 +148,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
             save_attention_in_checkpoints(self.model)
         self._install_fused_kernels(self.model)
         self._warmed_lengths: set[int] = set()
+        self._collector = StepCollector(args.manual_gc)
         documents = self._training_documents() if args.warm_attention_plans else None
         if documents is not None:
             self._warm_attention(documents)
@@ -307,6 +309,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         step = self._plan_step(window)
         if self.args.warm_attention_plans:
             self._warm_attention(step.attended_lengths())
+        self._collector.before_step(self.state.global_step)
         self._step_metrics.reset()
         loss = self._run_minibatch(model, step)
         self._end_step(step, self._log_step(step))
@@ -510,8 +513,9 @@ class _ODCTrainer(_CheckpointHooks, ABC):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; if it fails on this rank the other ranks are told at once, and a collective that failed
-        because a peer went away is re-raised naming it (:meth:`ODCRuntime.failing_together`)."""
-        with self.odc.failing_together("training"):
+        because a peer went away is re-raised naming it (:meth:`ODCRuntime.failing_together`). With ``manual_gc``,
+        Python's collector runs only between steps (:mod:`hf_odc.trainer.core._collector`)."""
+        with self.odc.failing_together("training"), self._collector.training():
             return super().train(*args, **kwargs)
 
     # -- the end ------------------------------------------------------------------------------------------------------

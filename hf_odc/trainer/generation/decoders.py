@@ -321,9 +321,10 @@ class StaticDecoder(_DecodingCopy):
         self._cache: StaticCache | None = None
         self._cache_shape = (0, 0)  # batch size, length
         self._loop: _static_decoding.Loop | None = None  # decodes with the cache, made on its first use
-        self.compile_layers = False
-        """Set before the first call: the loop compiles the copy's forward by layer (see
-        :mod:`hf_odc.trainer.generation._static_decoding`), a shorter compile without fusion across layers."""
+        self.compile_layers = True
+        """Whether the loop compiles the copy's forward by layer (see
+        :mod:`hf_odc.trainer.generation._static_decoding`), set before the first call: a shorter compile, without fusion
+        across layers, at the same step time on a GPU; ``False`` compiles the whole forward."""
         self.log_prob_temperature: float | None = None
         """Set: a call the loop decodes also records its chosen tokens' log-probabilities under the logits divided by
         it, :attr:`last_log_probs` (``[batch, new tokens]``; ``None`` after a call ``generate`` decoded)."""

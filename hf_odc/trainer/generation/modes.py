@@ -8,13 +8,13 @@ anywhere ends. The modes (``odc_generation``; ``"vllm"`` with ``use_vllm``):
  * ``"static"`` (:class:`StaticGenerator`, :class:`StaticDecoder`): a plain copy of the policy in the compute dtype,
   kept for the whole run and refreshed in place once per generation batch (the full weights assembled one FSDP group at
   a time, one-sided: :mod:`hf_odc.trainer.generation.full_weights`), decodes with a static KV cache kept beside it, by
-  transformers' ``generate`` with the forward transformers compiles for it, or, with ``odc_decoding_loop``, by hf_odc's
-  own loop (:mod:`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph, with no
-  host synchronisation per token) where it decodes what ``generate`` would: CUDA graphs and compile are paid once per
-  run, as the copy's weights and the cache's tensors never move. The loop is faster per step; its first batch compiles
-  its forward (once for every cache width narrower than the cache, once for the whole cache) and records a CUDA graph
-  per width, which made it slower than ``generate`` from the first batch when it compiled once per width, so it is not
-  this mode's default. Costs the full weights in the compute dtype for the whole run, plus the cache.
+  hf_odc's own loop (:mod:`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph,
+  with no host synchronisation per token) where it decodes what ``generate`` would, else (or with
+  ``odc_decoding_loop=False``) by transformers' ``generate`` with the forward transformers compiles for it: CUDA graphs
+  and compile are paid once per run, as the copy's weights and the cache's tensors never move. The loop is the
+  default because it is faster from the first batch on: its forward is compiled once for every cache width and by
+  decoder layer (one body shared by the layers), a shorter compile than ``generate``'s whole forward, and each step is
+  then shorter too. Costs the full weights in the compute dtype for the whole run, plus the cache.
 * ``"gathered"`` (:class:`GatheredGenerator`): the policy's full weights are held in place once per generation batch
   (:meth:`~hf_odc.accelerate_plugin.ODCRuntime.gathered`: one-sided reads with ODC, no collective), every rank decodes
   its own prompts with no communication at all, and they are freed before the policy update. Costs the full weights
@@ -276,13 +276,11 @@ class _CopyGenerator(Generator):
     generation on the prepared model, refreshed once per generation batch, closed at the run's end.
 
     Args:
-        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop (unset:
-            :attr:`loop_by_default`).
+        trainer: as :class:`Generator`'s; its ``odc_decoding_loop`` chooses the decoder's loop.
         dtype: the copy's dtype, the policy's compute dtype.
     """
 
     decoder_class: type[StaticDecoder] = StaticDecoder
-    loop_by_default = False
 
     def __init__(self, trainer: Any, dtype: torch.dtype):
         super().__init__(trainer)
@@ -293,7 +291,6 @@ class _CopyGenerator(Generator):
     def generation_batch(self) -> Iterator[None]:
         if self.decoder is None:
             loop = self.trainer.args.odc_decoding_loop
-            loop = self.loop_by_default if loop is None else loop
             self.decoder = self.decoder_class(self.trainer.model, self.trainer.odc, self.dtype, loop=loop)
         self.decoder.refresh()
         with _compat.generating_on(self.trainer, self.decoder.model):
@@ -343,7 +340,6 @@ class TensorParallelGenerator(_CopyGenerator):
 
     mode = "tensor-parallel"
     decoder_class = TensorParallelDecoder
-    loop_by_default = True  # its forward is not compiled: only the loop's graphs take the host out of each step
 
     def __init__(self, trainer: Any, dtype: torch.dtype):
         if uses_tools(trainer):

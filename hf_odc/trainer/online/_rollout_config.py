@@ -28,15 +28,16 @@ _GENERATION_PARAMETERS = """
             each rank decodes its own number of turns); on a CPU `"gathered"`. A rank that finishes decoding first waits
             for the others at the rollouts' gather,
             within `odc_timeout`: set it above the spread of the ranks' decoding times.
-        odc_decoding_loop (`bool`, *optional*):
+        odc_decoding_loop (`bool`, *optional*, defaults to `True`):
             With `odc_generation="static"` or `"tensor-parallel"`: decode with hf_odc's own loop
             (`hf_odc.trainer.generation._static_decoding`: on a GPU each step replayed from a CUDA graph, the host
             asking for the end every 16 steps instead of every token) wherever it decodes what transformers' `generate`
             would (greedy or sampling with temperature, top-k, top-p, min-p and repetition penalty; anything else still
-            goes to `generate`), or not (`False`). `None`: the loop for `"tensor-parallel"` (whose forward, holding
-            collectives, is not compiled, so only the loop's graphs take the host out of each step), transformers'
-            `generate` for `"static"` (the loop is faster per step there, but its first batch compiles its forward
-            and records a CUDA graph per cache width: it pays over long runs, not short ones).
+            goes to `generate`), or always with `generate` (`False`). The loop is the default of both modes: on
+            `"static"` its forward is compiled once for every cache width and by decoder layer, so its first batch
+            (compile included) takes less time than `generate`'s, and every later step less too;
+            `"tensor-parallel"`'s forward holds collectives and is not compiled, so only the loop's graphs take the
+            host out of each step.
         max_rollout_staleness (`int`, *optional*, defaults to `0`):
             How many generation batches of updates the policy that decodes a generation batch may lag behind the one
             it trains: `0`, synchronous (each batch decoded by the weights it then trains); `1`, off-policy by one
@@ -110,12 +111,11 @@ class _ODCRolloutConfig(_ODCConfig):
             "choices": list(GENERATION_MODES),
         },
     )
-    odc_decoding_loop: bool | None = field(
-        default=None,
+    odc_decoding_loop: bool = field(
+        default=True,
         metadata={
             "help": "With odc_generation='static' or 'tensor-parallel': decode with hf_odc's own loop (CUDA graphs, "
-            "no host sync per token) where it decodes what generate would. Unset: the loop for tensor-parallel, "
-            "generate for static."
+            "no host sync per token) where it decodes what generate would; False: always transformers' generate."
         },
     )
 
