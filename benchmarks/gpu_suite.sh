@@ -104,6 +104,18 @@ if [[ $STEPS == *trainers* ]]; then
     --budget "${TRAINERS_BUDGET:-450}" --logs "$OUT/trainer_logs" --json "$OUT/trainer_points.json" ${TRAINERS_ARGS:-} 2>&1 \
     | tee "$OUT/trainer_points.log" | grep -v Warning | tail -20
 fi
+if [[ $STEPS == *gc* ]]; then
+  # KTO and RLOO at 8 items per GPU under ODC + LB-Mini, with Python's collector between steps (manual_gc, the
+  # default) and left to run by itself (--manual_gc false): whether collections inside a rank's minibatch make the
+  # short-row trainers' bubble. One launch per setting, GC_BUDGET seconds each.
+  for gc_mode in true false; do
+    TRL_EXPERIMENTAL_SILENCE=1 timeout $(( ${GC_BUDGET:-200} + 60 )) python3 benchmarks/trainer_points.py \
+      --num-processes "$nproc" --trainers kto,rloo --global-batch-size $(( 8 * nproc )) --steps 14 --warmup 2 \
+      --schemes "ODC + LB-Mini" --budget "${GC_BUDGET:-200}" --grace 20 --min-launch-s 60 \
+      --extra "--gradient_checkpointing true --manual_gc $gc_mode" --logs "$OUT/gc_logs_$gc_mode" \
+      --json "$OUT/trainer_points_gc_$gc_mode.json" 2>&1 | grep -v Warning | tail -4
+  done
+fi
 if [[ $STEPS == *generation* ]]; then
   # GRPO rollout generation in each mode (Qwen2.5-1.5B shape, 64 completions per rank of up to 1K long-tailed new
   # tokens), then one policy update on them; GEN_ARGS extra (e.g. "--modes static --static-attention sdpa").
