@@ -106,7 +106,9 @@ def test_the_collector_runs_before_each_minibatch_and_never_inside_one(tmp_path,
     ones); afterwards the collector is on and nothing frozen. ``False``: the collector runs by itself, as before."""
     events = []
     record = lambda generation=2: events.append(("collect", generation)) or gc.collect(generation)  # noqa: E731
-    functions = {name: getattr(gc, name) for name in ("isenabled", "freeze", "unfreeze", "enable", "disable")}
+    functions = {
+        name: getattr(gc, name) for name in ("isenabled", "freeze", "unfreeze", "enable", "disable", "get_freeze_count")
+    }
     monkeypatch.setattr(_collector, "gc", SimpleNamespace(collect=record, **functions))  # its own collections only
     trainer = _sft_trainer(tmp_path, manual_gc=manual, max_steps=3, save_strategy="no")
     run_minibatch = trainer._run_minibatch
@@ -141,3 +143,18 @@ def test_the_collector_is_restored_when_training_fails_and_left_alone_when_the_s
             assert not collector.active  # the script manages the collector: before_step collects nothing
     finally:
         gc.enable()
+
+
+def test_the_collector_leaves_another_owners_freeze_frozen():
+    """Objects frozen before training (vLLM's engine freezes the process at its start and unfreezes it at its
+    shutdown) stay frozen after it: unfreezing them let a finished engine be collected, and its finalizer destroyed
+    the default process group under the next trainer."""
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        collector = StepCollector(True)
+        with collector.training():
+            assert not gc.isenabled() and collector.active and gc.get_freeze_count() == frozen
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

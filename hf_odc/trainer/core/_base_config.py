@@ -126,7 +126,8 @@ _ODC_PARAMETERS = """
             generations (of all of them every 50 steps). A full collection walks every object of the process, tens to
             hundreds of milliseconds on the host, and under ODC a rank whose collector fires inside its minibatch keeps
             every other rank waiting at the minibatch's end. `False` leaves the collector as it is. A script that
-            turned the collector off itself keeps it off either way.
+            turned the collector off itself keeps it off either way, and objects frozen by someone else (vLLM's
+            engine freezes the process at its start) are left frozen.
         warm_attention_plans (`bool`, *optional*, defaults to `True`):
             On a GPU with packed attention, attend once, forward and backward, at every length that a document of the
             training data is attended at (`hf_odc.kernels.attention.sdpa_length` rounds them to a few hundred) before

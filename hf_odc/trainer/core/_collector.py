@@ -31,12 +31,16 @@ class StepCollector:
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
         """Around training: collect once, freeze what is alive, turn automatic collection off; restored on the way
-        out, however it is left."""
+        out, however it is left. Where something froze objects already (vLLM's engine freezes the process at its
+        start and unfreezes it at its shutdown, whose finalizer also destroys the default process group), the freeze
+        is left to its owner: ``gc.unfreeze`` would release every frozen object, theirs too."""
         if not self.enabled or not gc.isenabled():
             yield
             return
-        gc.collect()
-        gc.freeze()
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.collect()
+            gc.freeze()
         gc.disable()
         self.active = True
         try:
@@ -44,7 +48,8 @@ class StepCollector:
         finally:
             self.active = False
             gc.enable()
-            gc.unfreeze()
+            if freeze:
+                gc.unfreeze()
 
     def before_step(self, step: int) -> None:
         """Step ``step``'s collection, before its minibatch, where this collector is active."""
