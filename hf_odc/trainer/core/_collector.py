@@ -54,4 +54,4 @@ class StepCollector:
     def before_step(self, step: int) -> None:
         """Step ``step``'s collection, before its minibatch, where this collector is active."""
         if self.active:
-            gc.collect() if step % FULL_EVERY == 0 else gc.collect(1)
+            gc.collect(2 if step % FULL_EVERY == 0 else 1)
