@@ -225,12 +225,15 @@ def warm_sdpa_plans(
     dtype: torch.dtype,
     shortest: int = 1,
     documents: Iterable[int] | None = None,
+    backward: bool = True,
 ) -> list[int]:
     """Attend once, forward and backward, at every length :func:`sdpa_length` rounds a document of ``shortest`` to
     ``longest`` tokens to (``documents``: only those of these documents' lengths), as :func:`packed_causal_attention`
     attends a document alone (padded, grouped-query, scaled by ``head_dim ** -0.5``); returns those lengths. The
     default ``shortest`` is 1, not :data:`ALONE_FROM`: ``"auto"`` attends a short document alone too where no other
-    short document is beside it in its row.
+    short document is beside it in its row. ``backward=False``: forward only, without autograd, as a forward-only
+    pass attends (a reference, a teacher, scoring): cuDNN keys that plan apart from the training one, since it returns
+    no softmax statistics, so each kind is planned at each length.
 
     Why: cuDNN plans each new length on the host the first time it meets it, on each rank. A run of a few steps (a
     benchmark) meets most of its lengths for the first time, and a plan that moves documents to other ranks meets more
@@ -240,11 +243,15 @@ def warm_sdpa_plans(
     lengths = sorted({sdpa_length(n) for n in (among if documents is None else filter(among.__contains__, documents))})
     for padded in lengths:
         tokens = padded - 1 if sdpa_length(padded - 1) == padded else padded  # padded, as most documents are
-        query = torch.randn(tokens, query_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-        key, value = (
-            torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
-        )
-        _attend(Piece((tokens,), tokens, False), query, key, value, head_dim**-0.5, 0.0).sum().backward()
+        with torch.set_grad_enabled(backward):
+            query = torch.randn(tokens, query_heads, head_dim, device=device, dtype=dtype, requires_grad=backward)
+            key, value = (
+                torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=backward)
+                for _ in range(2)
+            )
+            out = _attend(Piece((tokens,), tokens, False), query, key, value, head_dim**-0.5, 0.0)
+        if backward:
+            out.sum().backward()
     return lengths
 
 

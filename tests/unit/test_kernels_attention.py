@@ -103,6 +103,22 @@ def test_warming_attends_every_rounded_length_once_forward_and_backward(monkeypa
     assert backwards == lengths
 
 
+def test_warming_forward_only_attends_each_length_without_autograd(monkeypatch):
+    """``backward=False``: the plan a forward-only pass needs (cuDNN keys it apart: no softmax statistics are
+    returned), so each length is attended with autograd off and nothing requiring a gradient, and not backpropagated."""
+    monkeypatch.setattr(kernels, "_PADDED_ON", ("cpu",))
+    calls = []
+    real = kernels.F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, **kwargs):
+        calls.append((query.shape[2], torch.is_grad_enabled(), query.requires_grad or key.requires_grad))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", sdpa)
+    lengths = kernels.warm_sdpa_plans(4, 2, 8, 300, torch.device("cpu"), torch.float32, 64, backward=False)
+    assert lengths == [64, 128, 192, 256, 320] and calls == [(n, False, False) for n in lengths]
+
+
 def test_warming_for_documents_attends_only_their_rounded_lengths(monkeypatch):
     """``documents=``: the lengths those documents are attended at, each once, not every length up to the longest;
     documents shorter than ``shortest`` (attended in runs, not alone) warm nothing."""

@@ -36,32 +36,35 @@ def _sft_trainer(tmp_path, length: int = 64, **config) -> ODCSFTTrainer:
 @pytest.mark.parametrize("warm", [True, False])
 def test_the_trainer_warms_the_attention_plans_of_its_training_documents(tmp_path, monkeypatch, warm):
     """``warm_attention_plans`` (the default) hands the prepared dataset's sample lengths, SFT's documents, to the
-    warm-up at construction; ``False`` warms nothing."""
+    warm-up when ``train`` starts, for the training passes (SFT runs no forward-only pass), and the step that follows
+    finds them warmed; ``False`` warms nothing."""
     calls = []
     monkeypatch.setattr(base_trainer, "warm_attention_plans", lambda *args: calls.append(args))
-    trainer = _sft_trainer(tmp_path, warm_attention_plans=warm)
+    trainer = _sft_trainer(tmp_path, warm_attention_plans=warm, max_steps=1, save_strategy="no")
+    assert calls == []  # not at construction
+    trainer.train()
     trainer.end()
     if not warm:
         assert calls == []
         return
-    ((_, documents, device, dtype),) = calls
+    ((model, documents, device, dtype, backward),) = calls
     assert documents == [len(ids) for ids in trainer.train_dataset["input_ids"]] and len(documents) == 8
-    assert device == torch.device("cpu") and dtype == torch.float32
+    assert model is trainer.model and device == torch.device("cpu") and dtype == torch.float32 and backward
 
 
 def test_every_step_warms_the_minibatch_lengths_met_for_the_first_time_before_its_microbatches(tmp_path, monkeypatch):
-    """Where the trainer did not warm its data's lengths first, each step hands the lengths of the whole minibatch
+    """Where the trainer does not know its data's lengths first, each step hands the lengths of the whole minibatch
     (the same on every rank) that no earlier step met, rounded as SDPA attends them, to the warm-up before it runs its
     microbatches: a length is warmed once per run."""
     events = []
     monkeypatch.setattr(base_trainer, "warm_attention_plans", lambda model, lengths, *_: events.append(list(lengths)))
-    trainer = _sft_trainer(tmp_path, 1024, warm_attention_plans=False, max_steps=2, save_strategy="no")
+    trainer = _sft_trainer(tmp_path, 1024, max_steps=2, save_strategy="no")
+    trainer._training_documents = lambda: None
     run_minibatch = trainer._run_minibatch
     trainer._run_minibatch = lambda model, step: events.append(step.attended_lengths()) or run_minibatch(model, step)
-    trainer.args.warm_attention_plans = True
     trainer.train()
     trainer.end()
-    assert len(events) == 4  # warm-up, minibatch, warm-up, minibatch: nothing was warmed at construction
+    assert len(events) == 4  # warm-up, minibatch, warm-up, minibatch: nothing was warmed when training started
     (first_warmed, first_step, second_warmed, second_step) = events
     assert first_warmed == first_step and first_step
     met = {sdpa_length(length) for length in first_step}

@@ -36,6 +36,7 @@ from ._moe import ExpertActivity, ExpertLoad
 from ._quiet import without_checkpointing_alias_warning
 from ._step import PlannedStep, StepMetrics
 from .attention import (
+    attention_shape,
     check_sequence_parallel,
     save_attention_in_checkpoints,
     use_packed_attention,
@@ -122,6 +123,13 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         step (``warm_attention_plans`` builds cuDNN's plans for their lengths); ``None`` where it does not."""
         return None
 
+    def _forward_only_models(self) -> list[nn.Module]:
+        """The models that run forward-only passes over the documents the trainer trains on (a reference, the policy
+        for a KL estimate, a teacher), whose attention plans are warmed with the training ones: cuDNN plans a forward
+        without autograd apart. None by default; a pass a trainer runs only at times warms its plans itself
+        (:meth:`_warm_attention`)."""
+        return []
+
     def _end_step(self, step: PlannedStep, metrics: dict[str, float]) -> None:
         """After the step's metrics are reduced over the ranks and logged (``metrics``, by name)."""
 
@@ -147,11 +155,9 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
         self._install_fused_kernels(self.model)
-        self._warmed_lengths: set[int] = set()
+        self._warmed_lengths: dict[tuple[bool, tuple[int, int, int]], set[int]] = {}
+        self._warm_s = 0.0
         self._collector = StepCollector(args.manual_gc)
-        documents = self._training_documents() if args.warm_attention_plans else None
-        if documents is not None:
-            self._warm_attention(documents)
         self.odc = ODCRuntime(args.odc_plugin(), self.accelerator)
         if self.accelerator.num_processes > 1:
             fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -306,9 +312,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        self._warm_s = 0.0
         step = self._plan_step(window)
+        self._warm_attention(step.attended_lengths())
         if self.args.warm_attention_plans:
-            self._warm_attention(step.attended_lengths())
+            self._metrics["train"]["attention_warm_s"].append(self._warm_s)
         self._collector.before_step(self.state.global_step)
         self._step_metrics.reset()
         loss = self._run_minibatch(model, step)
@@ -317,16 +325,30 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         self._metrics["train"]["step_time"].append(time.perf_counter() - started)
         return loss
 
-    def _warm_attention(self, documents: Iterable[int]) -> None:
-        """cuDNN's attention plans for the lengths of ``documents`` (token counts) that this run has not warmed yet
-        (:func:`~hf_odc.trainer.core.attention.warm_attention_plans`). Every rank passes the same lengths, so every
-        rank spends the same time planning them, and none plans inside the minibatch while the others wait."""
-        new = [length for length in documents if sdpa_length(length) not in self._warmed_lengths]
-        if new:
-            args = self.args
-            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-            warm_attention_plans(self.model, new, args.device, dtype)
-            self._warmed_lengths.update(map(sdpa_length, new))
+    def _warm_attention(self, documents: Iterable[int], forward_only: Iterable[nn.Module] | None = None) -> None:
+        """With ``warm_attention_plans``, cuDNN's attention plans for the lengths of ``documents`` (token counts) that
+        this run has not warmed yet (:func:`~hf_odc.trainer.core.attention.warm_attention_plans`): the training
+        passes' and, for each model of ``forward_only`` (by default :meth:`_forward_only_models`), its forward-only
+        passes'. Every rank passes the same lengths, so every rank spends the same time planning them, and none plans
+        inside a minibatch (a training or a forward-only one) while the others wait. The time is added to the step's
+        ``attention_warm_s``."""
+        if not self.args.warm_attention_plans:
+            return
+        documents = list(documents)
+        models = self._forward_only_models() if forward_only is None else forward_only
+        started, warmed_any = time.perf_counter(), False
+        for model, backward in ((self.model, True), *((model, False) for model in models)):
+            warmed = self._warmed_lengths.setdefault((backward, attention_shape(model)), set())
+            new = [length for length in documents if sdpa_length(length) not in warmed]
+            if new:
+                args = self.args
+                dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+                warm_attention_plans(model, new, args.device, dtype, backward)
+                warmed.update(map(sdpa_length, new))
+                warmed_any = True
+        if warmed_any and self.args.device.type == "cuda":
+            torch.cuda.synchronize(self.args.device)
+        self._warm_s += time.perf_counter() - started
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:
@@ -514,8 +536,12 @@ class _ODCTrainer(_CheckpointHooks, ABC):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; if it fails on this rank the other ranks are told at once, and a collective that failed
         because a peer went away is re-raised naming it (:meth:`ODCRuntime.failing_together`). With ``manual_gc``,
-        Python's collector runs only between steps (:mod:`hf_odc.trainer.core._collector`)."""
+        Python's collector runs only between steps (:mod:`hf_odc.trainer.core._collector`). First, the attention
+        plans of the documents the trainer knows it will train on (:meth:`_training_documents`) are warmed."""
         with self.odc.failing_together("training"), self._collector.training():
+            documents = self._training_documents()
+            if documents is not None:
+                self._warm_attention(documents)
             return super().train(*args, **kwargs)
 
     # -- the end ------------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ __all__ = [
     "PACKED_ATTENTION",
     "PACKED_ATTENTION_IMPLEMENTATIONS",
     "attention_saving_context_fn",
+    "attention_shape",
     "check_packed_attention",
     "check_sequence_parallel",
     "packed_attention_forward",
@@ -267,11 +268,14 @@ def use_packed_attention(model: nn.Module, enabled: bool, device: torch.device) 
     return check_packed_attention(model)
 
 
-def warm_attention_plans(model: nn.Module, documents: Iterable[int], device: torch.device, dtype: torch.dtype) -> int:
+def warm_attention_plans(
+    model: nn.Module, documents: Iterable[int], device: torch.device, dtype: torch.dtype, backward: bool = True
+) -> int:
     """Build cuDNN's plans for ``documents``' lengths before training (``warm_attention_plans``): on a GPU, for a
-    model whose attention is :data:`PACKED_ATTENTION`, attend once, forward and backward, at each length that one of
-    ``documents`` (token counts) is attended at alone (:func:`hf_odc.kernels.attention.warm_sdpa_plans`, with the
-    model's head counts). Returns the number of lengths warmed (0 where nothing is).
+    model whose attention is :data:`PACKED_ATTENTION`, attend once, forward and backward (``backward=False``: forward
+    only, the plan of a forward-only pass), at each length that one of ``documents`` (token counts) is attended at
+    alone (:func:`hf_odc.kernels.attention.warm_sdpa_plans`, with the model's head counts). Returns the number of
+    lengths warmed (0 where nothing is).
 
     Every document's length is warmed, the shortest too: a row attends a short document alone where no other short
     document is beside it (a pair's short reply between two long sequences), and a length met for the first time
@@ -281,11 +285,20 @@ def warm_attention_plans(model: nn.Module, documents: Iterable[int], device: tor
     documents = list(documents)
     if not documents:
         return 0
+    heads, kv_heads, head_dim = attention_shape(model)
+    warmed = warm_sdpa_plans(
+        heads, kv_heads, head_dim, max(documents), device, dtype, documents=documents, backward=backward
+    )
+    return len(warmed)
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """``model``'s query heads, key/value heads and head size: with the dtype and the length, what a cuDNN attention
+    plan is built for (a reference or teacher of another shape needs plans of its own)."""
     config = _base_model(model).config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # Qwen3's may differ
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return len(warm_sdpa_plans(heads, kv_heads, head_dim, max(documents), device, dtype, documents=documents))
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
 def attention_implementation(model: nn.Module) -> str:

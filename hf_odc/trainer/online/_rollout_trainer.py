@@ -330,7 +330,9 @@ class _ODCRolloutTrainer(_ODCTrainer):
             passes = [p for p in passes if p[3] != "old_logps"]
             for microbatch in microbatches:
                 microbatch["loss"]["old_logps"] = microbatch["loss"]["sampling_logps"]
-        if passes:
+        if passes:  # every rank warms the generation batch's lengths, so none plans them inside a pass
+            lengths = [length for step in planned for length in step.attended_lengths()]
+            self._warm_attention(lengths, forward_only=[p[0] for p in passes])
             metrics["scoring_s"].append(sum(self._score_rollouts(*p[:3], microbatches, p[3]) for p in passes))
         self._after_scoring(rollouts, planned)
         return planned

@@ -93,6 +93,10 @@ class ODCDistillationTrainer(_ODCRolloutTrainer, DistillationTrainer):
     def _iterations_per_generation(self) -> int:
         return 1
 
+    def _forward_only_models(self) -> list[nn.Module]:
+        """The teacher, which runs forward-only on every microbatch the student trains on."""
+        return [self.teacher_model]
+
     def _deferred_passes(self, scored: dict[str, Any]) -> list[Pass]:
         """None: TRL's distillation scores nothing while generating (the teacher runs beside each microbatch)."""
         return []

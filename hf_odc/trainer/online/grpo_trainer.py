@@ -104,6 +104,7 @@ class ODCGRPOTrainer(_ODCRolloutTrainer, GRPOTrainer):
         the selected tokens' count and mean entropy over the minibatch (``_high_entropy``): the entropy bonus's
         normaliser and the adaptive controller's measure (see :class:`ODCGRPOConfig`)."""
         microbatches = step.microbatches
+        self._warm_attention(step.attended_lengths(), forward_only=[self.model])
         seconds = self._score_rollouts(
             self.model, self.odc, contextlib.nullcontext(), microbatches, "entropies", output="entropy"
         )

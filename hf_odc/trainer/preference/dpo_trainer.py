@@ -28,7 +28,7 @@ from trl import DPOTrainer
 
 from ..core._base_config import whole_model_kwargs
 from ..core._dataset_trainer import _ODCDatasetTrainer
-from ..core._reference import check_peft_reference, shard_reference
+from ..core._reference import check_peft_reference, reference_of, shard_reference
 from ..core._step import StepMetrics
 from ..core.data import MinibatchDataLoader, check_truncation, minibatch_loader
 from ..core.vision import check_vision_model, is_vision_dataset
@@ -185,6 +185,10 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         """Each pair's two sequences (a vision pair's are known only once its step processes it)."""
         return self._sequence_lengths if self.train_dataset is not None and not self._vision else None
 
+    def _forward_only_models(self) -> list[nn.Module]:
+        """The reference, unless its log-probabilities were precomputed."""
+        return [] if self.args.precompute_ref_log_probs else [reference_of(self)[0]]
+
     # -- the two hooks of the step loop ---------------------------------------------------------------------------
 
     def _plan_step(self, window: list[dict[str, Any]]) -> PairStep:
@@ -192,6 +196,7 @@ class ODCDPOTrainer(_ODCDatasetTrainer, _ReferencePasses, DPOTrainer):
         this rank's microbatches, with the reference's log-probabilities of their pairs unless precomputed."""
         step = self._packer([example for item in window for example in item["examples"]])
         if not self.args.precompute_ref_log_probs:
+            self._warm_attention(step.attended_lengths())  # before the reference meets a new length in its pass
             self._metrics["train"]["reference_s"].append(self._score_reference(step.microbatches))
         return step
 

@@ -21,6 +21,7 @@ are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._ODCTrainer`)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -32,7 +33,7 @@ from trl import KTOTrainer
 from ...packing import MinibatchPlanner, Plan
 from ..core._base_config import whole_model_kwargs
 from ..core._dataset_trainer import _ODCDatasetTrainer
-from ..core._reference import check_peft_reference, shard_reference
+from ..core._reference import check_peft_reference, reference_of, shard_reference
 from ..core._step import PlannedStep, StepMetrics
 from ..core.data import MinibatchDataLoader, minibatch_loader
 from .kto_config import ODCKTOConfig
@@ -154,9 +155,24 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         """Refuse a microbatch that the longest example, with its mismatched completion (planned together), does not
         fit; nothing is truncated beyond TRL's dropping of the examples whose prompt fills ``max_length``, so nothing
         to warn of."""
-        lengths = [sum(len(ids) for ids, _ in self._documents(example)) for example in self.train_dataset]
+        lengths = [sum(sequences) for sequences in self._sequence_lengths]
         together = "it and its mismatched KL completion stay in one microbatch" if self.args.calculate_kl else None
         check_pair_capacity(lengths, self.args.max_tokens_for_pairs, item="example", together=together)
+
+    @functools.cached_property
+    def _sequence_lengths(self) -> list[tuple[int, ...]]:
+        """Each example's sequence and, with the KL estimate, its mismatched one (:meth:`_documents`), their tokens,
+        read once: the capacity check and the attention plans' warm-up both need them."""
+        return [tuple(len(ids) for ids, _ in self._documents(example)) for example in self.train_dataset]
+
+    def _training_documents(self) -> list[int]:
+        """Every example's sequences (its own and, with the KL estimate, its mismatched one)."""
+        return [length for sequences in self._sequence_lengths for length in sequences]
+
+    def _forward_only_models(self) -> list[nn.Module]:
+        """The reference, unless its log-probabilities were precomputed, and with the KL estimate the policy."""
+        models = [] if self.args.precompute_ref_log_probs else [reference_of(self)[0]]
+        return [*models, self.model] if self.args.calculate_kl else models
 
     def get_train_dataloader(self) -> MinibatchDataLoader:
         """One item per accumulation call: ``per_device_train_batch_size x world_size`` examples of the global
@@ -242,6 +258,7 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         args, rank, metrics = self.args, self.accelerator.process_index, self._metrics["train"]
         documents = plans.documents
         scored = torch.zeros(len(examples), 3 if args.calculate_kl else 1, dtype=torch.float64)
+        self._warm_attention([len(ids) for item in documents for ids, _ in item])  # before the passes meet them
         if not args.precompute_ref_log_probs:
             rows = [pack_pairs([documents[i] for i in microbatch]) for microbatch in plans.reference[rank]]
             metrics["reference_s"].append(self._score_reference(rows))

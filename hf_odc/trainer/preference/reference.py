@@ -65,6 +65,7 @@ class _ReferencePasses:
         inputs, outputs = self._reference_columns()
         dataset = dataset.remove_columns([c for c in outputs if c in dataset.column_names])
         items, size = dataset.select_columns(list(inputs)), batch_size * self.accelerator.num_processes
+        self._warm_attention(self._training_documents() or (), forward_only=[reference_of(self)[0]])
         computed: dict[int, list[float]] = {}
         for start in range(0, len(items), size):
             chunk = items[start : start + size]

@@ -115,6 +115,11 @@ class ODCRewardTrainer(_ODCDatasetTrainer, RewardTrainer):
         lengths = [len(chosen) + len(rejected) for chosen, rejected in zip(*columns, strict=True)]
         check_pair_capacity(lengths, args.max_tokens_for_pairs)
 
+    def _training_documents(self) -> list[int]:
+        """Each pair's chosen and rejected sequences (whole: TRL dropped the longer pairs)."""
+        columns = (self.train_dataset[c] for c in _SEQUENCE_COLUMNS)
+        return [len(sequence) for pair in zip(*columns, strict=True) for sequence in pair]
+
     def get_train_dataloader(self) -> MinibatchDataLoader:
         """One item per accumulation call: ``per_device_train_batch_size x world_size`` pairs of the global minibatch,
         the same on every rank (not sharded by Accelerate: every rank plans the whole minibatch)."""
