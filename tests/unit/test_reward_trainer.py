@@ -77,3 +77,13 @@ def test_short_pairs_share_a_microbatch_up_to_the_floor(tmp_path):
     assert floor == 0 and len(by_max_length) > 1
     floor, by_floor = planned(min_tokens_per_microbatch=1000)
     assert floor == 1000 and len(by_floor) == 1
+
+
+def test_the_warm_up_covers_every_chosen_and_rejected_sequence(tmp_path):
+    """The attention plans warmed when ``train`` starts are those of each pair's two sequences, whole (TRL dropped
+    the pairs longer than ``max_length``)."""
+    pairs = Dataset.from_dict({"chosen_ids": [[5] * 7, [6] * 90], "rejected_ids": [[8] * 3, [9] * 200]})
+    args = ODCRewardConfig(str(tmp_path), report_to="none", max_length=256, use_cpu=True)
+    trainer = ODCRewardTrainer(reward_model(), args, train_dataset=pairs, processing_class=build_tokenizer())
+    trainer.end()
+    assert trainer._training_documents() == [7, 3, 90, 200]

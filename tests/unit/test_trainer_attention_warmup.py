@@ -27,8 +27,8 @@ def _model(tokenizer, **shape) -> Qwen2ForCausalLM:
 
 
 def _record(monkeypatch, trainer, score: str) -> list:
-    """The warm-ups (model, the lengths handed over, sorted, whether with a backward) and the calls of ``trainer``'s forward-only
-    scoring method ``score``, in order."""
+    """The warm-ups (model, the lengths handed over, sorted, whether with a backward) and the calls of ``trainer``'s
+    forward-only scoring method ``score``, in order."""
     events = []
 
     def warm(model, lengths, device, dtype, backward):
@@ -46,10 +46,9 @@ def test_dpo_warms_the_references_forward_only_plans_before_the_reference_meets_
     for all of them when ``train`` starts, and the step warms nothing more; without them (``known=False``), the step
     warms both kinds for the whole minibatch's lengths before the reference's pass."""
     tokenizer = build_tokenizer()
-    trainer = ODCDPOTrainer(
-        model=_model(tokenizer), ref_model=_model(tokenizer), args=ODCDPOConfig(str(tmp_path), max_length=512, **COMMON),
-        train_dataset=preference_dataset(8, 512, "swe-smith", 0), processing_class=tokenizer,
-    )  # fmt: skip
+    args, pairs = ODCDPOConfig(str(tmp_path), max_length=512, **COMMON), preference_dataset(8, 512, "swe-smith", 0)
+    trainer = ODCDPOTrainer(model=_model(tokenizer), ref_model=_model(tokenizer), args=args, train_dataset=pairs,
+                            processing_class=tokenizer)  # fmt: skip
     events = _record(monkeypatch, trainer, "_score_reference")
     if not known:
         monkeypatch.setattr(trainer, "_training_documents", lambda: None)
@@ -77,8 +76,9 @@ def test_kto_warms_the_reference_and_with_the_kl_estimate_the_policys_forward_on
     args = ODCKTOConfig(str(tmp_path), max_length=512, loss_type=loss_type, **COMMON)
     calculate_kl = args.calculate_kl
     assert calculate_kl == (loss_type == "kto")
-    trainer = ODCKTOTrainer(model=_model(tokenizer), ref_model=_model(tokenizer, num_attention_heads=8), args=args,
-                            train_dataset=unpaired_dataset(8, 512, "swe-smith", 0), processing_class=tokenizer)  # fmt: skip
+    reference, examples = _model(tokenizer, num_attention_heads=8), unpaired_dataset(8, 512, "swe-smith", 0)
+    trainer = ODCKTOTrainer(model=_model(tokenizer), ref_model=reference, args=args, train_dataset=examples,
+                            processing_class=tokenizer)  # fmt: skip
     events = _record(monkeypatch, trainer, "_score_reference")
     trainer.train()
     trainer.end()

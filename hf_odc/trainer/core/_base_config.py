@@ -133,11 +133,14 @@ _ODC_PARAMETERS = """
             training data is attended at (`hf_odc.kernels.attention.sdpa_length` rounds them to a few hundred) before
             the first step. cuDNN builds an execution plan the first time it meets a length, on the host, while the
             device runs dry; without this the first steps of a run, which meet most lengths for the first time, run
-            far below the speed of the later ones. It takes the lengths of the training data, where the trainer knows
-            its documents before training (SFT, DPO). Then, at every step, every rank warms the lengths of the whole
-            minibatch met for the first time, before its microbatches: under ODC the rank that met a new length
-            alone would plan it inside the minibatch and keep the others waiting at its end. CPU runs, and models
-            whose attention is not `"odc_packed"`, skip it.
+            far below the speed of the later ones. When `train` starts, it takes the lengths of the training data,
+            where the trainer knows its documents before training (SFT, DPO, KTO, reward). Then, at every step, every
+            rank warms the lengths of the whole minibatch met for the first time, before its microbatches: under ODC
+            the rank that met a new length alone would plan it inside the minibatch and keep the others waiting at
+            its end. A forward-only pass (a reference, KTO's KL estimate, a teacher, the scoring of rollouts) needs
+            plans of its own (cuDNN keys a forward without autograd apart), for each model shape: those are warmed
+            too, before the pass that would meet a length first. The time a step spends warming is logged as
+            `attention_warm_s`. CPU runs, and models whose attention is not `"odc_packed"`, skip it.
 
     > [!NOTE]
     > Defaults that differ from TRL's configs: `bf16` defaults to `True` only when CUDA is available (CPU runs are
@@ -311,8 +314,9 @@ class _ODCConfig:
         default=True,
         metadata={
             "help": "On a GPU with packed attention, build cuDNN's attention plan for every rounded document length "
-            "of the training data before the first step, and on every rank for each step's new lengths, instead of on "
-            "the rank that meets a length first."
+            "of the training data before the first step, and on every rank for each step's new lengths (those of its "
+            "forward-only passes too: a reference, a teacher, scoring), instead of on the rank that meets a length "
+            "first."
         },
     )
 
