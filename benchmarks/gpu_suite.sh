@@ -104,17 +104,26 @@ if [[ $STEPS == *trainers* ]]; then
     --budget "${TRAINERS_BUDGET:-450}" --logs "$OUT/trainer_logs" --json "$OUT/trainer_points.json" ${TRAINERS_ARGS:-} 2>&1 \
     | tee "$OUT/trainer_points.log" | grep -v Warning | tail -20
 fi
-if [[ $STEPS == *gc* ]]; then
-  # KTO and RLOO at 8 items per GPU under ODC + LB-Mini, with Python's collector between steps (manual_gc, the
-  # default) and left to run by itself (--manual_gc false): whether collections inside a rank's minibatch make the
-  # short-row trainers' bubble. One launch per setting, GC_BUDGET seconds each.
-  for gc_mode in true false; do
-    TRL_EXPERIMENTAL_SILENCE=1 timeout $(( ${GC_BUDGET:-200} + 60 )) python3 benchmarks/trainer_points.py \
+# KTO and RLOO at 8 items per GPU under ODC + LB-Mini, a trainer setting on (its default) and off, one launch each,
+# ONOFF_BUDGET seconds per setting: $1 names the outputs, $2 is the setting.
+on_and_off() {
+  for mode in true false; do
+    TRL_EXPERIMENTAL_SILENCE=1 timeout $(( ${ONOFF_BUDGET:-200} + 60 )) python3 benchmarks/trainer_points.py \
       --num-processes "$nproc" --trainers kto,rloo --global-batch-size $(( 8 * nproc )) --steps 14 --warmup 2 \
-      --schemes "ODC + LB-Mini" --budget "${GC_BUDGET:-200}" --grace 20 --min-launch-s 60 \
-      --extra "--gradient_checkpointing true --manual_gc $gc_mode" --logs "$OUT/gc_logs_$gc_mode" \
-      --json "$OUT/trainer_points_gc_$gc_mode.json" 2>&1 | grep -v Warning | tail -4
+      --schemes "ODC + LB-Mini" --budget "${ONOFF_BUDGET:-200}" --grace 20 --min-launch-s 60 \
+      --extra "--gradient_checkpointing true --$2 $mode" --logs "$OUT/$1_logs_$mode" \
+      --json "$OUT/trainer_points_$1_$mode.json" 2>&1 | grep -v Warning | tail -4
   done
+}
+if [[ $STEPS == *gc* ]]; then
+  # Python's collector between steps (manual_gc) or left to run by itself: whether collections inside a rank's
+  # minibatch make the short-row trainers' bubble.
+  on_and_off gc manual_gc
+fi
+if [[ $STEPS == *warm* ]]; then
+  # The attention plans warmed (the training passes' and the forward-only passes', before the pass that meets a
+  # length) or built where a pass first meets a length: what planning inside a step costs the short-row trainers.
+  on_and_off warm warm_attention_plans
 fi
 if [[ $STEPS == *generation* ]]; then
   # GRPO rollout generation in each mode (Qwen2.5-1.5B shape, 64 completions per rank of up to 1K long-tailed new

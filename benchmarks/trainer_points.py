@@ -440,6 +440,10 @@ def _launch(args: argparse.Namespace, name: str, log: Path, deadline: float, out
     return result
 
 
+STEP_PHASES = ("minibatch_s", "reference_s", "kl_s", "generation_s", "scoring_s", "attention_warm_s")
+"""The parts of a step the trainers log on their own (see docs/api.md's metrics)."""
+
+
 def summarise(record: dict, warmup: int, world_size: int) -> dict:
     """One scheme's numbers over its timed steps (those after ``warmup``)."""
     entries = record["entries"][warmup:] or record["entries"]
@@ -471,6 +475,9 @@ def summarise(record: dict, warmup: int, world_size: int) -> dict:
         "microbatches_per_rank": [mean(f"microbatches/rank_{r}") for r in range(world_size)],
         "loss": [e["loss"] for e in record["entries"]],
         "step_s": [e["step_s"] for e in entries],
+        # Per timed step, where the step's time went (the trainer's own timings, where it logs them): the training
+        # minibatch, the forward-only passes, generation, and building attention plans for new lengths.
+        "phases": {key: [e.get(key) for e in entries] for key in STEP_PHASES if any(key in e for e in entries)},
         # Per timed step, one value per rank: whether a rank is slower at equal work, and what the plan gave it.
         "per_rank": {
             key: [[e.get(f"{key}/rank_{r}") for r in range(world_size)] for e in entries]
