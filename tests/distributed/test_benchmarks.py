@@ -325,6 +325,9 @@ def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request
             assert per_rank["microbatches"] == [row["microbatches_per_rank"]], name
             assert all(busy > 0 for busy in per_rank["busy_s"][0]), name
             assert sum(per_rank["documents"][0]) == sum(split["per_rank"]["documents"][0]), name  # the same items
+            phases = row["phases"]  # each timed step's parts, as the trainer logs them
+            assert len(phases["minibatch_s"]) == 1 and len(phases["attention_warm_s"]) == 1, (name, phases)
+            assert {"kto": {"reference_s", "kl_s"}, "rloo": {"generation_s"}}.get(name, set()) <= set(phases), name
         assert split["x_trl_split"] == pytest.approx(1.0) and micro["x_lb_micro"] == pytest.approx(1.0)
         assert split["microbatches_per_rank"] == [4, 4], name  # TRL's split: one sample per microbatch
         assert split["per_rank"]["documents"] == [[4, 4]], name
