@@ -347,7 +347,8 @@ class _ODCTrainer(_CheckpointHooks, ABC):
                 warmed.update(map(sdpa_length, new))
                 warmed_any = True
         if warmed_any and self.args.device.type == "cuda":
-            torch.cuda.synchronize(self.args.device)
+            # This stream's work only: a batch decoding ahead (max_rollout_staleness=1) runs on a stream of its own.
+            torch.cuda.current_stream(self.args.device).synchronize()
         self._warm_s += time.perf_counter() - started
 
     @contextlib.contextmanager
