@@ -125,6 +125,15 @@ if [[ $STEPS == *warm* ]]; then
   # length) or built where a pass first meets a length: what planning inside a step costs the short-row trainers.
   on_and_off warm warm_attention_plans
 fi
+if [[ $STEPS == *gen_share* ]]; then
+  # #47 item 3: the GRPO trainer's generation share at 1K-token free completions, 64 per GPU, stock TRL (transformers'
+  # generate, about 100 s a step on 2xH200) and ODCGRPOTrainer (the "static" loop) in the same call: 2 timed steps
+  # after 1, so that stock TRL's row ends inside the call.
+  TRL_EXPERIMENTAL_SILENCE=1 timeout 580 python3 benchmarks/vs_trl.py --trainer grpo --num-processes "$nproc" \
+    --model qwen2.5-1.5b --samples-per-device 64 --num-generations 8 --max-completion-length 1024 --completions free \
+    --decoding-loop --steps 2 --warmup 1 --json "$OUT/vs_trl_grpo_share.json" 2>&1 \
+    | tee "$OUT/vs_trl_grpo_share.log" | grep -v Warning | tail -6
+fi
 if [[ $STEPS == *generation* ]]; then
   # GRPO rollout generation in each mode (Qwen2.5-1.5B shape, 64 completions per rank of up to 1K long-tailed new
   # tokens), then one policy update on them; GEN_ARGS extra (e.g. "--modes static --static-attention sdpa").
