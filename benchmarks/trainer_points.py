@@ -526,6 +526,32 @@ def print_table(trainers: dict) -> None:
                 print(f"note: {trainer} {scheme} started with {row['allocated_at_start_gib']:.1f} GiB still allocated")
 
 
+def print_phases(trainers: dict) -> None:
+    """Where the timed steps went, medians over the steps in seconds: the training minibatch, the forward-only passes
+    (a reference, the KL estimate, scoring), generation, building attention plans for new lengths, and the rest of
+    the step's wall time (planning, gathers, the optimizer, logging)."""
+    passes = ("reference_s", "kl_s", "scoring_s")
+    print(f"\n{'trainer':8s} {'scheme':33s} {'step s':>7s} {'minibatch':>9s} {'fwd-only':>8s} {'generate':>8s} "
+          f"{'plans':>6s} {'other':>6s}")  # fmt: skip
+    for trainer, result in trainers.items():
+        for scheme, row in result["schemes"].items():
+            phases = row.get("phases")
+            if not phases:
+                continue
+            steps = len(row["step_s"])
+            groups = (("minibatch_s",), passes, ("generation_s",), ("attention_warm_s",))
+            parts = [_phase_seconds(phases, keys, steps) for keys in groups]
+            other = [row["step_s"][i] - sum(part[i] for part in parts) for i in range(steps)]
+            medians = [statistics.median(values) for values in (*parts, other)]
+            cells = " ".join(f"{value:{width}.2f}" for value, width in zip(medians, (9, 8, 8, 6, 6), strict=True))
+            print(f"{trainer:8s} {scheme:33s} {statistics.median(row['step_s']):7.2f} {cells}")
+
+
+def _phase_seconds(phases: dict, keys: tuple[str, ...], steps: int) -> list[float]:
+    """Per timed step, the seconds of the phases ``keys`` together (a phase a step did not log counts 0)."""
+    return [sum(phases[key][i] or 0.0 for key in keys if key in phases) for i in range(steps)]
+
+
 def run_driver(args: argparse.Namespace) -> None:
     start = time.time()
     deadline = start + (args.budget if args.budget is not None else float("inf"))
@@ -558,6 +584,7 @@ def run_driver(args: argparse.Namespace) -> None:
     print(f"\n{args.model_config}, {environment and environment['device']}, {args.num_processes} processes, "
           f"{args.steps - args.warmup} timed steps of {args.steps}; total {time.time() - start:.0f} s")  # fmt: skip
     print_table(trainers)
+    print_phases(trainers)
     for trainer, result in trainers.items():
         for scheme, row in result["schemes"].items():
             if row.get("profile"):

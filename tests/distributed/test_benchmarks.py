@@ -333,6 +333,7 @@ def test_trainer_points_run_every_trainer_under_every_scheme_on_cpu(ran, request
         assert split["per_rank"]["documents"] == [[4, 4]], name
         assert micro["microbatches_per_rank"][0] == micro["microbatches_per_rank"][1], name
     assert "distill  ODC + LB-Mini" in done.stdout
+    assert "fwd-only" in done.stdout and done.stdout.count("kto      ODC + LB-Mini") == 2  # the rates, the phases
     assert_profiled(trainers, directory / "logs", done.stdout)
 
 
