@@ -334,21 +334,20 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         ``attention_warm_s``."""
         if not self.args.warm_attention_plans:
             return
-        documents = list(documents)
+        args, documents = self.args, list(documents)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
         models = self._forward_only_models() if forward_only is None else forward_only
         started, warmed_any = time.perf_counter(), False
         for model, backward in ((self.model, True), *((model, False) for model in models)):
             warmed = self._warmed_lengths.setdefault((backward, attention_shape(model)), set())
             new = [length for length in documents if sdpa_length(length) not in warmed]
             if new:
-                args = self.args
-                dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
                 warm_attention_plans(model, new, args.device, dtype, backward)
                 warmed.update(map(sdpa_length, new))
                 warmed_any = True
-        if warmed_any and self.args.device.type == "cuda":
+        if warmed_any and args.device.type == "cuda":
             # This stream's work only: a batch decoding ahead (max_rollout_staleness=1) runs on a stream of its own.
-            torch.cuda.current_stream(self.args.device).synchronize()
+            torch.cuda.current_stream(args.device).synchronize()
         self._warm_s += time.perf_counter() - started
 
     @contextlib.contextmanager

@@ -219,6 +219,8 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         calls = torch.tensor([call for call, item in enumerate(window) for _ in item["examples"]])
         plans = self._plans(examples)
         documents = plans.documents
+        attended = [len(ids) for item in documents for ids, _ in item]
+        self._warm_attention(attended)  # before the reference and KL passes meet a new length
         scores = self._scores(examples, plans)
         estimates = torch.zeros(len(window))
         if args.calculate_kl:
@@ -245,7 +247,7 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
             num_tokens=sum(own_lengths),
             num_loss_tokens=sum(sum(item[0][1][1:]) for item in documents),
             predicted_bubble_rate=self._planner.predicted_bubble(plans.training, own_lengths, plans.capacity),
-            attended=[len(ids) for item in documents for ids, _ in item],
+            attended=attended,
             labels_seen=(True in labels, False in labels),
         )
 
@@ -258,7 +260,6 @@ class ODCKTOTrainer(_ODCDatasetTrainer, _ReferencePasses, KTOTrainer):
         args, rank, metrics = self.args, self.accelerator.process_index, self._metrics["train"]
         documents = plans.documents
         scored = torch.zeros(len(examples), 3 if args.calculate_kl else 1, dtype=torch.float64)
-        self._warm_attention([len(ids) for item in documents for ids, _ in item])  # before the passes meet them
         if not args.precompute_ref_log_probs:
             rows = [pack_pairs([documents[i] for i in microbatch]) for microbatch in plans.reference[rank]]
             metrics["reference_s"].append(self._score_reference(rows))

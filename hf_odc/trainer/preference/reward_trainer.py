@@ -18,6 +18,7 @@ checkpoints are every ODC trainer's: :class:`hf_odc.trainer.core._base_trainer._
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -111,14 +112,18 @@ class ODCRewardTrainer(_ODCDatasetTrainer, RewardTrainer):
             nothing_left=kept == 0,
             allowed=args.allow_truncated_data,
         )
+        check_pair_capacity([sum(pair) for pair in self._sequence_lengths], args.max_tokens_for_pairs)
+
+    @functools.cached_property
+    def _sequence_lengths(self) -> list[tuple[int, int]]:
+        """Each pair's chosen and rejected sequences' tokens (whole: TRL dropped the longer pairs), read once: the
+        capacity check and the attention plans' warm-up both need them."""
         columns = (self.train_dataset[c] for c in _SEQUENCE_COLUMNS)
-        lengths = [len(chosen) + len(rejected) for chosen, rejected in zip(*columns, strict=True)]
-        check_pair_capacity(lengths, args.max_tokens_for_pairs)
+        return [(len(chosen), len(rejected)) for chosen, rejected in zip(*columns, strict=True)]
 
     def _training_documents(self) -> list[int]:
-        """Each pair's chosen and rejected sequences (whole: TRL dropped the longer pairs)."""
-        columns = (self.train_dataset[c] for c in _SEQUENCE_COLUMNS)
-        return [len(sequence) for pair in zip(*columns, strict=True) for sequence in pair]
+        """Each pair's chosen and rejected sequences."""
+        return [length for pair in self._sequence_lengths for length in pair]
 
     def get_train_dataloader(self) -> MinibatchDataLoader:
         """One item per accumulation call: ``per_device_train_batch_size x world_size`` pairs of the global minibatch,
