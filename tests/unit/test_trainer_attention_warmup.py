@@ -64,14 +64,16 @@ def test_dpo_warms_the_references_forward_only_plans_before_the_reference_meets_
         assert len(lengths) == 8 and set(lengths) <= set(everything)
 
 
+@pytest.mark.parametrize("known", [True, False], ids=["dataset-known", "per-step"])
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_kto_warms_the_reference_and_with_the_kl_estimate_the_policys_forward_only_plans(
-    tmp_path, monkeypatch, loss_type
+    tmp_path, monkeypatch, loss_type, known
 ):
     """KTO's forward-only passes: the reference's, and with the KL estimate the policy's over the mismatched
-    sequences, whose lengths the warm-up covers too: every example's sequences are warmed when ``train`` starts.
-    ``apo_zero_unpaired`` has no KL estimate. The reference here has another head size, so its plans are its own
-    (a reference of the policy's shape shares the policy's forward-only plans)."""
+    sequences, whose lengths the warm-up covers too: every example's sequences are warmed when ``train`` starts, or
+    without them known (``known=False``) the step's, before its passes. ``apo_zero_unpaired`` has no KL estimate. The
+    reference here has another head size, so its plans are its own (a reference of the policy's shape shares the
+    policy's forward-only plans)."""
     tokenizer = build_tokenizer()
     args = ODCKTOConfig(str(tmp_path), max_length=512, loss_type=loss_type, **COMMON)
     calculate_kl = args.calculate_kl
@@ -80,14 +82,20 @@ def test_kto_warms_the_reference_and_with_the_kl_estimate_the_policys_forward_on
     trainer = ODCKTOTrainer(model=_model(tokenizer), ref_model=reference, args=args, train_dataset=examples,
                             processing_class=tokenizer)  # fmt: skip
     events = _record(monkeypatch, trainer, "_score_reference")
+    sequences = trainer._training_documents()
+    if not known:
+        monkeypatch.setattr(trainer, "_training_documents", lambda: None)
     trainer.train()
     trainer.end()
     *warmed, scored = events
     expected = [(trainer.model, True), (trainer.ref_model, False)] + [(trainer.model, False)] * calculate_kl
     assert [(model, backward) for model, _, backward in warmed] == expected and scored == "_score_reference"
-    sequences = trainer._training_documents()
     assert len(sequences) == 8 * (1 + calculate_kl)
-    assert all(lengths == sorted(sequences) for _, lengths, _ in warmed)
+    if known:
+        assert all(lengths == sorted(sequences) for _, lengths, _ in warmed)
+    else:  # one minibatch: 4 examples of the 8, their sequences
+        per_step = 4 * (1 + calculate_kl)
+        assert all(len(lengths) == per_step and set(lengths) <= set(sequences) for _, lengths, _ in warmed)
 
 
 def test_rollout_scoring_warms_the_generation_batchs_forward_only_plans_before_its_passes(tmp_path, monkeypatch):
