@@ -243,10 +243,12 @@ def warm_sdpa_plans(
     lengths = sorted({sdpa_length(n) for n in (among if documents is None else filter(among.__contains__, documents))})
     for padded in lengths:
         tokens = padded - 1 if sdpa_length(padded - 1) == padded else padded  # padded, as most documents are
+        # Constant inputs: a plan does not depend on the values, and a random draw would move the generator that the
+        # run samples from afterwards (warming on or off must not change a run).
         with torch.set_grad_enabled(backward):
-            query = torch.randn(tokens, query_heads, head_dim, device=device, dtype=dtype, requires_grad=backward)
+            query = torch.ones(tokens, query_heads, head_dim, device=device, dtype=dtype, requires_grad=backward)
             key, value = (
-                torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=backward)
+                torch.ones(tokens, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=backward)
                 for _ in range(2)
             )
             out = _attend(Piece((tokens,), tokens, False), query, key, value, head_dim**-0.5, 0.0)

@@ -119,6 +119,17 @@ def test_warming_forward_only_attends_each_length_without_autograd(monkeypatch):
     assert lengths == [64, 128, 192, 256, 320] and calls == [(n, False, False) for n in lengths]
 
 
+def test_warming_draws_nothing_from_the_random_generators(monkeypatch):
+    """Warming with it on or off must not change a run: nothing is drawn from the generator that sampling (GRPO's and
+    RLOO's completions, dropout) draws from afterwards."""
+    monkeypatch.setattr(kernels, "_PADDED_ON", ("cpu",))
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    kernels.warm_sdpa_plans(4, 2, 8, 300, torch.device("cpu"), torch.float32, 64)
+    kernels.warm_sdpa_plans(4, 2, 8, 300, torch.device("cpu"), torch.float32, 64, backward=False)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_warming_for_documents_attends_only_their_rounded_lengths(monkeypatch):
     """``documents=``: the lengths those documents are attended at, each once, not every length up to the longest;
     documents shorter than ``shortest`` (attended in runs, not alone) warm nothing."""
