@@ -9,7 +9,8 @@ assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per f
 ``tensor-parallel`` run twice on the same prompts: the first batch pays the compile and the CUDA graphs' recording
 (reported as ``compile_s``, with the refresh's time), the second is the one timed, as every later generation batch of
 a run. ``--static-attention sdpa`` decodes the copy with
-transformers' SDPA instead of hf_odc's grouped decoding attention, for comparison; ``static`` decodes with hf_odc's
+transformers' SDPA instead of hf_odc's grouped decoding attention, and ``grouped-sdpa`` with that attention's SDPA
+path instead of its kernel (``hf_odc.kernels.decode_attention``), for comparison; ``static`` decodes with hf_odc's
 decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
 with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does
 ``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. The copies fuse each
@@ -47,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
 from hf_odc.accelerate_plugin import ODCPlugin, ODCRuntime
 from hf_odc.demo.models import MODEL_CONFIGS
+from hf_odc.kernels import decode_attention
 from hf_odc.packing import sample_lengths
 from hf_odc.trainer import PACKED_ATTENTION
 from hf_odc.trainer.generation.decoders import StaticDecoder, TensorParallelDecoder, shard_group
@@ -169,7 +171,7 @@ def main() -> None:
     parser.add_argument("--distribution", default="swe-smith")
     parser.add_argument("--row-tokens", type=int, default=16384)
     parser.add_argument("--modes", default=",".join(GENERATION_MODES))
-    parser.add_argument("--static-attention", choices=["grouped", "sdpa"], default="grouped")
+    parser.add_argument("--static-attention", choices=["grouped", "grouped-sdpa", "sdpa"], default="grouped")
     parser.add_argument(
         "--static-decoding",
         choices=["loop", "generate"],
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    decode_attention.KERNEL = args.static_attention != "grouped-sdpa"
     strategies = args.static_compile.split(",")
     if not strategies or not set(strategies) <= {"whole", "layers"}:
         parser.error(f"--static-compile takes 'whole', 'layers' or both, comma-separated; got {args.static_compile!r}")

@@ -1,7 +1,8 @@
 """What ODC runs on the device: the transports (:mod:`hf_odc.kernels.transports`: memory every rank can reach,
 one-sided gather and scatter-accumulate), the packed-attention kernel (:mod:`hf_odc.kernels.attention`), the same
-attention over a row split across a group of ranks (:mod:`hf_odc.kernels.ulysses`, sequence parallelism) and the fused
-RMSNorm and SiLU-gated activation of transformers' decoders (:mod:`hf_odc.kernels.fused`).
+attention over a row split across a group of ranks (:mod:`hf_odc.kernels.ulysses`, sequence parallelism), one decoding
+step's attention over a static KV cache (:mod:`hf_odc.kernels.decode_attention`) and the fused RMSNorm and SiLU-gated
+activation of transformers' decoders (:mod:`hf_odc.kernels.fused`).
 
 Nothing here imports :mod:`hf_odc.liveness`, which sits above: how ranks meet and name a failed peer is not a
 kernel's concern.

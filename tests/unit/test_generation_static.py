@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _interpreted import KERNEL_DEVICES
 from _models import VOCAB, tiny_model
 from torch import nn
 from torch.nn import functional as F
@@ -301,6 +302,30 @@ def test_the_loop_decodes_greedily_what_generate_decodes(monkeypatch, attention,
         _generate(decoder, monkeypatch, True, **prompts, max_new_tokens=5, eos_token_id=eos, pad_token_id=1)
         filled = 16 if attention == DECODING_ATTENTION else 257  # slots 9 to 12 rounded up to 8, or all 257
         assert read[2:] == [filled] * 8  # 4 steps of 2 layers, after the prefill's
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES[:1])  # (test_kernels_decode_attention.py runs it interpreted)
+def test_the_loop_reads_the_whole_cache_through_the_decoding_kernel(monkeypatch, device):
+    """Where hf_odc's decoding kernel runs, the loop gives the attention the cache's whole width at every step (one
+    width: one CUDA graph on a GPU; the kernel reads only what is filled) and decodes, greedily and ending rows at
+    EOS, what ``generate`` decodes with SDPA instead of the kernel."""
+    from hf_odc.kernels import _triton_decode
+    from hf_odc.kernels import decode_attention as attention
+
+    monkeypatch.setattr(_static_decoding, "_WIDTH_MULTIPLE", 8)  # SDPA would be given widths of 16, 24, ... here
+    monkeypatch.setattr(_static_decoding, "_MAX_WIDTHS", 256 // 8)
+    decoder = _copy("sdpa")
+    decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    prompts = _prompts(4, 9, seed=3)
+    eos = _ending_at_different_steps(decoder, monkeypatch, prompts, 24)
+    widths, kernel = [], _triton_decode.decode_attention
+    spy = lambda q, k, v, mask, scale: widths.append(k.shape[2]) or kernel(q, k, v, mask, scale)  # noqa: E731
+    monkeypatch.setattr(_triton_decode, "decode_attention", spy)
+    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    decoded = _generate(decoder, monkeypatch, True, **prompts, **options)
+    assert len(widths) > 2 * 9 and set(widths) == {widths[0]} and widths[0] > 9 + 24  # beyond all ever filled
+    monkeypatch.setattr(attention, "KERNEL", False)
+    assert torch.equal(decoded, _generate(decoder, monkeypatch, False, **prompts, **options))
 
 
 @pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])

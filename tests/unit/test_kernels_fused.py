@@ -10,56 +10,21 @@ skipped in this process; their ``cuda`` cases run the compiled kernels on a GPU.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _interpreted import KERNEL_DEVICES, assert_interpreted_cases_pass
 from _models import VOCAB, tiny_moe_config, tiny_qwen2_config
 from torch import nn
 
 from hf_odc.kernels import fused, install_fused_kernels, rms_norm, silu_mul
 from hf_odc.trainer.core.attention import save_attention_checkpoint_kwargs
 
-ROOT = Path(__file__).resolve().parents[2]
-
-KERNEL_DEVICES = [
-    pytest.param(
-        "cpu",
-        id="interpreted",
-        marks=pytest.mark.skipif(
-            not fused._INTERPRET, reason="runs with TRITON_INTERPRET=1, in test_kernels_under_the_triton_interpreter"
-        ),
-    ),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available() or fused._INTERPRET, reason="needs a CUDA GPU"),
-        ],
-    ),
-]
-"""Where the Triton kernels run: CPU tensors under the interpreter, CUDA ones on a GPU."""
-
 
 def test_kernels_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    if fused._INTERPRET:
-        pytest.skip("already interpreted")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    assert_interpreted_cases_pass(__file__)
 
 
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,8 +7,11 @@ device's add up instead of overlapping. Here one decoding step (the forward of o
 KV cache, the next token chosen from its logits, finished rows given the pad token) reads and writes only tensors of a
 static shape that live as long as the cache, so on a GPU it is recorded once in a CUDA graph and replayed per token;
 the host asks whether every row has finished only every :data:`_CHECK_EVERY` steps and cuts the steps run past that.
-The attention reads the cache only up to the next multiple of :data:`_WIDTH_MULTIPLE` slots beyond the filled part (one
-CUDA graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
+hf_odc's decoding attention reads only the filled part of the cache: where its kernel runs
+(:func:`hf_odc.kernels.decode_attention.kernel_runs`) it skips the blocks the mask does not hold, so the step is given
+the cache's whole width and one CUDA graph serves every step; elsewhere it reads the cache up to the mask's width, the
+filled part rounded up to the next multiple of :data:`_WIDTH_MULTIPLE` slots (one CUDA graph per such width, at most
+:data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
 (``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
 than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, and
 the cache holds one slot more than the loop ever fills (:func:`cache_slots`), so that no width reads the cache whole:
@@ -53,6 +56,8 @@ from transformers.generation import (
 )
 
 from ... import _compat
+from ...kernels.decode_attention import kernel_runs
+from ..core.attention import attention_shape
 
 _CHECK_EVERY = 16
 """Decoding steps between two checks (one host-device synchronisation) of whether every row has finished; the steps
@@ -297,7 +302,8 @@ class Loop:
         self._cache_kwargs = {_compat.cache_argument(model): cache}
         attention = _compat.attn_implementation(model.config)
         self._additive_mask = attention == "eager"
-        self._narrow = attention == "odc_decoding"  # reads only the mask's width of the cache: see _ATTENTIONS
+        # Reads only the mask's width of the cache (see _ATTENTIONS), unless its kernel reads only what is filled.
+        self._narrow = attention == "odc_decoding" and not kernel_runs(device, attention_shape(model)[2])
         multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
         self._width_multiple = max(_WIDTH_MULTIPLE, multiple)
         self._forward = torch.compile(self._eager_forward, dynamic=False) if compile else self._eager_forward
@@ -450,7 +456,8 @@ class Loop:
         """One decoding step: static shapes only, every result written into the loop's buffers. The width is a
         dimension of the compiled forward's mask, not a constant of it: one compiled forward serves every width."""
         mask = self._attended[:, None, None, :width].contiguous()  # (strides of one pattern for every width)
-        _compat.dynamic_dimension(mask, 3)
+        if self._narrow:
+            _compat.dynamic_dimension(mask, 3)
         logits = self._forward(mask)
         self._positions.add_(1)
         self._choose(logits)

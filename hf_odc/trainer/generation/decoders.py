@@ -33,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ... import _compat
 from ...accelerate_plugin import ODCRuntime
+from ...kernels.decode_attention import decode_attention
 from ...kernels.fused import SILU_MLP_CLASSES
 from ..core.attention import PACKED_ATTENTION, _base_model
 from . import _static_decoding
@@ -644,30 +645,31 @@ def grouped_decoding_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except for one query token in a grouped-query layer: there the query heads that
-    share a key/value head become that head's query rows, so each key and value is read once. transformers' SDPA
-    repeats the keys and values once per query head whenever a mask is given (a static cache always gives one, for
-    its empty slots) and groups the query only outside ``torch.compile``; in a compiled decoding step the repeat
+    """transformers' SDPA attention, except for one query token per row under a boolean mask (a static cache's
+    decoding step): there :func:`hf_odc.kernels.decode_attention.decode_attention` attends, which reads each key and
+    value once for the query heads that share it and, on a GPU, only the cache's blocks the mask holds. transformers'
+    SDPA repeats the keys and values once per query head whenever a mask is given (a static cache always gives one,
+    for its empty slots) and groups the query only outside ``torch.compile``; in a compiled decoding step the repeat
     writes and reads the whole cache several times over. The result is the same: a one-token query's mask is the
     same for every head.
 
-    A mask narrower than the keys (hf_odc's decoding loop, :mod:`hf_odc.trainer.generation._static_decoding`) covers the
-    cache's first slots, all that is filled: the keys and values beyond it are not read."""
+    A mask narrower than the keys (hf_odc's decoding loop where the kernel does not run,
+    :mod:`hf_odc.trainer.generation._static_decoding`) covers the cache's first slots, all that is filled: the keys and
+    values beyond it are not read."""
     if attention_mask is not None:  # (sliced to its own length where it is as wide: one compiled graph for both)
         key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, length, _ = query.shape
     if (
-        length != 1
-        or groups == 1
+        query.shape[2] != 1
         or dropout
         or kwargs.get("position_bias") is not None
-        or (attention_mask is not None and attention_mask.shape[1] != 1)
+        or attention_mask is None
+        or attention_mask.dtype != torch.bool
+        or attention_mask.shape[1:3] != (1, 1)
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    grouped = query.reshape(batch, heads // groups, groups, query.shape[-1])
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, 1, heads, value.shape[-1]), None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = decode_attention(query[:, :, 0], key, value, attention_mask[:, 0, 0], scale)
+    return out[:, None], None
 
 
 AttentionInterface.register(DECODING_ATTENTION, grouped_decoding_attention)
