@@ -291,6 +291,27 @@ def test_packed_attention_whole_model_modes_run_on_cpu(ran, request, mode):
     assert all(list(row["ms"]) == columns and min(row["ms"].values()) > 0 for row in rows.values())
 
 
+def _decode_attention(directory: Path) -> list:
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--batch", "2", "--slots", "300",
+        "--fills", "100,299", "--layers", "2", "--json", str(directory / "decode.json"),
+    ]  # fmt: skip
+    return [(command, {**os.environ, "TRITON_INTERPRET": "1"}, 180)]
+
+
+def test_decode_attention_compares_the_kernel_with_sdpa_on_cpu(ran, request):
+    """benchmarks/decode_attention.py under Triton's interpreter (the times are a GPU's alone): every shape and fill,
+    SDPA given the fill rounded up to 256 slots, the kernel's output within bf16's rounding of SDPA's."""
+    pytest.importorskip("triton")
+    directory, done = _only(ran.result(request.node.nodeid))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = json.loads((directory / "decode.json").read_text())["rows"]
+    assert [(r["shape"], r["fill"], r["sdpa_width"]) for r in rows] == [
+        (shape, fill, width) for shape in ("qwen2.5-1.5b", "qwen2.5-7b") for fill, width in ((100, 256), (299, 300))
+    ]
+    assert all(0 < r["max_abs_diff"] < 2**-6 for r in rows), rows  # (not 0: the kernel ran, not SDPA twice)
+
+
 def _trainer_points(directory: Path) -> list:
     command = [
         sys.executable, str(ROOT / "benchmarks" / "trainer_points.py"), "--model-config", "tiny", "--max-length",
@@ -394,6 +415,7 @@ COMMANDS = {
     "test_grpo_generation_runs_every_mode_on_cpu": _grpo_generation,
     "test_packed_attention_whole_model_modes_run_on_cpu": _packed_attention,
     "test_trainer_points_run_every_trainer_under_every_scheme_on_cpu": _trainer_points,
+    "test_decode_attention_compares_the_kernel_with_sdpa_on_cpu": _decode_attention,
 }
 """Each test's commands, by test name: a function of its directory (and its parameters) that gives each command, its
 environment (None: this one's) and its timeout before scaling."""
