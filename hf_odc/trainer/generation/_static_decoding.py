@@ -13,7 +13,8 @@ the cache's whole width and one CUDA graph serves every step; elsewhere it reads
 filled part rounded up to the next multiple of :data:`_WIDTH_MULTIPLE` slots (one CUDA graph per such width, at most
 :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
 (``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
-than the eager forward's many small ones; the width is a dimension of the compiled forward, not a constant of it, and
+than the eager forward's many small ones; where the widths vary, the width is a dimension of the compiled forward, not
+a constant of it (one width compiles statically), and
 the cache holds one slot more than the loop ever fills (:func:`cache_slots`), so that no width reads the cache whole:
 the keys the attention reads are a slice with the same strides at every width (read whole, they would be contiguous,
 and compiled a second time), and one compile serves every width. Compiled by layer (``compile_layers``), each decoder
@@ -453,8 +454,9 @@ class Loop:
         return out.logits[:, -1].to(dtype=torch.float32)
 
     def _step(self, width: int) -> None:
-        """One decoding step: static shapes only, every result written into the loop's buffers. The width is a
-        dimension of the compiled forward's mask, not a constant of it: one compiled forward serves every width."""
+        """One decoding step: static shapes only, every result written into the loop's buffers. Where the loop narrows
+        the width, it is a dimension of the compiled forward's mask, not a constant of it: one compiled forward serves
+        every width."""
         mask = self._attended[:, None, None, :width].contiguous()  # (strides of one pattern for every width)
         if self._narrow:
             _compat.dynamic_dimension(mask, 3)
