@@ -182,6 +182,12 @@ _ODC_PARAMETERS = """
 """
 
 
+def compute_dtype(args: Any) -> torch.dtype:
+    """The dtype a run of ``args`` computes in (``bf16``, ``fp16``, else float32): what its attention plans are built
+    for and its decoding copies are made in."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def whole_model_kwargs(init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """TRL's ``model_init_kwargs`` (or a teacher's) for a model that TRL loads by name: ``device_map`` defaults to
     ``None``, so that every rank loads the whole model and hf_odc shards it, where TRL's default ``"auto"`` would

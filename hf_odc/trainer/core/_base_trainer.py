@@ -29,6 +29,7 @@ from ...kernels.attention import sdpa_length
 from ...packing import MinibatchPlanner, idle_fraction, named_cost
 from ...packing.calibration import FEATURES, Calibration, Calibrator
 from ...packing.flops import mfu, peak_flops, training_flops
+from ._base_config import compute_dtype
 from ._checkpoint_hooks import _CheckpointHooks
 from ._collector import StepCollector
 from ._console import CONSOLE_CALLBACKS
@@ -335,7 +336,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         if not self.args.warm_attention_plans:
             return
         args, documents = self.args, list(documents)
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        dtype = compute_dtype(args)
         models = self._forward_only_models() if forward_only is None else forward_only
         started, warmed_any = time.perf_counter(), False
         for model, backward in ((self.model, True), *((model, False) for model in models)):

@@ -69,6 +69,7 @@ from torch.distributed.fsdp import FSDPModule
 from ... import _compat
 from ...accelerate_plugin import ODCRuntime
 from ...engine import lazy_init_root
+from ..core._base_config import compute_dtype
 from .decoders import StaticDecoder, TensorParallelDecoder, check_tensor_parallel, shard_group
 from .vllm_sync import ODCWeightSync, shut_down_engine
 
@@ -385,7 +386,7 @@ def make_generator(trainer: Any) -> Generator:
         )
     if args.use_vllm:
         return VLLMGenerator(trainer)
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = compute_dtype(args)
     device, tools = trainer.accelerator.device, uses_tools(trainer)
     if vision:
         mode = "gathered"
