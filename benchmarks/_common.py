@@ -353,10 +353,10 @@ def device_time(result: dict, spans: str | None = None, top: int = 8):
     kind (:func:`kernel_kind`), of copies (``"copy"``: ODC's one-sided reads and host transfers) and of memsets, the
     span from the first kernel's start to the last one's end (``"span"``), the union of intervals in which any kernel
     ran (``"kernels busy"``), the number of kernels, the host's blocking waits for the device (``"host waits"``:
-    seconds of CUDA runtime calls that synchronise), the ``top`` kernels by summed time (``"top kernels"``) and the
-    ``top`` longest gaps in which no kernel ran, each with the kernels on either side (``"gaps"``). With ``spans`` (a
-    prefix of ``torch.profiler.record_function`` names), ``result["spans"]`` holds the numbers for each such range as
-    the device ran it, in order."""
+    seconds of CUDA runtime calls that synchronise), the ``top`` kernels by summed time (``"top kernels"``: name,
+    seconds, count) and the ``top`` longest gaps in which no kernel ran, each with the kernels on either side
+    (``"gaps"``). With ``spans`` (a prefix of ``torch.profiler.record_function`` names), ``result["spans"]`` holds the
+    numbers for each such range as the device ran it, in order."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -382,6 +382,21 @@ def device_time(result: dict, spans: str | None = None, top: int = 8):
         ]
 
 
+COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler", "async_compile.wait")
+"""The phases of torch.compile :func:`compile_phases` reports: all of dynamo's compiles, its tracing of the bytecode,
+the backend (AOT autograd and inductor), and the wait for inductor's parallel Triton compiles inside it."""
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds of each of :data:`COMPILE_PHASES` summed over the process's compiles so far, from dynamo's own timers
+    (``torch._dynamo.utils.compile_times``, a private API: empty where this torch lacks it)."""
+    compile_times = getattr(torch._dynamo.utils, "compile_times", None)
+    if compile_times is None:
+        return {}
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    return {name: float(s) for name, s in zip(names, seconds, strict=True) if name in COMPILE_PHASES}
+
+
 _SYNCHRONISING = re.compile(r"Synchronize|cudaMemcpy(?!Async)|cudaFree\b|cudaMalloc\b")
 
 
@@ -389,11 +404,13 @@ def _kinds(work: list[dict], waits: list[dict], top: int) -> dict:
     """:func:`device_time`'s numbers for ``work`` (device events sorted by start) and ``waits`` (host runtime calls)."""
     seconds: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     kernels = [e for e in work if e["cat"] == "kernel"]
     for event in work:
         kind = {"gpu_memcpy": "copy", "gpu_memset": "memset"}.get(event["cat"]) or kernel_kind(event["name"])
         seconds[kind] += event["dur"] / 1e6
         by_name[event["name"][:80]] += event["dur"] / 1e6
+        counts[event["name"][:80]] += 1
     busy, end, gaps, last = 0.0, float("-inf"), [], None
     for event in kernels:
         start, stop = event["ts"], event["ts"] + event["dur"]
@@ -406,7 +423,9 @@ def _kinds(work: list[dict], waits: list[dict], top: int) -> dict:
     out = {**seconds, "span": span, "kernels busy": busy / 1e6, "kernels": len(kernels)}
     if top:
         out["host waits"] = sum(e["dur"] for e in waits) / 1e6
-        out["top kernels"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+        out["top kernels"] = [
+            (name, s, counts[name]) for name, s in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+        ]
         out["gaps"] = sorted(gaps, reverse=True)[:top]
     return out
 

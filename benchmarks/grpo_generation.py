@@ -13,7 +13,10 @@ transformers' SDPA instead of hf_odc's grouped decoding attention, and ``grouped
 path instead of its kernel (``hf_odc.kernels.decode_attention``), for comparison; ``static`` decodes with hf_odc's
 decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
 with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does
-``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. The copies fuse each
+``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. With ``--static-ends
+eos``, ``static``'s loop ends each completion at its length instead, by an EOS the copy's LM head gives from inside the
+recorded step (:class:`EndInGraph`), as a trained policy's completions end: the loop then decodes as many steps, but an
+ended row's attention reads one slot. The copies fuse each
 layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which
 (``fused``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows).
 ``--static-compile`` chooses how ``static``'s loop compiles the copy's forward: ``layers`` (one nested compile region
@@ -21,7 +24,8 @@ per decoder layer, a shorter compile: the trainers' default) or ``whole`` (one g
 runs ``static`` once with each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew.
 Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
 from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
-decoding steps (forwards), ms per step, generated tokens per second; then one policy update on the generated
+decoding steps (forwards), ms per step, generated tokens per second, the completions ended (by an EOS) at their
+length; then one policy update on the generated
 sequences (packed rows, forward and backward inside one ODC minibatch), and generation's share of
 generation + update. ``lockstep`` is timed on at most ``--lockstep-tokens`` steps (it is slow); its full-length time
 is the measured ms per step times the longest completion, marked as an estimate.
@@ -42,7 +46,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import MODELS, EndAt, device_time
+from _common import MODELS, EndAt, compile_phases, device_time
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
 
@@ -78,6 +82,23 @@ def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple[torch.nn.
     return model, runtime
 
 
+class EndInGraph:
+    """A forward hook on the decoding copy's LM head that ends completion ``i`` after exactly ``lengths[i]`` tokens (EOS
+    last, never before), as :class:`_common.EndAt` does, but inside the step hf_odc's loop records (which leaves a
+    caller's logits processor to ``generate``): the forwards are counted in a device tensor the step advances."""
+
+    def __init__(self, lengths: list[int], device: torch.device):
+        self.last = torch.tensor(lengths, device=device) - 1
+        self.forwards = torch.zeros((), dtype=torch.long, device=device)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+        done = self.last == self.forwards  # the prefill's forward chooses token 0
+        self.forwards.add_(1)
+        limits = torch.finfo(logits.dtype)
+        logits[:, -1, EOS] = torch.where(done, limits.max, limits.min)
+        return logits
+
+
 def meet(world_size: int) -> None:
     if world_size > 1:
         dist.barrier()
@@ -102,17 +123,21 @@ def generate(
     decoder: StaticDecoder | TensorParallelDecoder | None = None,
     forced: bool = True,
     group_lengths: list[int] | None = None,
+    ends: EndInGraph | None = None,
 ) -> tuple[float, int, torch.Tensor]:
     """Decode ``prompts`` in ``mode`` (``"static"``, ``"tensor-parallel"``: on ``decoder``'s copy), each completion
     ended at its length by :class:`EndAt` (``forced``), or every one decoded to the longest length (hf_odc's static
     decoding loop leaves a call with a logits processor of the caller's to transformers' ``generate``; its fixed batch
     steps at the same cost whether rows ended or not); returns (seconds, decoding steps, prompt + completion ids).
     ``group_lengths``: every completion's length in the batch ``generate`` decodes (tensor-parallel: the shard
-    group's, rank by rank), where not ``lengths``."""
+    group's, rank by rank), where not ``lengths``. ``ends``: the copy's LM head ends the completions instead."""
     out = []
     target = decoder.model if mode in ("static", "tensor-parallel") else model
     end_at = EndAt(group_lengths or lengths, prompts.shape[1], EOS)
     ending = {"logits_processor": LogitsProcessorList([end_at]), "eos_token_id": EOS}
+    if ends is not None:
+        ends.forwards.zero_()
+        ending, forced = {"eos_token_id": EOS}, True
 
     def run() -> None:
         with decoding(model, runtime, mode), torch.no_grad():
@@ -191,6 +216,13 @@ def main() -> None:
         help="static's loop compiles the copy's forward by 'layers' (nested compile regions, the default) or 'whole'; "
         "'whole,layers' runs static with each",
     )
+    parser.add_argument(
+        "--static-ends",
+        choices=["longest", "eos"],
+        default="longest",
+        help="static's loop decodes every completion to the longest length, or ends each at its own by an EOS from the "
+        "copy's LM head (as a trained policy's end)",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile each mode's device time (GPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -221,7 +253,7 @@ def main() -> None:
         # The loop (static, tensor-parallel) leaves a call with the caller's logits processor to generate: its rows
         # are decoded to the longest length, at the cost of a fixed batch.
         first, forced = {}, mode not in ("static", "tensor-parallel") or args.static_decoding == "generate"
-        group_lengths = None
+        group_lengths, ends = None, None
         if mode in ("static", "tensor-parallel"):  # the copy made and refreshed (the first batch compiles, records)
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             if decoder is not None:
@@ -244,19 +276,29 @@ def main() -> None:
                               "head_rows": decoder.model.get_output_embeddings().out_features}  # fmt: skip
             if mode == "static" and args.static_attention == "sdpa":
                 decoder.model.set_attn_implementation("sdpa")
-            batch = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)
+            if mode == "static" and args.static_decoding == "loop" and args.static_ends == "eos":
+                ends = EndInGraph(lengths, device)
+                decoder.model.get_output_embeddings().register_forward_hook(ends)
+            batch = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths, ends)
             first["first_batch_s"] = batch[0]
+            first["compile_phases_s"] = compile_phases()
             meet(world_size)  # (a rank whose first batch ended first would count its wait in the refresh)
             first["refresh_s"] = timed(device, decoder.refresh)
-        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)
+        seconds, steps, out = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths, ends)
         if args.profile and device.type == "cuda":  # once more, profiled: is decoding kernel- or launch-bound?
             profiled: dict = {}
-            with device_time(profiled):
-                first["profiled_s"] = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths)[0]
+            with device_time(profiled, top=48):  # (every kernel of a step, by name)
+                run = generate(model, runtime, mode, prompts, capped, decoder, forced, group_lengths, ends)
+                first["profiled_s"] = run[0]
             first["device"] = profiled
         tokens = sum(capped)
+        completions = out[:, args.prompt_length :]
+        ended = [
+            bool(row[: n - 1].ne(EOS).all() and row[n - 1] == EOS) for row, n in zip(completions, capped, strict=True)
+        ]
         rows[name] = {"decode_s": seconds, "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1),
-                      "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths), **first}  # fmt: skip
+                      "tokens": tokens, "tokens_per_s": tokens / seconds, "longest": max(lengths),
+                      "ended_at_length": sum(ended), **first}  # fmt: skip
         if "first_batch_s" in first:
             rows[name]["compile_s"] = first["first_batch_s"] - seconds
         if mode == "lockstep":  # the full-length time, at the measured rate (every rank steps to the global longest)

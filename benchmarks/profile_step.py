@@ -114,7 +114,7 @@ def report(per_rank: list[dict], args) -> None:
                 print(f"  {name} r{rank}: host waits {dev['host waits']:.3f} s")
                 for seconds, before, after in dev["gaps"][:5]:
                     print(f"      gap {seconds:.4f}: {before} -> {after}")
-                for kernel, seconds in dev["top kernels"][:8]:
+                for kernel, seconds, _ in dev["top kernels"][:8]:
                     print(f"      {seconds:7.3f} {kernel}")
                 spans = [(round(s["span"], 3), round(s["span"] - s["kernels busy"], 3)) for s in dev["spans"]]
                 print(f"      microbatches (span s, idle s): {spans}; documents: "

@@ -154,8 +154,9 @@ def decode_attention(
         DOT=dot, num_warps=4,
     )  # fmt: skip
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    # One warp a program: each combines a few kilobytes behind one wait for memory, and more warps only lengthen it.
     _combine_kernel[(batch * heads,)](
         acc, maxima, sums, out, heads, kv_heads, splits, out.stride(0), out.stride(1),
-        GROUP=group, ROWS=rows, DIM=dim, HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(splits), num_warps=4,
+        GROUP=group, ROWS=rows, DIM=dim, HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(splits), num_warps=1,
     )  # fmt: skip
     return out

@@ -16,18 +16,16 @@ are imported: how the tests check it without a GPU), registered as the operator 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from ._triton_device import runs_triton
 
 __all__ = ["KERNEL", "decode_attention", "kernel_runs"]
 
 KERNEL = True
 """Whether :func:`decode_attention` runs the kernel where it can (see :func:`kernel_runs`); off, it is SDPA (how the
 benchmarks compare the two)."""
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 _MAX_HEAD_DIM = 256
 """The widest head the kernel takes (one program holds a block of keys of this width); wider ones take SDPA."""
@@ -36,7 +34,7 @@ _MAX_HEAD_DIM = 256
 def kernel_runs(device: torch.device, head_dim: int) -> bool:
     """Whether :func:`decode_attention` runs the kernel for heads of ``head_dim`` on ``device``: on CUDA (or anywhere
     under Triton's interpreter) with Triton installed, :data:`KERNEL` on."""
-    if not KERNEL or head_dim > _MAX_HEAD_DIM or not (device.type == "cuda" or _INTERPRET):
+    if not KERNEL or head_dim > _MAX_HEAD_DIM or not runs_triton(device):
         return False
     try:
         import triton  # noqa: F401

@@ -25,12 +25,13 @@ forward hooks unshard them first).
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._triton_device import runs_triton
 
 __all__ = ["MAX_NORM_COLUMNS", "RMS_NORM_CLASSES", "SILU_MLP_CLASSES", "install_fused_kernels", "rms_norm", "silu_mul"]
 
@@ -55,12 +56,10 @@ SILU_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", 
 MAX_NORM_COLUMNS = 16384
 """The widest row the RMSNorm kernel takes (one program holds a row); wider rows keep the PyTorch formula."""
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def _use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run on ``x``: on CUDA, or anywhere under Triton's interpreter."""
-    return x.is_cuda or _INTERPRET
+    return runs_triton(x.device)
 
 
 def _kernels():

@@ -242,7 +242,7 @@ def _grpo_generation(directory: Path) -> list:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "benchmarks" / "grpo_generation.py"), "--model-config", "tiny", "--prompts", "4",
         "--max-new-tokens", "24", "--prompt-length", "8", "--lockstep-tokens", "8", "--row-tokens", "256",
-        "--json", str(directory / "generation.json"),
+        "--static-ends", "eos", "--json", str(directory / "generation.json"),
     ]  # fmt: skip
     return [(command, None, 240)]
 
@@ -260,6 +260,9 @@ def test_grpo_generation_runs_every_mode_on_cpu(ran, request):
         assert [r[mode]["steps"] for r in ranks] == [r[mode]["longest"] - 1 for r in ranks], mode
         assert ranks[0][mode]["steps"] < ranks[1][mode]["steps"], mode
     assert all({"first_batch_s", "refresh_s", "compile_s"} <= set(r["static"]) for r in ranks)
+    # Every completion ended by its EOS at its drawn length: by the logits processor, or (static, --static-ends eos)
+    # by the copy's LM head inside the loop's step.
+    assert all(r[mode]["ended_at_length"] == 4 for r in ranks for mode in ("static", "gathered", "sharded")), ranks
     assert ranks[0]["lockstep"]["steps"] == ranks[1]["lockstep"]["steps"] == 8 - 1
     # Tensor-parallel: the ranks decode their prompts together, to the longest completion of either, each with half the
     # heads (2 of 4, 1 key/value head of 2), MLP rows and LM head rows. The copies' projections fused, by default.

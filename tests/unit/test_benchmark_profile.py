@@ -38,19 +38,23 @@ def test_a_trace_is_read_into_kinds_busy_time_gaps_and_waits():
         _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 60, 10),
         _event("kernel", "flash_fwd", 400, 50),  # after a gap of 250 us
         _event("kernel", "some_kernel", 460, 40),  # after 10 us
+        _event("kernel", "_scatter_add_kernel", 600, 60),  # after 100 us
     ]
     waits = [_event("cuda_runtime", "cudaStreamSynchronize", 0, 30)]
     out = _kinds(work, waits, top=2)
-    assert out["gemm"] == pytest.approx(1e-4) and out["odc push"] == pytest.approx(1e-4)
+    assert out["gemm"] == pytest.approx(1e-4) and out["odc push"] == pytest.approx(1.6e-4)
     assert out["attention"] == pytest.approx(5e-5) and out["other"] == pytest.approx(4e-5)
     assert out["copy"] == pytest.approx(1e-5)
-    assert out["span"] == pytest.approx(5e-4)
-    assert out["kernels busy"] == pytest.approx(2.4e-4)  # 0-150, 400-450, 460-500
-    assert out["kernels"] == 4
+    assert out["span"] == pytest.approx(6.6e-4)
+    assert out["kernels busy"] == pytest.approx(3e-4)  # 0-150, 400-450, 460-500, 600-660
+    assert out["kernels"] == 5
     assert out["host waits"] == pytest.approx(3e-5)
     assert out["gaps"] == [(pytest.approx(2.5e-4), "_scatter_add_kernel", "flash_fwd"),
-                           (pytest.approx(1e-5), "flash_fwd", "some_kernel")]  # fmt: skip
-    assert [name for name, _ in out["top kernels"]] == ["nvjet_gemm", "_scatter_add_kernel"]
+                           (pytest.approx(1e-4), "some_kernel", "_scatter_add_kernel")]  # fmt: skip
+    assert out["top kernels"] == [
+        ("_scatter_add_kernel", pytest.approx(1.6e-4), 2),
+        ("nvjet_gemm", pytest.approx(1e-4), 1),
+    ]
 
 
 def test_a_cuda_step_is_read_per_microbatch_by_launch_time():

@@ -328,6 +328,31 @@ def test_the_loop_reads_the_whole_cache_through_the_decoding_kernel(monkeypatch,
     assert torch.equal(decoded, _generate(decoder, monkeypatch, False, **prompts, **options))
 
 
+def test_a_row_that_has_ended_attends_only_to_its_newest_slot(monkeypatch):
+    """Once a row has chosen its EOS, the masks the decoding attention is given hold only the row's newest slot (the
+    kernel then skips its cache), while the rows still decoding hold their prompt and everything decoded; what the
+    loop decodes is what ``generate`` decodes."""
+    decoder = _copy("sdpa")
+    decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    prompts = _prompts(4, 9, seed=3)
+    eos = _ending_at_different_steps(decoder, monkeypatch, prompts, 24)
+    held, attend = [], decoders.decode_attention
+    spy = lambda q, k, v, mask, scale: held.append(mask.sum(-1).tolist()) or attend(q, k, v, mask, scale)  # noqa: E731
+    monkeypatch.setattr(decoders, "decode_attention", spy)
+    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    decoded = _generate(decoder, monkeypatch, True, **prompts, **options)
+    monkeypatch.setattr(decoders, "decode_attention", attend)
+    assert torch.equal(decoded, _generate(decoder, monkeypatch, False, **prompts, **options))
+    completions = decoded[:, 9:]
+    ends = [int(torch.isin(row, torch.tensor(eos)).nonzero()[0]) for row in completions]
+    prompt_tokens = prompts["attention_mask"].sum(-1).tolist()
+    steps = held[::2]  # 2 layers a step; step j forwards the token chosen j - 1 steps after the prefill's
+    assert len(steps) >= max(ends) + 1 and len(set(ends)) > 1
+    for step, counts in enumerate(steps, start=1):
+        expected = [1 if step > end else tokens + step for end, tokens in zip(ends, prompt_tokens, strict=True)]
+        assert counts == expected, step
+
+
 @pytest.mark.parametrize("loop", [True, False], ids=["loop", "generate"])
 def test_the_fused_copy_decodes_what_the_unfused_one_does_with_fewer_projections(monkeypatch, loop):
     """q/k/v and gate/up fused into one projection each: the same logits (fp32 tolerance) and greedy tokens as the

@@ -9,7 +9,9 @@ static shape that live as long as the cache, so on a GPU it is recorded once in 
 the host asks whether every row has finished only every :data:`_CHECK_EVERY` steps and cuts the steps run past that.
 hf_odc's decoding attention reads only the filled part of the cache: where its kernel runs
 (:func:`hf_odc.kernels.decode_attention.kernel_runs`) it skips the blocks the mask does not hold, so the step is given
-the cache's whole width and one CUDA graph serves every step; elsewhere it reads the cache up to the mask's width, the
+the cache's whole width and one CUDA graph serves every step (and a row that has ended at an EOS, whose later tokens
+are cut, attends only to its newest slot, so the kernel skips its cache: a batch's long tail reads only the rows still
+decoding); elsewhere it reads the cache up to the mask's width, the
 filled part rounded up to the next multiple of :data:`_WIDTH_MULTIPLE` slots (one CUDA graph per such width, at most
 :data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
 (``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
@@ -425,6 +427,9 @@ class Loop:
         if plan.eos_token_ids:
             tokens = torch.where(self._unfinished, tokens, self._pad)
             self._unfinished.logical_and_(~self._is_eos[tokens])
+            # An ended row attends only to its newest slot from now on (set below): what it decodes is cut, and the
+            # decoding kernel skips the blocks its mask no longer holds.
+            self._attended.logical_and_(self._unfinished[:, None])
         self._ids.index_copy_(1, self._next_slot, tokens[:, None])
         if self.log_prob_temperature is not None:
             chosen = F.log_softmax(logits / self.log_prob_temperature, dim=-1).gather(1, tokens[:, None])
