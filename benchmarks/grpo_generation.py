@@ -1,34 +1,32 @@
 """GRPO rollout generation on a sharded policy: each of ``hf_odc.trainer.generation.modes``'s modes, per rank, with a
 table and JSON.
 
-Every rank decodes its own prompts greedily with transformers' ``generate`` on the FSDP2-sharded policy (ODC
-installed), in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep),
-``static`` (a kept copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``tensor-parallel`` (each
-rank's slice of a kept copy, the shard group's ranks decoding their prompts together), ``gathered`` (full weights
-assembled once, one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` and
-``tensor-parallel`` run twice on the same prompts: the first batch pays the compile and the CUDA graphs' recording
-(reported as ``compile_s``, with the refresh's time), the second is the one timed, as every later generation batch of
-a run. ``--static-attention sdpa`` decodes the copy with
-transformers' SDPA instead of hf_odc's grouped decoding attention, and ``grouped-sdpa`` with that attention's SDPA
-path instead of its kernel (``hf_odc.kernels.decode_attention``), for comparison; ``static`` decodes with hf_odc's
-decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with ``--static-decoding generate``
-with transformers' ``generate`` and its compiled forward, the lengths forced as in the other modes; so does
-``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest. With ``--static-ends
-eos``, ``static``'s loop ends each completion at its length instead, by an EOS the copy's LM head gives from inside the
-recorded step (:class:`EndInGraph`), as a trained policy's completions end: the loop then decodes as many steps, but an
-ended row's attention reads one slot. The copies fuse each
-layer's q/k/v and gate/up projections (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which
-(``fused``) and each rank's tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows).
-``--static-compile`` chooses how ``static``'s loop compiles the copy's forward: ``layers`` (one nested compile region
-per decoder layer, a shorter compile: the trainers' default) or ``whole`` (one graph of every layer); ``whole,layers``
-runs ``static`` once with each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew.
-Completion lengths are long-tailed and differ between ranks: a logits processor ends each completion at a length drawn
-from ``--distribution``, scaled to ``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize),
-decoding steps (forwards), ms per step, generated tokens per second, the completions ended (by an EOS) at their
-length; then one policy update on the generated
-sequences (packed rows, forward and backward inside one ODC minibatch), and generation's share of
-generation + update. ``lockstep`` is timed on at most ``--lockstep-tokens`` steps (it is slow); its full-length time
-is the measured ms per step times the longest completion, marked as an estimate.
+Every rank decodes its own prompts greedily with transformers' ``generate`` on the FSDP2-sharded policy (ODC installed),
+in each mode: ``lockstep`` (TRL's path: an all-gather per layer group per token, ranks in lockstep), ``static`` (a kept
+copy refreshed one-sidedly, static KV cache, compiled forward on a GPU), ``tensor-parallel`` (each rank's slice of a
+kept copy, the shard group's ranks decoding their prompts together), ``gathered`` (full weights assembled once,
+one-sided, dynamic cache) and ``sharded`` (one-sided reads per forward, no copy). ``static`` and ``tensor-parallel`` run
+twice on the same prompts: the first batch pays the compile and the CUDA graphs' recording (reported as ``compile_s``,
+with the refresh's time), the second is the one timed, as every later generation batch of a run. ``--static-attention
+sdpa`` decodes the copy with transformers' SDPA instead of hf_odc's grouped decoding attention, and ``grouped-sdpa``
+with that attention's SDPA path instead of its kernel (``hf_odc.kernels.decode_attention``), for comparison; ``static``
+decodes with hf_odc's decoding loop (CUDA graphs on a GPU), every completion to the longest length, or with
+``--static-decoding generate`` with transformers' ``generate`` and its compiled forward, the lengths forced as in the
+other modes; so does ``tensor-parallel`` (its copy's forward not compiled), every completion to the group's longest.
+With ``--static-ends eos``, ``static``'s loop ends each completion at its length instead, by an EOS the copy's LM head
+gives from inside the recorded step (:class:`EndInGraph`), as a trained policy's completions end: the loop then decodes
+as many steps, but an ended row's attention reads one slot. The copies fuse each layer's q/k/v and gate/up projections
+(``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which (``fused``) and each rank's
+tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows). ``--static-compile`` chooses
+how ``static``'s loop compiles the copy's forward: ``layers`` (one nested compile region per decoder layer, a shorter
+compile: the trainers' default) or ``whole`` (one graph of every layer); ``whole,layers`` runs ``static`` once with
+each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew. Completion lengths are long-tailed and
+differ between ranks: a logits processor ends each completion at a length drawn from ``--distribution``, scaled to
+``--max-new-tokens``. Reported per rank: decode seconds (after a synchronize), decoding steps (forwards), ms per step,
+generated tokens per second, the completions ended (by an EOS) at their length; then one policy update on the generated
+sequences (packed rows, forward and backward inside one ODC minibatch), and generation's share of generation + update.
+``lockstep`` is timed on at most ``--lockstep-tokens`` steps (it is slow); its full-length time is the measured ms per
+step times the longest completion, marked as an estimate.
 
     torchrun --nproc_per_node 2 benchmarks/grpo_generation.py --json out/grpo_generation.json
     torchrun --nproc_per_node 4 benchmarks/grpo_generation.py --modes tensor-parallel,static,lockstep \
