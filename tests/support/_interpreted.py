@@ -12,23 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from hf_odc.kernels._triton_device import INTERPRETING
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether this process runs under Triton's interpreter (the subprocess does)."""
+ROOT = Path(__file__).resolve().parents[2]
 
 KERNEL_DEVICES = [
     pytest.param(
         "cpu",
         id="interpreted",
-        marks=pytest.mark.skipif(not INTERPRET, reason="runs with TRITON_INTERPRET=1, in a subprocess of its own"),
+        marks=pytest.mark.skipif(not INTERPRETING, reason="runs with TRITON_INTERPRET=1, in a subprocess of its own"),
     ),
     pytest.param(
         "cuda",
         id="cuda",
         marks=[
             pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU"),
+            pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING, reason="needs a CUDA GPU"),
         ],
     ),
 ]
@@ -38,7 +37,7 @@ KERNEL_DEVICES = [
 def assert_interpreted_cases_pass(*files: str) -> None:
     """Run the ``interpreted`` cases of ``files`` under the interpreter; every one must pass, none skip."""
     pytest.importorskip("triton")
-    if INTERPRET:
+    if INTERPRETING:
         pytest.skip("already interpreted")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k", "interpreted"],

@@ -15,11 +15,11 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from _interpreted import KERNEL_DEVICES, assert_interpreted_cases_pass
+from _interpreted import INTERPRETING, KERNEL_DEVICES, assert_interpreted_cases_pass
 from _models import VOCAB, tiny_moe_config, tiny_qwen2_config
 from torch import nn
 
-from hf_odc.kernels import _triton_device, fused, install_fused_kernels, rms_norm, silu_mul
+from hf_odc.kernels import fused, install_fused_kernels, rms_norm, silu_mul
 from hf_odc.trainer.core.attention import save_attention_checkpoint_kwargs
 
 
@@ -231,7 +231,7 @@ def test_the_trainers_patch_cuda_runs_only(tmp_path, monkeypatch):
 def test_the_kernels_compile_for_hopper(dtype):
     """Without a GPU: the four kernels compile for sm_90, the norms at the widest row they take."""
     triton = pytest.importorskip("triton")
-    if _triton_device.INTERPRETING:
+    if INTERPRETING:
         pytest.skip("the interpreter compiles nothing")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -3,29 +3,27 @@ what transformers' ``generate`` would.
 
 Why: transformers' ``generate`` runs Python per token (its logits processors, stopping criteria and a check of
 ``unfinished_sequences.max() == 0`` that makes the host wait for the device every token), so the host's time and the
-device's add up instead of overlapping. Here one decoding step (the forward of one token per row into the kept static
-KV cache, the next token chosen from its logits, finished rows given the pad token) reads and writes only tensors of a
-static shape that live as long as the cache, so on a GPU it is recorded once in a CUDA graph and replayed per token;
-the host asks whether every row has finished only every :data:`_CHECK_EVERY` steps and cuts the steps run past that.
+device's add up instead of overlapping. Here one decoding step (the forward of one token per row into the kept static KV
+cache, the next token chosen from its logits, finished rows given the pad token) reads and writes only tensors of a
+static shape that live as long as the cache, so on a GPU it is recorded once in a CUDA graph and replayed per token; the
+host asks whether every row has finished only every :data:`_CHECK_EVERY` steps and cuts the steps run past that.
 hf_odc's decoding attention reads only the filled part of the cache: where its kernel runs
 (:func:`hf_odc.kernels.decode_attention.kernel_runs`) it skips the blocks the mask does not hold, so the step is given
-the cache's whole width and one CUDA graph serves every step (and a row that has ended at an EOS, whose later tokens
-are cut, attends only to its newest slot, so the kernel skips its cache: a batch's long tail reads only the rows still
-decoding); elsewhere it reads the cache up to the mask's width, the
-filled part rounded up to the next multiple of :data:`_WIDTH_MULTIPLE` slots (one CUDA graph per such width, at most
-:data:`_MAX_WIDTHS` of them). The forward inside the graph is compiled
-(``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays fused kernels rather
-than the eager forward's many small ones; where the widths vary, the width is a dimension of the compiled forward, not
-a constant of it (one width compiles statically), and
-the cache holds one slot more than the loop ever fills (:func:`cache_slots`), so that no width reads the cache whole:
-the keys the attention reads are a slice with the same strides at every width (read whole, they would be contiguous,
-and compiled a second time), and one compile serves every width. Compiled by layer (``compile_layers``), each decoder
-layer is a nested compile region (``torch.compiler.nested_compile_region``): the layers, alike but for their weights and
-cache, share one compiled body instead of being compiled one after another in the unrolled forward, which cuts the
-compile's time, but nothing fuses across a layer's edge (the residual addition that ends a layer runs apart from the
-next layer's normalisation). A copy whose forward holds collectives
-(:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a CPU
-the same step runs eagerly.
+the cache's whole width and one CUDA graph serves every step (and a row that has ended at an EOS, whose later tokens are
+cut, attends only to its newest slot, so the kernel skips its cache: a batch's long tail reads only the rows still
+decoding); elsewhere it reads the cache up to the mask's width, the filled part rounded up to the next multiple of
+:data:`_WIDTH_MULTIPLE` slots (one CUDA graph per such width, at most :data:`_MAX_WIDTHS` of them). The forward inside
+the graph is compiled (``torch.compile``, by the eager warm-up steps before the first recording), so the graph replays
+fused kernels rather than the eager forward's many small ones; where the widths vary, the width is a dimension of the
+compiled forward, not a constant of it (one width compiles statically), and the cache holds one slot more than the loop
+ever fills (:func:`cache_slots`), so that no width reads the cache whole: the keys the attention reads are a slice with
+the same strides at every width (read whole, they would be contiguous, and compiled a second time), and one compile
+serves every width. Compiled by layer (``compile_layers``), each decoder layer is a nested compile region
+(``torch.compiler.nested_compile_region``): the layers, alike but for their weights and cache, share one compiled body
+instead of being compiled one after another in the unrolled forward, which cuts the compile's time, but nothing fuses
+across a layer's edge (the residual addition that ends a layer runs apart from the next layer's normalisation). A copy
+whose forward holds collectives (:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces)
+records its eager forward. On a CPU the same step runs eagerly.
 
 It decodes only what it decodes exactly as ``generate`` does (:func:`decoding_plan`): greedy or multinomial sampling
 with any of a repetition penalty, temperature, top-k, top-p and min-p as transformers' processors define them, and
