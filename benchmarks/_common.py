@@ -37,7 +37,7 @@ from hf_odc.packing import (
     idle_fraction,
     sample_lengths,
 )
-from hf_odc.trainer import PACKED_ATTENTION, save_attention_checkpoint_kwargs
+from hf_odc.trainer import PACKED_ATTENTION, checkpoint_layer_share, save_attention_checkpoint_kwargs
 from hf_odc.trainer.core._moe import ExpertActivity
 
 MODELS = {
@@ -122,10 +122,10 @@ def build(args, device: torch.device, shard_size: int | None = None):
     """The benchmark model sharded with hf_odc's mesh (``shard_size``: ranks per shard group, replicated across
     groups; ``None``: a host's ranks), its AdamW and its config. With ``args.checkpointing``, activation checkpointing
     that keeps the attention, as the trainers' default ``checkpoint_attention="save"``; ``args.recompute_attention``:
-    the stock one, which recomputes it. The fused RMSNorm and MLP kernels, as the trainers' default
-    ``fused_kernels=True`` (on CPU they are the stock formulas), unless ``args.unfused``. On a GPU with
-    ``args.warm_attention_plans``, cuDNN's plans for every rounded length of the distribution's documents built
-    first (:func:`~hf_odc.kernels.attention.warm_sdpa_plans`)."""
+    the stock one, which recomputes it; on ``args.checkpoint_layer_share`` of the layers. The fused RMSNorm and MLP
+    kernels, as the trainers' default ``fused_kernels=True`` (on CPU they are the stock formulas), unless
+    ``args.unfused``. On a GPU with ``args.warm_attention_plans``, cuDNN's plans for every rounded length of the
+    distribution's documents built first (:func:`~hf_odc.kernels.attention.warm_sdpa_plans`)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
     from trl.trainer.utils import add_fused_lm_head
 
@@ -139,6 +139,7 @@ def build(args, device: torch.device, shard_size: int | None = None):
     if not getattr(args, "unfused", False):
         install_fused_kernels(model)
     if args.checkpointing:
+        checkpoint_layer_share(model, args.checkpoint_layer_share)
         kwargs = {"use_reentrant": False} if args.recompute_attention else save_attention_checkpoint_kwargs()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     add_fused_lm_head(model, outputs=("log_probs",))
@@ -273,6 +274,10 @@ def timing_summary(step_s: list[float], busy: list[float], tokens: list[int], pr
 
 
 RECOMPUTE_ATTENTION_HELP = "checkpoint as stock (the attention recomputed in the backward), not keeping it"
+LAYER_SHARE_HELP = (
+    "checkpoint this share of the decoder layers, in (0, 1]; the others keep their activations (the trainers' "
+    "checkpoint_layer_share)"
+)
 UNFUSED_HELP = "keep transformers' RMSNorm and MLP forwards, not hf_odc's fused kernels (fused_kernels=False)"
 TRAINER_DATA_HELP = (
     "draw the minibatches' lengths as benchmarks/vs_trl.py's SFT rows do for the same seed, distribution, steps and "
@@ -306,6 +311,7 @@ def workload_parser(
     parser.add_argument("--length-scale", type=float, default=1.0, help="shrink the distribution (CPU smoke runs)")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--recompute-attention", action="store_true", help=RECOMPUTE_ATTENTION_HELP)
+    parser.add_argument("--checkpoint-layer-share", type=float, default=1.0, help=LAYER_SHARE_HELP)
     parser.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     parser.add_argument("--warm-attention-plans", action="store_true", help=WARM_HELP)
     parser.add_argument("--seed", type=int, default=0)
@@ -382,9 +388,20 @@ def device_time(result: dict, spans: str | None = None, top: int = 8):
         ]
 
 
-COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler", "async_compile.wait")
-"""The phases of torch.compile :func:`compile_phases` reports: all of dynamo's compiles, its tracing of the bytecode,
-the backend (AOT autograd and inductor), and the wait for inductor's parallel Triton compiles inside it."""
+COMPILE_PHASES = (
+    "_compile.compile_inner",
+    "bytecode_tracing",
+    "build_guards",
+    "OutputGraph.call_user_compiler",
+    "create_aot_dispatcher_function",
+    "aot_collect_metadata",
+    "compile_fx.<locals>.fw_compiler_base",
+    "async_compile.wait",
+)
+"""The phases of torch.compile :func:`compile_phases` reports: all of dynamo's compiles, its tracing of the bytecode
+and building of the guards, the backend (AOT autograd and inductor) and within it AOT autograd's whole dispatcher
+(inductor included), its first pass over the graph with fake tensors, inductor's compile of the forward, and the wait
+for inductor's parallel Triton compiles."""
 
 
 def compile_phases() -> dict[str, float]:

@@ -65,6 +65,15 @@ if [[ $STEPS == *vs_trl* ]]; then
     --distribution longalign --samples-per-device 8 --steps 6 --warmup 3 --trl-accumulation 4 ${VS_TRL_ARGS:-} \
     --json "$OUT/vs_trl.json" 2>&1 | tee "$OUT/vs_trl.log" | grep -v Warning | tail -8
 fi
+if [[ $STEPS == *layer_share* ]]; then
+  # ODCSFTTrainer (wall clock, vs_trl.py) with each of LAYER_SHARES of its decoder layers checkpointed
+  # (checkpoint_layer_share; 1.0: every layer, the default), longalign at 8 per GPU: #45 item 1's MFU and memory.
+  for share in ${LAYER_SHARES:-1.0 0.5}; do
+    timeout 170 python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b --distribution longalign \
+      --samples-per-device 8 --steps 6 --warmup 3 --rows odc --checkpoint-layer-share "$share" \
+      --json "$OUT/vs_trl_share_$share.json" 2>&1 | tee "$OUT/vs_trl_share_$share.log" | grep -v Warning | tail -1
+  done
+fi
 if [[ $STEPS == *same_data* ]]; then
   # ODCSFTTrainer (wall clock, vs_trl.py) and the harness (device-timed, the trainers' default scheme) on the very same
   # minibatches (--trainer-data), longalign at 8 per GPU, 20 timed steps after 3: #45's trainer-against-harness ratio.

@@ -94,7 +94,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import MODELS, RECOMPUTE_ATTENTION_HELP, EndAt, longest_sample  # noqa: E402
+from _common import LAYER_SHARE_HELP, MODELS, RECOMPUTE_ATTENTION_HELP, EndAt, longest_sample  # noqa: E402
 
 from hf_odc.packing import DISTRIBUTIONS  # noqa: E402
 from hf_odc.packing.flops import mfu, peak_flops, training_flops  # noqa: E402
@@ -175,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     parser.add_argument("--recompute-attention", action="store_true", help=f"ODC: {RECOMPUTE_ATTENTION_HELP}")
+    parser.add_argument("--checkpoint-layer-share", type=float, default=1.0, help=f"ODC: {LAYER_SHARE_HELP}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--logs", default=None, help="a folder for each row's full output (<row>.log)")
@@ -568,6 +569,8 @@ def run_row(args) -> None:
     )
     if args.row == "odc" and args.recompute_attention:  # the stock rows always recompute it
         options["checkpoint_attention"] = "recompute"
+    if args.row == "odc":  # the stock rows checkpoint every layer
+        options["checkpoint_layer_share"] = args.checkpoint_layer_share
 
     def make(trainer_class, **kwargs):
         return trainer_class(model=model, processing_class=tokenizer, callbacks=callbacks, **kwargs)

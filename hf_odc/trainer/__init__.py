@@ -7,11 +7,13 @@ The data paths (global minibatch, plan, padding-free packing) are in :mod:`hf_od
 :mod:`hf_odc.trainer.online.rollouts` (GRPO, RLOO, distillation) and :mod:`hf_odc.trainer.preference.pairs` (DPO, reward
 modelling, KTO); hf_odc's packed attention (``attn_implementation="odc_packed"``, registered with transformers on
 import) and the other implementations that keep packed samples apart are in :mod:`hf_odc.trainer.core.attention`, with
-what activation checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``).
+what activation checkpointing keeps of the attention (``save_attention_checkpoint_kwargs``); which layers it
+checkpoints and whether it keeps the attention, once enabled, in :mod:`hf_odc.trainer.core.activation_checkpointing`.
 """
 
 from .._compat import check_classes
 from .core._step import PlannedStep, StepMetrics
+from .core.activation_checkpointing import checkpoint_layer_share, save_attention_in_checkpoints
 from .core.attention import (
     CHECKPOINT_ATTENTION,
     PACKED_ATTENTION,
@@ -21,7 +23,6 @@ from .core.attention import (
     packed_attention_forward,
     register_packed_attention,
     save_attention_checkpoint_kwargs,
-    save_attention_in_checkpoints,
     use_packed_attention,
 )
 from .core.data import (
@@ -74,6 +75,7 @@ __all__ = [
     "StepMetrics",
     "attention_saving_context_fn",
     "check_packed_attention",
+    "checkpoint_layer_share",
     "count_target_tokens",
     "global_minibatch",
     "minibatch_loader",

@@ -80,6 +80,7 @@ TWO_RANKS: dict[str, tuple] = {
         distributed,
         Case(splits=[[2, 0], [1, 3]], steps=2, lr=1e-3, checkpointing=True, reshard_after_forward=False),
     ),
+    "half-checkpointed": (distributed, Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, checkpointing=0.5)),
     "lora": (distributed, Case(splits=[[0], [1, 2, 3]], steps=2, lr=1e-3, lora=True)),
     "accumulation": (accumulation_and_divide_factor, Case(splits=[[0], [1, 2, 3]])),
     "forward-only": (forward_only, Case(splits=[[0], [1, 2, 3]])),
@@ -185,6 +186,13 @@ def test_bf16_mixed_precision_matches_fsdp2(two_ranks):
 @_SHARED
 def test_activation_checkpointing_without_reshard_after_forward(two_ranks):
     assert_matches_one_process(two_ranks["checkpointing"])
+
+
+@_SHARED
+def test_checkpointing_half_the_layers_gives_the_gradients_of_one_process(two_ranks):
+    """One of the two layers checkpointed (``checkpoint_layer_share=0.5``), resharded after the forward: the layer
+    that kept its activations gathers its weights again for its backward without a recomputation between."""
+    assert_matches_one_process(two_ranks["half-checkpointed"])
 
 
 @_SHARED

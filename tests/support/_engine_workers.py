@@ -48,7 +48,7 @@ class Case:
     steps: int = 1
     odc: bool = True
     mixed_precision: bool = False
-    checkpointing: bool = False
+    checkpointing: bool | float = False  # a float: activation checkpointing on that share of the layers
     lora: bool = False
     reshard_after_forward: bool = True
     lr: float = 1e-2

@@ -22,14 +22,19 @@ def tiny_qwen2_config(**overrides):
     return Qwen2Config(**{**shape, **overrides})
 
 
-def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool = False, device: str = "cpu"):
+def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool | float = False, device: str = "cpu"):
     """A Qwen2 of :func:`tiny_qwen2_config` with tied embeddings and 256 positions, identical on every rank for one
-    seed; with ``checkpointing``, activation checkpointing; with ``lora``, a LoRA adapter on q and v."""
+    seed; with ``checkpointing``, activation checkpointing (a float: on that share of the layers,
+    ``checkpoint_layer_share``); with ``lora``, a LoRA adapter on q and v."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(tiny_qwen2_config(max_position_embeddings=256, tie_word_embeddings=True))
+    if checkpointing is not True and checkpointing:
+        from hf_odc.trainer.core.activation_checkpointing import checkpoint_layer_share
+
+        checkpoint_layer_share(model, checkpointing)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:

@@ -23,6 +23,7 @@ from ...accelerate_plugin import (
 )
 from ...accelerate_plugin.plugin import odc_field
 from ...packing import COSTS, PLANNERS
+from .activation_checkpointing import check_layer_share
 from .attention import CHECKPOINT_ATTENTION, save_attention_checkpoint_kwargs
 
 _COST_MODELS = (*COSTS, "calibrated")
@@ -106,6 +107,14 @@ _ODC_PARAMETERS = """
             so a `use_reentrant=True` or a `context_fn` of your own there is refused with it. `"recompute"`: the stock
             behaviour, every operator recomputed: slower, without those tensors, for a run whose peak memory
             matters more than its speed. No effect without activation checkpointing.
+        checkpoint_layer_share (`float`, *optional*, defaults to `1.0`):
+            The share of the decoder layers that activation checkpointing checkpoints: the first `ceil(share x n)` of
+            the model's `n` (transformers' `GradientCheckpointingLayer`s); the others keep their whole activations, so
+            their backward recomputes nothing (`hf_odc.trainer.core.activation_checkpointing`). The same gradients;
+            each layer taken out of checkpointing saves a share of the step's time and keeps its activations (several
+            hidden- and MLP-width vectors per token instead of one) until its backward. `1.0` checkpoints every layer,
+            as transformers does; lower it where the device has memory to spare (`docs/performance.md`). No effect
+            without activation checkpointing.
         allow_truncated_data (`bool`, *optional*, defaults to `False`):
             Train even when truncation to `max_length` damages most of the training dataset: most samples cut (SFT:
             they train on their first `max_length` tokens only, or lose every token carrying a loss and TRL drops
@@ -293,6 +302,13 @@ class _ODCConfig:
             "choices": list(CHECKPOINT_ATTENTION),
         },
     )
+    checkpoint_layer_share: float = field(
+        default=1.0,
+        metadata={
+            "help": "With activation checkpointing: the share of the decoder layers checkpointed, in (0, 1]; the "
+            "others keep their activations and recompute nothing (faster, more memory; same gradients)."
+        },
+    )
     allow_truncated_data: bool = field(
         default=False,
         metadata={
@@ -393,6 +409,7 @@ class _ODCConfig:
             raise ValueError(
                 f"checkpoint_attention must be one of {CHECKPOINT_ATTENTION}, got {self.checkpoint_attention!r}."
             )
+        check_layer_share(self.checkpoint_layer_share)
         if getattr(self, "activation_checkpointing", False) is None:
             # transformers 5.23 renamed gradient_checkpointing, and warns when the old name is set: TRL's configs set
             # it by default, and the examples' documented flag is --gradient_checkpointing. Both names mean the same.

@@ -36,13 +36,8 @@ from ._console import CONSOLE_CALLBACKS
 from ._moe import ExpertActivity, ExpertLoad
 from ._quiet import without_checkpointing_alias_warning
 from ._step import PlannedStep, StepMetrics
-from .attention import (
-    attention_shape,
-    check_sequence_parallel,
-    save_attention_in_checkpoints,
-    use_packed_attention,
-    warm_attention_plans,
-)
+from .activation_checkpointing import checkpoint_layer_share, checkpointed_layers, save_attention_in_checkpoints
+from .attention import attention_shape, check_sequence_parallel, use_packed_attention, warm_attention_plans
 from .vision import is_vision_dataset
 
 
@@ -155,6 +150,7 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         check_sequence_parallel(self.model, args.sp_size)
         if args.checkpoint_attention == "save":
             save_attention_in_checkpoints(self.model)
+        checkpoint_layer_share(self.model, args.checkpoint_layer_share)
         self._install_fused_kernels(self.model)
         self._warmed_lengths: dict[tuple[bool, tuple[int, int, int]], set[int]] = {}
         self._warm_s = 0.0
@@ -194,23 +190,22 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         """``min_tokens_per_microbatch``'s default: on a GPU, the tokens whose kept activations fill an eighth of the
         smallest rank's device memory (every rank must plan alike); 0 on the CPU, where the host is the device.
 
-        Kept per token and layer: with activation checkpointing, the layer's input and its saved attention output
-        (two hidden-size vectors); without, an estimate of what a decoder layer's forward keeps (six hidden-size and
-        three MLP-width vectors). The recomputed layer's working set and the chunked logits come on top, which the
-        remaining seven eighths leave room for."""
+        Kept per token and layer: by a checkpointed layer, its input and its saved attention output (two hidden-size
+        vectors); by another, an estimate of what a decoder layer's forward keeps (six hidden-size and three MLP-width
+        vectors). The recomputed layer's working set and the chunked logits come on top, which the remaining seven
+        eighths leave room for."""
         args = self.args
         if args.device.type != "cuda":
             return 0
         config = self.model.config.get_text_config()
         hidden, layers = config.hidden_size, config.num_hidden_layers
-        if args.checkpoints_activations:
-            kept = 2 * hidden
-        else:
-            kept = 6 * hidden + 3 * (getattr(config, "intermediate_size", None) or 4 * hidden)
+        whole = 6 * hidden + 3 * (getattr(config, "intermediate_size", None) or 4 * hidden)
+        checkpointed = checkpointed_layers(args.checkpoint_layer_share, layers) if args.checkpoints_activations else 0
+        kept = (checkpointed * 2 * hidden + (layers - checkpointed) * whole) / layers
         value_bytes = 2 if args.bf16 or args.fp16 else 4
         memory = torch.tensor([torch.cuda.get_device_properties(args.device).total_memory], device=args.device)
         smallest = int(self.accelerator.gather(memory).min())
-        return smallest // 8 // (layers * kept * value_bytes)
+        return int(smallest // 8 // (layers * kept * value_bytes))
 
     def _install_fused_kernels(self, model: nn.Module) -> None:
         """``fused_kernels``: the fused RMSNorm and MLP forwards on ``model``, before it is sharded, in a CUDA run (the

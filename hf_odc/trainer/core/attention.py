@@ -22,13 +22,13 @@ Under activation checkpointing every layer's forward runs twice, the attention k
 those are the largest part of a step. :func:`attention_saving_context_fn` makes the checkpoint keep the attention
 operators' outputs (with the softmax statistics their backward reads) and recompute the rest: one extra
 ``tokens x heads x head_dim`` tensor per layer, and the attention forward runs once. The ODC trainers apply it when
-they checkpoint (``checkpoint_attention="save"``, :func:`save_attention_in_checkpoints`).
+they checkpoint (``checkpoint_attention="save"``,
+:func:`hf_odc.trainer.core.activation_checkpointing.save_attention_in_checkpoints`).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import warnings
 import weakref
@@ -58,7 +58,6 @@ __all__ = [
     "packed_attention_forward",
     "register_packed_attention",
     "save_attention_checkpoint_kwargs",
-    "save_attention_in_checkpoints",
     "use_packed_attention",
     "warm_attention_plans",
 ]
@@ -339,37 +338,6 @@ def save_attention_checkpoint_kwargs(checkpoint_kwargs: dict[str, Any] | None = 
             "checkpoint_attention='recompute' to keep yours."
         )
     return {**checkpoint_kwargs, "use_reentrant": False, "context_fn": attention_saving_context_fn()}
-
-
-def save_attention_in_checkpoints(model: nn.Module) -> None:
-    """From now on, whenever activation checkpointing is enabled on ``model`` (a transformers model, or a PEFT model
-    around one), by the Trainer, TRL or the user, it saves the attention (:func:`save_attention_checkpoint_kwargs`).
-
-    The model's enabling method (``activation_checkpointing_enable``, ``gradient_checkpointing_enable`` before
-    transformers 5.23, which the other one calls) is wrapped on the instance: the callable stays out of the
-    serialised ``TrainingArguments``, and every caller gets it. Idempotent; a model without either is left as it is.
-    """
-    model = _base_model(model)
-    name = (
-        "activation_checkpointing_enable"
-        if hasattr(model, "activation_checkpointing_enable")
-        else "gradient_checkpointing_enable"
-    )
-    enable = getattr(model, name, None)
-    if enable is None or getattr(enable, "saves_attention", False):  # no checkpointing to enable, or wrapped already
-        return
-    keyword = next(iter(inspect.signature(enable).parameters))  # the checkpoint kwargs: the first parameter
-
-    @functools.wraps(enable)
-    def enable_saving_attention(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            args = (save_attention_checkpoint_kwargs(args[0]), *args[1:])
-        else:
-            kwargs[keyword] = save_attention_checkpoint_kwargs(kwargs.get(keyword))
-        return enable(*args, **kwargs)
-
-    enable_saving_attention.saves_attention = True
-    setattr(model, name, enable_saving_attention)
 
 
 def _base_model(model: nn.Module) -> nn.Module:
