@@ -148,12 +148,16 @@ def test_resume_continues_identically(lb_mini, launches, request):
 
 
 def _lora(background: Concurrently, directory: Path) -> tuple[dict, dict, Path]:
-    """One process, then two: their logged steps and the two-process run's directory."""
+    """One process, then two, which checkpoint half the layers: their logged steps and the two-process run's
+    directory."""
     single = train(background, directory / "single", *LORA, processes=1)
-    return single, train(background, directory / "odc", *LORA, processes=2), directory / "odc"
+    half = ("--checkpoint_layer_share", "0.5")
+    return single, train(background, directory / "odc", *LORA, *half, processes=2), directory / "odc"
 
 
 def test_lora_with_gradient_checkpointing_and_assistant_only_loss(launches, request):
+    """Two processes with ODC, LoRA, assistant-only loss and half the layers checkpointed (``checkpoint_layer_share``)
+    take the steps of one process checkpointing every layer."""
     single, odc, directory = launches.result(request.node.nodeid)
     assert_same_steps(odc, single)
     assert (directory / "adapter_model.safetensors").exists()
