@@ -113,8 +113,9 @@ _ODC_PARAMETERS = """
             their backward recomputes nothing (`hf_odc.trainer.core.activation_checkpointing`). The same gradients;
             each layer taken out of checkpointing saves a share of the step's time and keeps its activations (several
             hidden- and MLP-width vectors per token instead of one) until its backward. `1.0` checkpoints every layer,
-            as transformers does; lower it where the device has memory to spare (`docs/performance.md`). No effect
-            without activation checkpointing.
+            as transformers does; lower it where the device has memory to spare (`docs/performance.md`). The default
+            `min_tokens_per_microbatch`, which fills an eighth of the device's memory with what the layers keep, falls
+            with it. No effect without activation checkpointing.
         allow_truncated_data (`bool`, *optional*, defaults to `False`):
             Train even when truncation to `max_length` damages most of the training dataset: most samples cut (SFT:
             they train on their first `max_length` tokens only, or lose every token carrying a loss and TRL drops
