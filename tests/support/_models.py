@@ -31,7 +31,7 @@ def tiny_model(seed: int = 0, lora: bool = False, checkpointing: bool | float = 
 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(tiny_qwen2_config(max_position_embeddings=256, tie_word_embeddings=True))
-    if checkpointing is not True and checkpointing:
+    if isinstance(checkpointing, float):
         from hf_odc.trainer.core.activation_checkpointing import checkpoint_layer_share
 
         checkpoint_layer_share(model, checkpointing)

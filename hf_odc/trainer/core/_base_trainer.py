@@ -201,11 +201,11 @@ class _ODCTrainer(_CheckpointHooks, ABC):
         hidden, layers = config.hidden_size, config.num_hidden_layers
         whole = 6 * hidden + 3 * (getattr(config, "intermediate_size", None) or 4 * hidden)
         checkpointed = checkpointed_layers(args.checkpoint_layer_share, layers) if args.checkpoints_activations else 0
-        kept = (checkpointed * 2 * hidden + (layers - checkpointed) * whole) / layers
+        kept = checkpointed * 2 * hidden + (layers - checkpointed) * whole  # per token, over every layer
         value_bytes = 2 if args.bf16 or args.fp16 else 4
         memory = torch.tensor([torch.cuda.get_device_properties(args.device).total_memory], device=args.device)
         smallest = int(self.accelerator.gather(memory).min())
-        return int(smallest // 8 // (layers * kept * value_bytes))
+        return smallest // 8 // (kept * value_bytes)
 
     def _install_fused_kernels(self, model: nn.Module) -> None:
         """``fused_kernels``: the fused RMSNorm and MLP forwards on ``model``, before it is sharded, in a CUDA run (the
