@@ -67,17 +67,19 @@ if [[ $STEPS == *vs_trl* ]]; then
 fi
 if [[ $STEPS == *layer_share* ]]; then
   # ODCSFTTrainer (wall clock, vs_trl.py) with each of LAYER_SHARES of its decoder layers checkpointed
-  # (checkpoint_layer_share; 1.0: every layer, the default), longalign at 8 per GPU: #45 item 1's MFU and memory.
+  # (checkpoint_layer_share; 1.0: every layer, the default), longalign at 8 per GPU, 20 timed steps after 3: #45
+  # item 1's MFU and memory.
   for share in ${LAYER_SHARES:-1.0 0.5}; do
-    timeout 170 python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b --distribution longalign \
-      --samples-per-device 8 --steps 6 --warmup 3 --rows odc --checkpoint-layer-share "$share" \
+    timeout 270 python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b --distribution longalign \
+      --samples-per-device 8 --steps 20 --warmup 3 --rows odc --checkpoint-layer-share "$share" \
       --json "$OUT/vs_trl_share_$share.json" 2>&1 | tee "$OUT/vs_trl_share_$share.log" | grep -v Warning | tail -1
   done
 fi
 if [[ $STEPS == *same_data* ]]; then
   # ODCSFTTrainer (wall clock, vs_trl.py) and the harness (device-timed, the trainers' default scheme) on the very same
   # minibatches (--trainer-data), longalign at 8 per GPU, 20 timed steps after 3: #45's trainer-against-harness ratio.
-  A=(--distribution longalign --samples-per-device 8 --steps 20 --warmup 3)
+  # LAYER_SHARE: both checkpoint that share of the layers (checkpoint_layer_share; default 1.0, every layer).
+  A=(--distribution longalign --samples-per-device 8 --steps 20 --warmup 3 --checkpoint-layer-share "${LAYER_SHARE:-1.0}")
   timeout 270 python3 benchmarks/vs_trl.py --num-processes "$nproc" --model qwen2.5-1.5b "${A[@]}" --rows odc \
     --json "$OUT/vs_trl_same_data.json" 2>&1 | tee "$OUT/vs_trl_same_data.log" | grep -v Warning | tail -3
   timeout 240 torchrun --standalone --nproc_per_node "$nproc" benchmarks/sft_throughput.py --warm-attention-plans \
