@@ -18,7 +18,7 @@ gives from inside the recorded step (:class:`EndInGraph`), as a trained policy's
 as many steps, but an ended row's attention reads one slot. The copies fuse each layer's q/k/v and gate/up projections
 (``--unfused-decoding`` keeps them apart, for an A/B); the JSON records which (``fused``) and each rank's
 tensor-parallel slice (``local``: its heads, key/value heads, MLP rows and LM head rows). ``--static-compile`` chooses
-how ``static``'s loop compiles the copy's forward: ``layers`` (one nested compile region per decoder layer, a shorter
+how ``static``'s loop compiles the copy's forward: ``layers`` (one compiled body for every decoder layer, a shorter
 compile: the trainers' default) or ``whole`` (one graph of every layer); ``whole,layers`` runs ``static`` once with
 each, as rows ``static[whole]`` and ``static[layers]``, each compiled anew. Completion lengths are long-tailed and
 differ between ranks: a logits processor ends each completion at a length drawn from ``--distribution``, scaled to
@@ -211,8 +211,8 @@ def main() -> None:
     parser.add_argument(
         "--static-compile",
         default="layers",
-        help="static's loop compiles the copy's forward by 'layers' (nested compile regions, the default) or 'whole'; "
-        "'whole,layers' runs static with each",
+        help="static's loop compiles the copy's forward by 'layers' (one body for every layer, the default) or "
+        "'whole'; 'whole,layers' runs static with each",
     )
     parser.add_argument(
         "--static-ends",

@@ -18,12 +18,14 @@ fused kernels rather than the eager forward's many small ones; where the widths 
 compiled forward, not a constant of it (one width compiles statically), and the cache holds one slot more than the loop
 ever fills (:func:`cache_slots`), so that no width reads the cache whole: the keys the attention reads are a slice with
 the same strides at every width (read whole, they would be contiguous, and compiled a second time), and one compile
-serves every width. Compiled by layer (``compile_layers``), each decoder layer is a nested compile region
-(``torch.compiler.nested_compile_region``): the layers, alike but for their weights and cache, share one compiled body
-instead of being compiled one after another in the unrolled forward, which cuts the compile's time, but nothing fuses
-across a layer's edge (the residual addition that ends a layer runs apart from the next layer's normalisation). A copy
-whose forward holds collectives (:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces)
-records its eager forward. On a CPU the same step runs eagerly.
+serves every width. Compiled by layer (``compile_layers``, the default), the forward runs eagerly inside the graph
+but for the decoder layers, which share one compiled body (:class:`_CompiledModules`: the layers are alike but for
+their weights and their part of the cache), and the base model's final norm and rotary embedding, each compiled on its
+own: one layer is traced and compiled instead of the unrolled forward's every layer, which cuts the first batch's
+compile several times over, but nothing fuses across a layer's edge (the residual addition that ends a layer runs
+apart from the next layer's normalisation), and the prefill runs eagerly. A copy whose forward holds collectives
+(:class:`~hf_odc.trainer.generation.decoders.TensorParallelDecoder`'s all-reduces) records its eager forward. On a
+CPU the same step runs eagerly.
 
 It decodes only what it decodes exactly as ``generate`` does (:func:`decoding_plan`): greedy or multinomial sampling
 with any of a repetition penalty, temperature, top-k, top-p and min-p as transformers' processors define them, and
@@ -36,9 +38,11 @@ transformers' own (a model's, or one wrapped around it) is left to ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,10 +272,88 @@ def sample(probs: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
 
-@torch.compiler.nested_compile_region
-def _layer_region(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A decoder layer's forward, as a nested compile region: every layer that runs it shares one compiled body."""
-    return type(layer).forward(layer, *args, **kwargs)
+class _LayerCache:
+    """One layer's part of the static cache (a ``StaticCache``'s layer), given to that layer's forward in place of the
+    whole cache: its ``update`` writes this part whatever layer index it is given, so the compiled layer body reads no
+    index and serves every layer."""
+
+    def __init__(self, layer: Any):
+        self.layer = layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def _module_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module's own forward (the body :class:`_CompiledModules` compiles)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+class _CompiledModules:
+    """The copy's decoder layers, and the base model's other modules that run at each step (its children but the
+    layers and the embeddings: the final norm, the rotary embedding), each run by a compiled body inside the loop's
+    decoding step (:meth:`active`) and eagerly elsewhere (the prefill, whose prompt lengths vary): see the module
+    docstring. What is left between them (the embedding's lookup, the LM head's product) runs eagerly.
+
+    Why the layers compile once: torch compiles a function called with a module for every module of the same class
+    and parameter shapes (a module is an input, not a constant, to the compiled code), but transformers' layers index
+    the cache by their own ``layer_idx``, on which the code would specialise (one compile per layer). Each layer is
+    given its own part of the cache (:class:`_LayerCache`), so the body never reads the index.
+
+    Args:
+        model: the copy.
+        layers: its decoder layers with the cache layer each writes (:meth:`layers`).
+    """
+
+    def __init__(self, model: PreTrainedModel, layers: list[tuple[torch.nn.Module, int]]):
+        self._body = torch.compile(_module_forward, dynamic=False)
+        self._argument = _compat.cache_argument(model)
+        self._on = False
+        for module, index in layers:
+            module.forward = functools.partial(self._forward, module, index)
+        for module in _step_modules(model, [module for module, _ in layers]):
+            module.forward = functools.partial(self._forward, module, None)
+
+    @staticmethod
+    def layers(model: PreTrainedModel) -> list[tuple[torch.nn.Module, int]] | None:
+        """``model``'s decoder layers (the classes transformers keeps whole) with the cache layer each writes (its
+        attention's ``layer_idx``), or ``None`` where a layer names none."""
+        kept, layers = _compat.no_split_modules(model), []
+        for module in model.modules():
+            if type(module).__name__ in kept:
+                index = next(
+                    (m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)), None
+                )
+                if index is None:
+                    return None
+                layers.append((module, index))
+        return layers or None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within the block the modules run their compiled bodies."""
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def _forward(self, module: torch.nn.Module, index: int | None, *args: Any, **kwargs: Any) -> Any:
+        if not self._on:
+            return _module_forward(module, *args, **kwargs)
+        cache = kwargs.get(self._argument) if index is not None else None
+        if cache is not None:
+            kwargs[self._argument] = _LayerCache(cache.layers[index])
+        return self._body(module, *args, **kwargs)
+
+
+def _step_modules(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The other children of the module whose list holds ``layers`` (the base model), but its embeddings."""
+    for owner in model.modules():
+        for child in owner.children():
+            if isinstance(child, torch.nn.ModuleList) and any(layer is layers[0] for layer in child):
+                return [m for m in owner.children() if m is not child and not isinstance(m, torch.nn.Embedding)]
+    return []
 
 
 class Loop:
@@ -285,8 +367,9 @@ class Loop:
         batch_size: the cache's rows.
         length: the longest prompt and completion it decodes (the cache holds :func:`cache_slots` of it).
         compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
-        compile_layers: compile it by layer (see the module docstring): every decoder layer of ``model`` (the classes
-            transformers keeps whole) runs its forward as one nested compile region from then on.
+        compile_layers: compile it by layer (see the module docstring): from then on, inside a decoding step, every
+            decoder layer of ``model`` (the classes transformers keeps whole, each naming its cache layer by a
+            ``layer_idx``; else the whole forward is compiled) runs one compiled body.
     """
 
     def __init__(
@@ -307,12 +390,11 @@ class Loop:
         self._narrow = attention == "odc_decoding" and not kernel_runs(device, attention_shape(model)[2])
         multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
         self._width_multiple = max(_WIDTH_MULTIPLE, multiple)
-        self._forward = torch.compile(self._eager_forward, dynamic=False) if compile else self._eager_forward
-        if compile and compile_layers:
-            layers = _compat.no_split_modules(model)
-            for module in model.modules():
-                if type(module).__name__ in layers:
-                    module.forward = functools.partial(_layer_region, module)
+        layers = _CompiledModules.layers(model) if compile and compile_layers else None
+        self._layers = _CompiledModules(model, layers) if layers else None
+        self._forward = self._eager_forward
+        if compile and self._layers is None:
+            self._forward = torch.compile(self._eager_forward, dynamic=False)
         slots = cache_slots(length)  # (the other attentions read the whole cache: one width, that of its mask)
         self._ids = torch.zeros(batch_size, slots, dtype=torch.long, device=device)  # prompt, then completion
         self._attended = torch.zeros(batch_size, slots, dtype=torch.bool, device=device)  # the 2-D mask
@@ -463,7 +545,8 @@ class Loop:
         mask = self._attended[:, None, None, :width].contiguous()  # (strides of one pattern for every width)
         if self._narrow:
             _compat.dynamic_dimension(mask, 3)
-        logits = self._forward(mask)
+        with self._layers.active() if self._layers is not None else contextlib.nullcontext():
+            logits = self._forward(mask)
         self._positions.add_(1)
         self._choose(logits)
 
