@@ -280,7 +280,9 @@ class _LayerCache:
     def __init__(self, layer: Any):
         self.layer = layer
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layer.update(key_states, value_states, *args, **kwargs)
 
 
@@ -369,7 +371,8 @@ class Loop:
         compile: record (or on a CPU run) the compiled forward (see the module docstring), else the eager one.
         compile_layers: compile it by layer (see the module docstring): from then on, inside a decoding step, every
             decoder layer of ``model`` (the classes transformers keeps whole, each naming its cache layer by a
-            ``layer_idx``; else the whole forward is compiled) runs one compiled body.
+            ``layer_idx``; else the whole forward is compiled) runs one compiled body, and the final norm and the
+            rotary embedding each their own.
     """
 
     def __init__(
@@ -391,9 +394,9 @@ class Loop:
         multiple = math.ceil(length / _MAX_WIDTHS / _WIDTH_MULTIPLE) * _WIDTH_MULTIPLE
         self._width_multiple = max(_WIDTH_MULTIPLE, multiple)
         layers = _CompiledModules.layers(model) if compile and compile_layers else None
-        self._layers = _CompiledModules(model, layers) if layers else None
+        self._compiled = _CompiledModules(model, layers) if layers else None
         self._forward = self._eager_forward
-        if compile and self._layers is None:
+        if compile and self._compiled is None:
             self._forward = torch.compile(self._eager_forward, dynamic=False)
         slots = cache_slots(length)  # (the other attentions read the whole cache: one width, that of its mask)
         self._ids = torch.zeros(batch_size, slots, dtype=torch.long, device=device)  # prompt, then completion
@@ -545,7 +548,7 @@ class Loop:
         mask = self._attended[:, None, None, :width].contiguous()  # (strides of one pattern for every width)
         if self._narrow:
             _compat.dynamic_dimension(mask, 3)
-        with self._layers.active() if self._layers is not None else contextlib.nullcontext():
+        with self._compiled.active() if self._compiled is not None else contextlib.nullcontext():
             logits = self._forward(mask)
         self._positions.add_(1)
         self._choose(logits)
