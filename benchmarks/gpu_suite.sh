@@ -24,7 +24,7 @@ if [[ $STEPS == *tests* ]]; then
   # (CI has a newer one).
   timeout 420 python3 -m pytest -x -q -p no:cacheprovider --durations=12 tests/distributed/test_engine.py \
     tests/distributed/test_engine_timing.py tests/unit/test_kernels_attention.py tests/unit/test_trainer_attention.py \
-    tests/unit/test_kernels_fused.py tests/unit/test_kernels_decode_attention.py \
+    tests/unit/test_kernels_fused.py tests/unit/test_kernels_decode_attention.py tests/unit/test_generation_static.py \
     -k "cuda or attention or timing or bubble${TESTS_K:+ and ($TESTS_K)}" \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -18
 fi

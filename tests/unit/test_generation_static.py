@@ -230,11 +230,11 @@ def test_grouped_decoding_attention_compiles_as_one_graph():
 # -- hf_odc's decoding loop (hf_odc.trainer.generation._static_decoding) ----------------------------------------------
 
 
-def _copy(attention: str = "eager", fuse: bool = True) -> StaticDecoder:
-    """A static decoder (its projections fused, or not) of a tiny policy whose weight matrices are scaled up: the tiny
-    model as initialised repeats one token per row, this one varies them (so that EOS ids can end rows at different
-    steps)."""
-    policy = tiny_model().eval()
+def _copy(attention: str = "eager", fuse: bool = True, device: str = "cpu") -> StaticDecoder:
+    """A static decoder (its projections fused, or not) of a tiny policy on ``device`` whose weight matrices are scaled
+    up: the tiny model as initialised repeats one token per row, this one varies them (so that EOS ids can end rows at
+    different steps)."""
+    policy = tiny_model(device=device).eval()
     policy.set_attn_implementation(attention)
     with torch.no_grad():
         for parameter in policy.parameters():
@@ -326,6 +326,28 @@ def test_the_loop_reads_the_whole_cache_through_the_decoding_kernel(monkeypatch,
     assert len(widths) > 2 * 9 and set(widths) == {widths[0]} and widths[0] > 9 + 24  # beyond all ever filled
     monkeypatch.setattr(attention, "KERNEL", False)
     assert torch.equal(decoded, _generate(decoder, monkeypatch, False, **prompts, **options))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES[1:])
+def test_on_a_gpu_the_compiled_recorded_loop_decodes_what_generate_decodes(monkeypatch, device):
+    """The loop as the trainers run it on a GPU: compiled by layer (one graph for both layers, one each for the final
+    norm and the rotary embedding, on this image's torch), each step replayed from one CUDA graph, the attention the
+    decoding kernel. Two batches (the second replays the first's graph) decode, greedily and ending rows at EOS, what
+    transformers' ``generate`` decodes eagerly."""
+    monkeypatch.setattr(StaticDecoder, "_COMPILE", False)  # generate's reference, eager
+    decoder = _copy("sdpa", device=device)
+    decoder.model.set_attn_implementation(DECODING_ATTENTION)
+    batches = [{k: v.to(device) for k, v in _prompts(4, 9, seed=seed).items()} for seed in (3, 6)]
+    eos = _ending_at_different_steps(decoder, monkeypatch, batches[0], 24)
+    options = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    expected = [_generate(decoder, monkeypatch, False, **prompts, **options) for prompts in batches]
+    monkeypatch.setattr(StaticDecoder, "_COMPILE", True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for prompts, tokens in zip(batches, expected, strict=True):
+        assert torch.equal(_generate(decoder, monkeypatch, True, **prompts, **options), tokens)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    assert len(decoder._loop._graphs) == 1
 
 
 def test_a_row_that_has_ended_attends_only_to_its_newest_slot(monkeypatch):
