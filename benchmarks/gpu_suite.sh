@@ -139,7 +139,8 @@ fi
 if [[ $STEPS == *gen_share* ]]; then
   # #47 item 3: the GRPO trainer's generation share at 1K-token free completions, 64 per GPU, stock TRL (transformers'
   # generate, about 100 s a step on 2xH200) and ODCGRPOTrainer (the "static" loop) in the same call: 2 timed steps
-  # after 1, so that stock TRL's row ends inside the call.
+  # after 1, so that stock TRL's row ends inside the call. Where vLLM is installed, both also run with a colocated
+  # engine (the rows trl-vllm and odc-vllm); where it is not, as on the lent GPU image, vs_trl.py says so and skips them.
   TRL_EXPERIMENTAL_SILENCE=1 timeout 580 python3 benchmarks/vs_trl.py --trainer grpo --num-processes "$nproc" \
     --model qwen2.5-1.5b --samples-per-device 64 --num-generations 8 --max-completion-length 1024 --completions free \
     --decoding-loop --steps 2 --warmup 1 --json "$OUT/vs_trl_grpo_share.json" 2>&1 \

