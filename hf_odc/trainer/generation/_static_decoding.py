@@ -313,7 +313,7 @@ class _CompiledModules:
         self._on = False
         for module, index in layers:
             module.forward = functools.partial(self._forward, module, index)
-        for module in _step_modules(model, [module for module, _ in layers]):
+        for module in _step_modules(model, layers[0][0]):
             module.forward = functools.partial(self._forward, module, None)
 
     @staticmethod
@@ -349,11 +349,11 @@ class _CompiledModules:
         return self._body(module, *args, **kwargs)
 
 
-def _step_modules(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The other children of the module whose list holds ``layers`` (the base model), but its embeddings."""
+def _step_modules(model: torch.nn.Module, layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The other children of the module whose list holds the decoder ``layer`` (the base model), but its embeddings."""
     for owner in model.modules():
         for child in owner.children():
-            if isinstance(child, torch.nn.ModuleList) and any(layer is layers[0] for layer in child):
+            if isinstance(child, torch.nn.ModuleList) and any(member is layer for member in child):
                 return [m for m in owner.children() if m is not child and not isinstance(m, torch.nn.Embedding)]
     return []
 
