@@ -230,6 +230,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def trainer_row(row: str) -> str:
+    """The row whose trainer ``row`` runs: a vLLM row's row without vLLM, else ``row``."""
+    return VLLM_ROWS.get(row, row)
+
+
 def _without_vllm(args) -> str | None:
     """Why the vLLM rows cannot run here, or ``None``."""
     import importlib.util
@@ -552,7 +557,7 @@ def grpo_row(args, row: Row):
     prompts = prompt_dataset(
         row.global_batch * row.steps // args.num_generations, args.max_completion_length, args.distribution, args.seed
     )
-    odc = VLLM_ROWS.get(row.name, row.name) == "odc"
+    odc = trainer_row(row.name) == "odc"
     config_class, trainer_class = (ODCGRPOConfig, ODCGRPOTrainer) if odc else (GRPOConfig, GRPOTrainer)
     loop = {"odc_generation": "static", "odc_decoding_loop": True} if row.name == "odc" and args.decoding_loop else {}
     if row.name == "odc" and args.max_rollout_staleness:
@@ -593,10 +598,10 @@ def run_row(args) -> None:
     steps = args.warmup + args.steps
     built = steps + (args.profile is not None)  # the profiled step follows the timed ones
     tokenizer = build_tokenizer()
-    trainer_row = VLLM_ROWS.get(args.row, args.row)  # a vLLM row trains as its row without vLLM
-    attention = "sdpa" if trainer_row == "trl-default" else PACKED_ATTENTION
+    trains_as = trainer_row(args.row)
+    attention = "sdpa" if trains_as == "trl-default" else PACKED_ATTENTION
     model = build_model(args, tokenizer, attention)
-    accumulation = args.trl_accumulation if trainer_row != "odc" else 1
+    accumulation = args.trl_accumulation if trains_as != "odc" else 1
     timer, clock, profile = StepTimer(cuda), PhaseClock(cuda), StepProfile(args.profile, steps, cuda)
     callbacks = [timer.callback, profile.callback] + ([clock.callback] if args.phases else [])
     generation = RecordedGeneration(args, tokenizer.eos_token_id, cuda)
@@ -619,9 +624,9 @@ def run_row(args) -> None:
         report_to="none",
         disable_tqdm=True,
     )
-    if trainer_row == "odc" and args.recompute_attention:  # the stock rows always recompute it
+    if trains_as == "odc" and args.recompute_attention:  # the stock rows always recompute it
         options["checkpoint_attention"] = "recompute"
-    if trainer_row == "odc":  # the stock rows checkpoint every layer
+    if trains_as == "odc":  # the stock rows checkpoint every layer
         options["checkpoint_layer_share"] = args.checkpoint_layer_share
     if args.row in VLLM_ROWS:  # the engine loads the model and its tokenizer by the model's name
         save_for_engine(model, tokenizer, Path(options["output_dir"]) / "initial-policy", cuda)
@@ -675,7 +680,7 @@ def run_row(args) -> None:
 
 def launch_row(args, row: str, argv: list[str], workdir: Path) -> dict:
     cuda = torch.cuda.is_available()
-    if VLLM_ROWS.get(row, row) == "odc":
+    if trainer_row(row) == "odc":
         config = ROOT / "examples" / ("odc.yaml" if cuda else "odc_cpu.yaml")
     else:
         config = workdir / "fsdp2.yaml"
